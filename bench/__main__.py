@@ -1,0 +1,74 @@
+"""``python -m bench``: run benchmark suites and write ``<out>/<gpu>/<suite>.{json,md,png}``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .impls import IMPL_NAMES
+from .records import make_header, results_dir, write_json
+from .suites import SUITES, suite_cells
+
+DEFAULT_OUT = "bench/results"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Benchmark cuflash against naive CuPy attention and PyTorch SDPA (flash, cuDNN, "
+                    "efficient). Suites: grid (TFLOP/s on FlashAttention's grid), memory (peak bytes beyond "
+                    "inputs and outputs), overhead (host ms per call at tiny shapes), compile (first call "
+                    "with a cold and a warm kernel cache).",
+        epilog="Regenerate tables and plots from a results file: python -m bench.report RESULTS.json")
+    parser.add_argument("suites", nargs="*", metavar="SUITE", help=f"suites to run, of {', '.join(SUITES)} "
+                        "(default: all)")
+    parser.add_argument("--suite", action="append", default=[], metavar="SUITE", help="a suite to run (repeatable)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: few shapes, few repeats (~1 minute)")
+    parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                        help=f"results folder; files go to DIR/<gpu>/ (default: {DEFAULT_OUT})")
+    parser.add_argument("--impl", action="append", default=[], metavar="NAME",
+                        help=f"restrict to these implementations (repeatable or comma-separated), of "
+                             f"{', '.join(IMPL_NAMES)} (default: every one this machine can run); cuflash "
+                             "still runs unrecorded, as the reference the others are checked against")
+    parser.add_argument("--repeats", type=int, default=None, metavar="N",
+                        help="timed repeats per cell in the grid (default: 10, --quick: 5)")
+    args = parser.parse_args(argv)
+    args.suites = list(dict.fromkeys(args.suites + args.suite)) or list(SUITES)
+    unknown = [s for s in args.suites if s not in SUITES]
+    if unknown:
+        parser.error(f"unknown suite(s) {', '.join(unknown)}; choose from {', '.join(SUITES)}")
+    args.impl = [name.strip() for item in args.impl for name in item.split(",") if name.strip()]
+    unknown = [name for name in args.impl if name not in IMPL_NAMES]
+    if unknown:
+        parser.error(f"unknown implementation(s) {', '.join(unknown)}; choose from {', '.join(IMPL_NAMES)}")
+    if args.repeats is not None and args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from . import impls, report, suites
+
+    reason = impls.gpu_unavailable_reason()
+    if reason:
+        raise SystemExit(f"bench: the {', '.join(args.suites)} suite(s) need a CUDA GPU: {reason}")
+    names = args.impl or impls.default_impl_names()
+    try:
+        impls.make_impls(names)
+    except RuntimeError as exc:
+        raise SystemExit(f"bench: {exc}") from None
+    environment = impls.environment()
+    print(f"bench: {environment['gpu']}; implementations: {', '.join(names)}", file=sys.stderr)
+    timed_cells = [cell for suite in args.suites if suite != "compile" for cell in suite_cells(suite, args.quick)]
+    suites.check_reference(timed_cells)
+    folder = results_dir(args.out, environment["gpu"])
+    for suite in args.suites:
+        records = suites.run_suite(suite, names, quick=args.quick, repeats=args.repeats)
+        json_path = write_json(folder / f"{suite}.json", make_header(suite, args.quick, **environment), records)
+        for path in (json_path, *report.write_reports(json_path)):
+            print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""The implementations under test, all on the same CuPy input arrays (GPU; lazy imports).
+
+Each implementation turns (pass, inputs, causal) into a zero-argument callable that returns a tuple:
+``(out,)`` for fwd, ``(dq, dk, dv)`` for bwd, ``(out, dq, dk, dv)`` for fwd+bwd. Work the pass does
+not include (the forward before a timed backward) is done when the callable is made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import subprocess
+
+from . import naive
+from .records import Shape
+from .report import fmt_bytes
+
+IMPL_NAMES = ("cuflash", "naive-cupy", "torch-flash", "torch-cudnn", "torch-efficient")
+#: torch implementation -> member of torch.nn.attention.SDPBackend
+TORCH_BACKENDS = {"torch-flash": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENTION",
+                  "torch-efficient": "EFFICIENT_ATTENTION"}
+OUTPUT_NAMES = {"fwd": ("out",), "bwd": ("dq", "dk", "dv"), "fwd+bwd": ("out", "dq", "dk", "dv")}
+
+
+class Unfit(Exception):
+    """An implementation declines a cell before trying it; ``status`` is "refused" or "oom"."""
+
+    def __init__(self, status: str, note: str):
+        super().__init__(note)
+        self.status, self.note = status, note
+
+
+def gpu_unavailable_reason() -> str | None:
+    """None when CuPy sees a CUDA device, else why not."""
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed (pip install cupy-cuda12x or cupy-cuda13x)"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CUDARuntimeError: no driver, no device, driver too old
+        return f"CUDA is not usable ({exc})"
+    return None if count else "no CUDA device is visible"
+
+
+@functools.lru_cache(maxsize=None)
+def torch_available() -> bool:
+    """PyTorch importable and seeing a CUDA device."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def environment() -> dict:
+    """Versions for the header record."""
+    import cupy
+
+    import cuflash
+
+    runtime = cupy.cuda.runtime
+    props = runtime.getDeviceProperties(cupy.cuda.Device().id)
+    try:  # the kernel driver's version string is only known to nvidia-smi (or NVML)
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, check=True).stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        version = runtime.driverGetVersion()
+        driver = f"CUDA driver API {version // 1000}.{version % 1000 // 10}"
+    cuda = runtime.runtimeGetVersion()
+    torch_version = None
+    if torch_available():
+        import torch
+
+        torch_version = torch.__version__
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    return {"gpu": name, "compute_capability": f"{props['major']}.{props['minor']}",
+            "driver": driver, "cuda": f"{cuda // 1000}.{cuda % 1000 // 10}", "cupy": cupy.__version__,
+            "torch": torch_version, "cuflash": cuflash.__version__}
+
+
+def release_memory():
+    """Return cached blocks of both allocators to the driver (before an estimate or after an OOM)."""
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+    if torch_available():
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def classify_error(impl, exc: BaseException) -> str | None:
+    """"oom" or "refused" for an error meaning ``impl`` cannot run the cell; None for a real failure."""
+    import cupy
+
+    if isinstance(exc, cupy.cuda.memory.OutOfMemoryError):
+        return "oom"
+    if impl.framework == "torch":
+        import torch
+
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            return "oom"
+        # SDPA backends refuse unsupported shapes, dtypes and layouts with a RuntimeError
+        # ("No available kernel. Aborting execution.", cuDNN's "... is not supported").
+        if isinstance(exc, RuntimeError):
+            return "refused"
+    return None
+
+
+@dataclasses.dataclass
+class Inputs:
+    """q, k, v and the output gradient as CuPy arrays, (batch, seqlen, heads, head_dim)."""
+
+    shape: Shape
+    dtype: str
+    q: object
+    k: object
+    v: object
+    dout: object
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.shape.head_dim)
+
+
+def make_inputs(shape: Shape, dtype: str, seed: int = 0) -> Inputs:
+    """Standard normal inputs (as FlashAttention's benchmarks use), generated on the device."""
+    import cupy
+
+    rng = cupy.random.default_rng(seed)
+    q_shape = (shape.batch, shape.seqlen_q, shape.heads, shape.head_dim)
+    kv_shape = (shape.batch, shape.seqlen_k, shape.heads_kv, shape.head_dim)
+    q, k, v, dout = (rng.standard_normal(s, dtype=cupy.float32).astype(dtype)
+                     for s in (q_shape, kv_shape, kv_shape, q_shape))
+    return Inputs(shape, dtype, q, k, v, dout)
+
+
+class CupyImpl:
+    """Shared parts of the CuPy implementations: they run on CuPy's stream and return CuPy arrays."""
+
+    name = ""
+    framework = "cupy"
+
+    def context(self):
+        return contextlib.nullcontext()
+
+    def check_fits(self, shape: Shape, pass_: str):
+        """Raise :class:`Unfit` for a cell not worth trying."""
+
+    def as_cupy(self, result: tuple) -> tuple:
+        return result
+
+
+class Cuflash(CupyImpl):
+    """cuflash; it allocates only its outputs, lse and delta, so it tries every cell."""
+
+    name = "cuflash"
+
+    def make_call(self, pass_: str, x: Inputs, causal: bool):
+        import cuflash
+
+        if pass_ == "fwd":
+            return lambda: (cuflash.attention(x.q, x.k, x.v, causal=causal),)
+        if pass_ == "bwd":
+            out, lse = cuflash.attention(x.q, x.k, x.v, causal=causal, return_lse=True)
+            return lambda: cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, causal=causal)
+
+        def forward_backward():
+            out, lse = cuflash.attention(x.q, x.k, x.v, causal=causal, return_lse=True)
+            return (out, *cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, causal=causal))
+
+        return forward_backward
+
+
+class NaiveCupy(CupyImpl):
+    """``bench.naive`` on CuPy: materialized scores, with a materialized manual backward."""
+
+    name = "naive-cupy"
+
+    def check_fits(self, shape: Shape, pass_: str):
+        import cupy
+
+        release_memory()
+        scores = shape.batch * shape.heads * shape.seqlen_q * shape.seqlen_k
+        need = scores * naive.BYTES_PER_SCORE[pass_]
+        free = cupy.cuda.runtime.memGetInfo()[0]
+        if need > free:
+            raise Unfit("oom", f"needs ~{fmt_bytes(need)} for the score matrices, {fmt_bytes(free)} free")
+
+    def make_call(self, pass_: str, x: Inputs, causal: bool):
+        if pass_ == "fwd":
+            return lambda: (naive.forward(x.q, x.k, x.v, causal, x.scale)[0],)
+        if pass_ == "bwd":
+            out, probs = naive.forward(x.q, x.k, x.v, causal, x.scale, keep_probs=True)
+            return lambda: naive.backward(x.dout, x.q, x.k, x.v, out, probs, x.scale)
+
+        def forward_backward():
+            out, probs = naive.forward(x.q, x.k, x.v, causal, x.scale, keep_probs=True)
+            return (out, *naive.backward(x.dout, x.q, x.k, x.v, out, probs, x.scale))
+
+        return forward_backward
+
+
+class TorchSdpa:
+    """``torch.nn.functional.scaled_dot_product_attention`` restricted to one backend.
+
+    The tensors are DLPack views of the CuPy inputs, transposed to SDPA's (batch, heads, seq, dim)
+    without a copy. Backward through autograd: ``torch.autograd.grad`` returns fresh gradients, so
+    nothing accumulates across repeats; the timed bwd reuses the forward's graph (``retain_graph``).
+    """
+
+    framework = "torch"
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def context(self):
+        """Pin the SDPA backend and put PyTorch on CuPy's current stream for a whole cell."""
+        import cupy
+        import torch
+        from torch.nn.attention import sdpa_kernel
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(sdpa_kernel(_sdpa_backend(self.name)))
+        stream = cupy.cuda.get_current_stream().ptr
+        if torch.cuda.current_stream().cuda_stream != stream:
+            stack.enter_context(torch.cuda.stream(torch.cuda.ExternalStream(stream)))
+        return stack
+
+    def check_fits(self, shape: Shape, pass_: str):
+        """The backend decides on the first call. Square shapes only: SDPA's ``is_causal`` mask is
+        top-left aligned, cuflash's bottom-right, and the two agree only when seqlen_q == seqlen_k."""
+        if shape.seqlen_q != shape.seqlen_k:
+            raise Unfit("refused", "non-square shape: SDPA's causal mask is aligned differently")
+
+    def make_call(self, pass_: str, x: Inputs, causal: bool):
+        import torch
+        import torch.nn.functional as F
+
+        def heads_first(a):
+            return torch.from_dlpack(a).transpose(1, 2)
+
+        def attend(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=x.scale)
+
+        q, k, v, dout = (heads_first(a) for a in (x.q, x.k, x.v, x.dout))
+        if pass_ == "fwd":
+            return lambda: (attend(q, k, v).transpose(1, 2),)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        if pass_ == "bwd":
+            out = attend(*leaves)
+            return lambda: tuple(g.transpose(1, 2) for g in torch.autograd.grad(out, leaves, dout, retain_graph=True))
+
+        def forward_backward():
+            out = attend(*leaves)
+            grads = torch.autograd.grad(out, leaves, dout)
+            return tuple(t.detach().transpose(1, 2) for t in (out, *grads))
+
+        return forward_backward
+
+    def as_cupy(self, result: tuple) -> tuple:
+        import cupy
+
+        return tuple(cupy.from_dlpack(t.detach()) for t in result)
+
+
+def _sdpa_backend(name: str):
+    """The SDPBackend member of a torch implementation, or None where this PyTorch lacks it."""
+    if not torch_available():
+        return None
+    try:
+        from torch.nn.attention import SDPBackend  # PyTorch >= 2.3
+    except ImportError:
+        return None
+    return getattr(SDPBackend, TORCH_BACKENDS[name], None)
+
+
+def default_impl_names() -> list[str]:
+    """Every implementation this machine can run: the torch ones need PyTorch with CUDA and the backend."""
+    return ["cuflash", "naive-cupy"] + [name for name in TORCH_BACKENDS if _sdpa_backend(name) is not None]
+
+
+def make_impls(names: list[str]) -> list:
+    """Implementation objects for ``names``; raises RuntimeError for one this machine cannot run."""
+    impls = []
+    for name in names:
+        if name in TORCH_BACKENDS:
+            if _sdpa_backend(name) is None:
+                raise RuntimeError(f"{name} needs PyTorch >= 2.3 with CUDA and SDPBackend.{TORCH_BACKENDS[name]}")
+            impls.append(TorchSdpa(name))
+        else:
+            impls.append({"cuflash": Cuflash, "naive-cupy": NaiveCupy}[name]())
+    return impls

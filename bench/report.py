@@ -1,0 +1,250 @@
+"""Markdown tables and plots from a results file (pure: no GPU).
+
+``python -m bench.report RESULTS.json [...]`` rewrites ``RESULTS.md`` and ``RESULTS.png`` next to each
+file, so plots can be regenerated without rerunning anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import pathlib
+
+from .records import read_json
+
+#: Table rows and plot lines, in this order; unknown implementations follow, sorted.
+IMPL_ORDER = ("cuflash", "naive-cupy", "torch-flash", "torch-cudnn", "torch-efficient")
+SUBJECT = "cuflash"
+PASS_ORDER = ("fwd", "bwd", "fwd+bwd", "compile-cold", "compile-warm")
+#: The plots show one dtype, to stay readable; the tables show all.
+PLOT_DTYPE = "bfloat16"
+PANEL_SIZE_IN = (4.2, 3.2)  # width, height of one plot panel in inches
+PLOT_DPI = 100
+KIB = 1024
+
+
+def fmt_count(n: int) -> str:
+    """512 -> '512', 2048 -> '2k'."""
+    return f"{n // KIB}k" if n >= KIB and n % KIB == 0 else str(n)
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / KIB**3:.2f} GiB" if abs(n) >= KIB**3 else f"{n / KIB**2:.1f} MiB"
+
+
+def fmt_rate(x: float) -> str:
+    return f"{x:.1f}"
+
+
+def fmt_ms(x: float) -> str:
+    return f"{x:.3f}" if x < 10 else f"{x:.0f}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a suite is shown: ``value`` per ``column`` (x axis), one table/panel per ``panel`` fields."""
+
+    value: str
+    column: str
+    panel: tuple[str, ...]
+    label: str  # what the table values are
+    axis: str  # the plot's y label
+    fmt: object
+    ratios: bool
+    ratio_meaning: str = ""
+    log_y: bool = False
+
+
+LAYOUTS = {
+    "grid": Layout("tflops", "seqlen_q", ("pass", "head_dim", "causal"), "TFLOP/s", "TFLOP/s", fmt_rate, True,
+                   "above 1: cuflash is faster"),
+    "memory": Layout("peak_bytes", "seqlen_q", ("pass", "head_dim", "causal"),
+                     "peak device memory beyond inputs and outputs", "bytes", fmt_bytes, True,
+                     "below 1: cuflash needs less", log_y=True),
+    "overhead": Layout("ms_median", "seqlen_q", ("pass", "head_dim", "causal"), "median host ms per call",
+                       "ms per call", fmt_ms, True, "below 1: cuflash costs less"),
+    "compile": Layout("ms_median", "head_dim", ("pass", "seqlen_q", "causal"), "ms of the first call",
+                      "ms", fmt_ms, False),
+}
+
+
+def impl_order(records: list[dict]) -> list[str]:
+    names = {r["impl"] for r in records}
+    return [n for n in IMPL_ORDER if n in names] + sorted(names - set(IMPL_ORDER))
+
+
+def _group(records: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return groups
+
+
+def _sorted_keys(keys: tuple[str, ...], groups: dict) -> list[tuple]:
+    """Group keys in reading order: passes as in PASS_ORDER, numbers ascending, non-causal first."""
+    def order(values):
+        return tuple(PASS_ORDER.index(v) if k == "pass" and v in PASS_ORDER else v for k, v in zip(keys, values))
+
+    return sorted(groups, key=order)
+
+
+def _panel_title(keys: tuple[str, ...], values: tuple) -> str:
+    parts = []
+    for key, value in zip(keys, values):
+        if key == "causal":
+            parts.append("causal" if value else "non-causal")
+        elif key == "pass":
+            parts.append(str(value))
+        else:
+            parts.append(f"seqlen {fmt_count(value)}" if key == "seqlen_q" else f"{key} {value}")
+    return ", ".join(parts)
+
+
+def markdown_table(records: list[dict], layout: Layout) -> str:
+    """One table: a row per implementation, a column per ``layout.column`` value, plus ratio rows.
+
+    A cell holds the formatted value, or the status where the implementation did not run ('oom',
+    'refused'). Ratio rows ``cuflash / peer`` divide cuflash's value by the peer's, where both ran.
+    """
+    columns = sorted({r[layout.column] for r in records})
+    cells = {(r["impl"], r[layout.column]): r for r in records}
+
+    def value(impl, col):
+        r = cells.get((impl, col))
+        return r[layout.value] if r and r["status"] == "ok" and r[layout.value] is not None else None
+
+    def shown(impl, col):
+        r = cells.get((impl, col))
+        if r is None:
+            return ""
+        return layout.fmt(value(impl, col)) if value(impl, col) is not None else r["status"]
+
+    impls = impl_order(records)
+    head = "| impl | " + " | ".join(fmt_count(c) for c in columns) + " |"
+    lines = [head, "|" + "---|" * (len(columns) + 1)]
+    lines += ["| " + " | ".join([impl] + [shown(impl, c) for c in columns]) + " |" for impl in impls]
+    if layout.ratios and SUBJECT in impls:
+        for peer in impls:
+            if peer == SUBJECT:
+                continue
+            ratios = []
+            for c in columns:
+                ours, theirs = value(SUBJECT, c), value(peer, c)
+                ratios.append(f"{ours / theirs:.2f}x" if ours is not None and theirs else "")
+            lines.append("| " + " | ".join([f"{SUBJECT} / {peer}"] + ratios) + " |")
+    return "\n".join(lines)
+
+
+def markdown(header: dict, records: list[dict], suite: str) -> str:
+    """The whole report of one suite: a title, the environment, then a table per panel and dtype."""
+    layout = LAYOUTS[suite]
+    env = ", ".join(f"{key} {header[key]}" for key in ("driver", "cuda", "cupy", "torch", "cuflash")
+                    if header.get(key))
+    lines = [f"# {suite}: {header.get('gpu', 'unknown GPU')}", "",
+             "; ".join(filter(None, [env, header.get("date")])) + (" (quick run)" if header.get("quick") else ""), "",
+             f"Values: {layout.label} per {'seqlen' if layout.column == 'seqlen_q' else layout.column}."]
+    if layout.ratios:
+        lines[-1] += f" Ratio rows: cuflash's value over the peer's ({layout.ratio_meaning})."
+    if suite == "grid":
+        lines.append("FLOPs: 4 * batch * heads * seqlen^2 * head_dim for the forward, halved when causal; "
+                     "bwd 2.5x, fwd+bwd 3.5x that.")
+    groups = _group(records, layout.panel + ("dtype",))
+    for key in _sorted_keys(layout.panel + ("dtype",), groups):
+        lines += ["", f"## {_panel_title(layout.panel + ('dtype',), key)}", "",
+                  markdown_table(groups[key], layout)]
+    return "\n".join(lines) + "\n"
+
+
+def plot(header: dict, records: list[dict], suite: str, path: str | pathlib.Path) -> pathlib.Path:
+    """Lines of ``layout.value`` against ``layout.column``, one panel per ``layout.panel``, one line per impl.
+
+    Only PLOT_DTYPE records are drawn when there are any (else the first dtype present); points whose
+    status is not 'ok' are left out.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layout = LAYOUTS[suite]
+    dtypes = sorted({r["dtype"] for r in records})
+    dtype = PLOT_DTYPE if PLOT_DTYPE in dtypes else (dtypes[0] if dtypes else PLOT_DTYPE)
+    shown = [r for r in records if r["dtype"] == dtype]
+    groups = _group(shown, layout.panel)
+    keys = _sorted_keys(layout.panel, groups)
+    # one row per pass (the first panel key), one column per combination of the others
+    passes = list(dict.fromkeys(k[0] for k in keys))
+    per_row = max((sum(1 for k in keys if k[0] == p) for p in passes), default=1)
+    rows = max(len(passes), 1)
+    fig, axes = plt.subplots(rows, per_row, squeeze=False, layout="constrained",
+                             figsize=(PANEL_SIZE_IN[0] * per_row, PANEL_SIZE_IN[1] * rows))
+    impls = impl_order(shown)
+    colors = dict(zip(impls, itertools.cycle(plt.rcParams["axes.prop_cycle"].by_key()["color"])))
+    for row, pass_ in enumerate(passes):
+        for col, key in enumerate(k for k in keys if k[0] == pass_):
+            ax = axes[row][col]
+            for impl in impls:
+                points = sorted((r[layout.column], r[layout.value]) for r in groups[key]
+                                if r["impl"] == impl and r["status"] == "ok" and r[layout.value] is not None
+                                and (r[layout.value] > 0 or not layout.log_y))
+                if points:
+                    xs, ys = zip(*points)
+                    ax.plot(xs, ys, marker="o", label=impl, color=colors[impl])
+            xs = sorted({r[layout.column] for r in groups[key]})
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [fmt_count(x) for x in xs])
+            ax.minorticks_off()
+            if layout.log_y:
+                ax.set_yscale("log")
+            else:
+                ax.set_ylim(bottom=0)
+            ax.set_title(_panel_title(layout.panel, key), fontsize="medium")
+            ax.set_xlabel("seqlen" if layout.column == "seqlen_q" else layout.column)
+            ax.set_ylabel(layout.axis)
+            ax.grid(True, alpha=0.3)
+        for col in range(sum(1 for k in keys if k[0] == pass_), per_row):
+            axes[row][col].set_visible(False)
+    legend = {}  # label -> handle, over every panel: an implementation may be missing from some
+    for ax in axes.flat:
+        legend.update(zip(*reversed(ax.get_legend_handles_labels())))
+    if legend:
+        labels = [impl for impl in impls if impl in legend]
+        fig.legend([legend[label] for label in labels], labels, loc="outside lower center", ncol=len(labels),
+                   frameon=False)
+    fig.suptitle(f"{suite}: {header.get('gpu', 'unknown GPU')}, {dtype}")
+    path = pathlib.Path(path)
+    fig.savefig(path, dpi=PLOT_DPI, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def suite_of(header: dict, json_path: pathlib.Path) -> str:
+    """The suite a results file holds: from its header, else from its file name."""
+    suite = header.get("suite") or json_path.stem
+    if suite not in LAYOUTS:
+        raise ValueError(f"{json_path}: unknown suite {suite!r} (expected one of {tuple(LAYOUTS)})")
+    return suite
+
+
+def write_reports(json_path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """Write ``<stem>.md`` and ``<stem>.png`` next to a results file; returns their paths."""
+    json_path = pathlib.Path(json_path)
+    header, records = read_json(json_path)
+    suite = suite_of(header, json_path)
+    md_path = json_path.with_suffix(".md")
+    md_path.write_text(markdown(header, records, suite))
+    return md_path, plot(header, records, suite, json_path.with_suffix(".png"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.report",
+                                     description="Regenerate the markdown tables and plots of results files.")
+    parser.add_argument("results", nargs="+", help="results JSON files written by python -m bench")
+    for path in parser.parse_args(argv).results:
+        for written in write_reports(path):
+            print(written)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""cuflash: exact FlashAttention for CuPy (and NumPy).
+
+``attention`` computes softmax attention tile by tile with an online softmax, so the
+seqlen_q x seqlen_k score and probability matrices never touch device memory; ``attention_backward``
+recomputes them tile by tile from the stored logsumexp. CuPy arrays run the CUDA kernels on their
+device and CuPy's current stream; NumPy arrays run the same blocked algorithm on the CPU.
+"""
+
+from __future__ import annotations
+
+from . import _numpy_path, reference
+from ._config import HEAD_DIMS, MAX_HEAD_DIM, SUPPORTED_DTYPES
+from ._validate import array_module, check_backward, check_forward
+
+__version__ = "0.1.0"
+__all__ = ["attention", "attention_backward", "reference", "HEAD_DIMS", "MAX_HEAD_DIM", "SUPPORTED_DTYPES",
+           "__version__"]
+
+
+def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False):
+    """Exact softmax attention, ``softmax(scale * q k^T) v``, per (batch, head).
+
+    Parameters
+    ----------
+    q : cupy.ndarray or numpy.ndarray, (batch, seqlen_q, heads, head_dim)
+    k : same kind and dtype as q, (batch, seqlen_k, heads_kv, head_dim)
+    v : same kind and dtype as q, (batch, seqlen_k, heads_kv, head_dim)
+        ``heads`` must be a multiple of ``heads_kv``: query head ``h`` reads kv head
+        ``h // (heads // heads_kv)`` (multi-query and grouped-query attention). seqlen_q and seqlen_k
+        may differ. dtype float16, bfloat16 or float32; head_dim 1..256. Any strides; the arrays are
+        never written.
+    causal : bool
+        Mask aligned to the bottom-right corner (as FlashAttention >= 2.1): query ``i`` sees key ``j``
+        when ``j <= i + seqlen_k - seqlen_q``. A query row that sees no key gets output 0 and lse -inf.
+    softmax_scale : float, optional
+        Positive and finite; defaults to ``1 / sqrt(head_dim)``.
+    return_lse : bool
+        Also return the logsumexp needed by :func:`attention_backward`.
+
+    Returns
+    -------
+    out : array, (batch, seqlen_q, heads, head_dim), dtype of q
+    lse : array, float32, (batch, heads, seqlen_q), only with ``return_lse``
+        Natural log of sum_j exp(scale * q_i . k_j) over the keys row i sees.
+
+    Examples
+    --------
+    >>> import numpy as np, cuflash
+    >>> q = np.random.default_rng(0).standard_normal((1, 5, 2, 16), dtype=np.float32)
+    >>> out, lse = cuflash.attention(q, q, q, causal=True, return_lse=True)
+    >>> out.shape, lse.shape
+    ((1, 5, 2, 16), (1, 2, 5))
+    """
+    xp = array_module(q=q, k=k, v=v)
+    problem = check_forward(q, k, v, causal, softmax_scale)
+    if problem.is_empty:
+        out = xp.zeros(q.shape, q.dtype)
+        lse = xp.full((problem.batch, problem.heads, problem.seqlen_q), -xp.inf, xp.float32)
+    elif xp is _numpy_path.np:
+        out, lse = _numpy_path.forward(q, k, v, problem)
+    else:
+        from . import _cupy_path
+
+        out, lse = _cupy_path.forward(q, k, v, problem)
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_scale: float | None = None,
+                       deterministic: bool = False):
+    """Gradients of :func:`attention` with respect to q, k and v.
+
+    Recomputes the attention probabilities tile by tile from ``lse`` (FlashAttention-2's backward): no
+    seqlen_q x seqlen_k buffer is allocated.
+
+    Parameters
+    ----------
+    dout : array, (batch, seqlen_q, heads, head_dim)
+        Gradient of the loss with respect to ``out``.
+    q, k, v : arrays as given to :func:`attention`
+    out : array, (batch, seqlen_q, heads, head_dim)
+        The forward's output.
+    lse : array, float32, (batch, heads, seqlen_q)
+        The forward's logsumexp (``attention(..., return_lse=True)``).
+    causal, softmax_scale
+        As given to the forward.
+    deterministic : bool
+        Ask for bitwise-reproducible gradients. The current backward accumulates every gradient in a
+        fixed order without atomics, so it is deterministic in both settings.
+
+    Returns
+    -------
+    dq : array, (batch, seqlen_q, heads, head_dim), dtype of q
+    dk, dv : arrays, (batch, seqlen_k, heads_kv, head_dim), dtype of q
+        Summed over the query heads that share a kv head.
+    """
+    xp = array_module(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    problem = check_backward(dout, q, k, v, out, lse, causal, softmax_scale)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if problem.is_empty or problem.seqlen_k == 0:
+        return xp.zeros(q.shape, q.dtype), xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype)
+    if xp is _numpy_path.np:
+        return _numpy_path.backward(dout, q, k, v, out, lse, problem)
+    from . import _cupy_path
+
+    return _cupy_path.backward(dout, q, k, v, out, lse, problem)

@@ -1,0 +1,137 @@
+"""From a KernelSpec to a compiled kernel: on a GPU with CuPy, or offline with NVRTC for the checks.
+
+The kernel sources in ``cuflash/kernels/`` are assembled into one translation unit (local includes
+inlined), so the text that CuPy hashes for its disk cache is the whole source: editing a header
+invalidates the cache. Compiled kernels are kept per (device, spec) in memory and, by CuPy, on disk
+(``CUPY_CACHE_DIR``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+import re
+
+from ._config import KernelSpec
+
+KERNEL_DIR = pathlib.Path(__file__).parent / "kernels"
+_LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
+
+#: NVRTC options shared by the GPU path and the offline check; CuPy adds the architecture itself.
+COMMON_OPTIONS = ("-std=c++17",)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source(file_name: str) -> str:
+    """The source of ``kernels/<file_name>`` with its local includes inlined, each once."""
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        text = (KERNEL_DIR / name).read_text()
+        text = text.replace("#pragma once\n", "")
+        return _LOCAL_INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(file_name)
+
+
+_kernels: dict[tuple, object] = {}
+
+
+def get_kernel(spec: KernelSpec, device_id: int):
+    """The compiled ``cupy.RawKernel`` of ``spec`` on device ``device_id`` (compiled on first use)."""
+    key = (device_id, spec.cache_key)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        import cupy
+
+        with cupy.cuda.Device(device_id):
+            module = cupy.RawModule(code=kernel_source(spec.source_file), options=COMMON_OPTIONS,
+                                    name_expressions=[spec.name])
+            kernel = module.get_function(spec.name)
+            if spec.smem_bytes > 48 * 1024:  # the default dynamic shared-memory limit per block
+                kernel.max_dynamic_shared_size_bytes = spec.smem_bytes
+        _kernels[key] = kernel
+    return kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+    """What ptxas said about one kernel."""
+
+    spec: KernelSpec
+    arch: str
+    registers: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    stack_frame_bytes: int
+    log: str
+
+
+def _cuda_include_dir() -> str:
+    from cuda import pathfinder
+
+    found = pathfinder.find_nvidia_header_directory("cudart")
+    if found is None:
+        raise RuntimeError("CUDA runtime headers not found: pip install 'nvidia-cuda-runtime'")
+    return found
+
+
+def compile_offline(specs: list[KernelSpec], arch: str) -> list[CompileReport]:
+    """Compile ``specs`` (all from one source file) for ``arch`` with NVRTC, no GPU needed.
+
+    Returns each kernel's ptxas resource report. Raises RuntimeError with the NVRTC log on failure.
+    """
+    from cuda.bindings import nvrtc
+
+    def check(result):
+        err, *rest = result
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"NVRTC error {err}")
+        return rest[0] if len(rest) == 1 else rest
+
+    files = {spec.source_file for spec in specs}
+    if len(files) != 1:
+        raise ValueError(f"compile_offline takes specs of one source file, got {sorted(files)}")
+    source = kernel_source(files.pop()).encode()
+    program = check(nvrtc.nvrtcCreateProgram(source, b"cuflash.cu", 0, [], []))
+    try:
+        for spec in specs:
+            check(nvrtc.nvrtcAddNameExpression(program, spec.name.encode()))
+        options = [o.encode() for o in COMMON_OPTIONS] + [
+            f"--gpu-architecture={arch}".encode(), b"-ftz=true", b"--ptxas-options=-v",
+            f"-I{_cuda_include_dir()}".encode()]
+        err, = nvrtc.nvrtcCompileProgram(program, len(options), options)
+        log_size = check(nvrtc.nvrtcGetProgramLogSize(program))
+        log = b" " * log_size
+        check(nvrtc.nvrtcGetProgramLog(program, log))
+        log = log.decode(errors="replace").rstrip("\x00")
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"NVRTC failed for {arch}:\n{log[:6000]}")
+        lowered = {spec.name: check(nvrtc.nvrtcGetLoweredName(program, spec.name.encode())).decode()
+                   for spec in specs}
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+    return [_report(spec, arch, lowered[spec.name], log) for spec in specs]
+
+
+def _report(spec: KernelSpec, arch: str, mangled: str, log: str) -> CompileReport:
+    # ptxas prints, per entry: "Compiling entry function '<mangled>' for 'sm_90'", then
+    # "<n> bytes stack frame, <s> bytes spill stores, <l> bytes spill loads" and "Used <r> registers".
+    start = log.find(f"entry function '{mangled}'")
+    if start < 0:
+        raise RuntimeError(f"no ptxas report for {spec.name} in the NVRTC log:\n{log}")
+    nxt = log.find("entry function '", start + 1)
+    section = log[start: nxt if nxt > 0 else len(log)]
+
+    def number(pattern: str) -> int:
+        m = re.search(pattern, section)
+        return int(m.group(1)) if m else 0
+
+    return CompileReport(spec, arch, registers=number(r"Used (\d+) registers"),
+                         spill_store_bytes=number(r"(\d+) bytes spill stores"),
+                         spill_load_bytes=number(r"(\d+) bytes spill loads"),
+                         stack_frame_bytes=number(r"(\d+) bytes stack frame"), log=section)

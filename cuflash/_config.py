@@ -1,0 +1,201 @@
+"""Kernel specializations and the tile table.
+
+One frozen dataclass, :class:`KernelSpec`, names a compiled kernel: its template instance name (the
+string NVRTC needs, identical for ``name_expressions`` and ``get_function``), its cache key and its
+shared-memory size all come from it. One pure function, :func:`choose_config`, maps a problem to the
+specs of the forward and backward kernels; it needs no GPU and is unit-tested on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+#: Head dims the kernels are specialized for; a smaller head dim runs on the next one up, its
+#: missing columns zero-filled on load and never stored.
+HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+MAX_HEAD_DIM = HEAD_DIMS[-1]
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+#: numpy dtype -> CUDA element type
+CUDA_TYPES = {np.dtype(np.float16): "__half", BFLOAT16: "__nv_bfloat16", np.dtype(np.float32): "float"}
+SUPPORTED_DTYPES = tuple(CUDA_TYPES)
+
+#: threads of every SIMT (CUDA-core) kernel; mirrors ``kSimtThreads`` in kernels/simt.cu
+SIMT_THREADS = 256
+#: rows of one warp's mma tile in the tensor-core forward
+MMA_ROWS_PER_WARP = 16
+
+#: kernel name -> source file in cuflash/kernels/
+KERNEL_FILES = {
+    "fwd_mma": "fwd_mma.cu",
+    "fwd_simt": "simt.cu",
+    "bwd_preprocess": "simt.cu",
+    "bwd_dkdv_simt": "simt.cu",
+    "bwd_dq_simt": "simt.cu",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProps:
+    """What the tile table needs to know about a GPU."""
+
+    compute_capability: int  # 80, 86, 89, 90, ...
+    max_smem_per_block: int  # opt-in maximum of dynamic shared memory per block, bytes
+    sm_count: int
+
+    @property
+    def arch(self) -> str:
+        return f"sm_{self.compute_capability}"
+
+
+#: Reference devices, used when compiling without a GPU (values from the CUDA programming guide).
+A100 = DeviceProps(80, 166912, 108)
+H100 = DeviceProps(90, 232448, 132)
+RTX_4090 = DeviceProps(89, 101376, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One kernel specialization: everything that goes into its template arguments."""
+
+    kernel: str
+    dtype: np.dtype
+    head_dim: int = 0  # padded head dim of the specialization (0: not a template argument)
+    causal: bool = False
+    block_m: int = 0
+    block_n: int = 0
+    threads: int = SIMT_THREADS
+    smem_bytes: int = 0
+
+    @property
+    def source_file(self) -> str:
+        return KERNEL_FILES[self.kernel]
+
+    @property
+    def name(self) -> str:
+        """The C++ template instance, e.g. ``cuflash::fwd_mma<__half, 128, true, 128, 64>``."""
+        ctype = CUDA_TYPES[np.dtype(self.dtype)]
+        if self.kernel == "bwd_preprocess":
+            args = [ctype]
+        else:
+            args = [ctype, str(self.head_dim), "true" if self.causal else "false", str(self.block_m), str(self.block_n)]
+            if self.kernel != "fwd_mma":
+                args.append(str(self.smem_bytes))
+        return f"cuflash::{self.kernel}<{', '.join(args)}>"
+
+    @property
+    def cache_key(self) -> tuple:
+        return (self.kernel, np.dtype(self.dtype).name, self.head_dim, self.causal, self.block_m, self.block_n,
+                self.threads, self.smem_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """The kernels of one (head dim, dtype, causal, device) problem."""
+
+    forward: KernelSpec
+    bwd_preprocess: KernelSpec
+    bwd_dkdv: KernelSpec
+    bwd_dq: KernelSpec
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The specialized head dim that serves ``head_dim`` (the smallest in HEAD_DIMS not below it)."""
+    for d in HEAD_DIMS:
+        if 1 <= head_dim <= d:
+            return d
+    raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
+
+
+def mma_smem_bytes(head_dim: int, block_m: int, block_n: int, itemsize: int) -> int:
+    """Q tile plus two stages of K and V tiles, rows padded by 8 elements (kernels/mma.cuh)."""
+    return (block_m + 4 * block_n) * (head_dim + 8) * itemsize
+
+
+def simt_smem_bytes(kernel: str, head_dim: int, block_m: int, block_n: int) -> int:
+    """float32 tiles with rows padded by one word (``SimtTiles`` in kernels/simt.cu)."""
+    row, score_row = head_dim + 1, block_n + 1
+    if kernel == "fwd_simt":
+        floats = (block_m + 2 * block_n) * row + block_m * score_row + 3 * block_m
+    else:
+        floats = (2 * block_m + 2 * block_n) * row + 2 * block_m * score_row + 2 * block_m
+    return 4 * floats
+
+
+def _mma_forward_tiles(head_dim: int) -> tuple[int, int]:
+    """(block_m, block_n) of the tensor-core forward, before fitting shared memory.
+
+    Starting points of the FlashAttention-2 tile table (16 query rows per warp, the S tile of a warp
+    kept in registers); to be replaced entry by entry with measurements from ``python -m bench``.
+    """
+    if head_dim <= 64:
+        return 128, 64
+    if head_dim <= 128:
+        return 128, 64
+    return 64, 64
+
+
+def _simt_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DeviceProps) -> KernelSpec:
+    # 32 x 32 tiles keep 256 threads busy with 4 scores each; halve them where shared memory is short
+    # (sm_86/89 allow 99 KB per block, too little for head_dim 256 at 32 x 32).
+    for tile in (32, 16):
+        smem = simt_smem_bytes(kernel, head_dim, tile, tile)
+        if smem <= device.max_smem_per_block:
+            return KernelSpec(kernel, np.dtype(dtype), head_dim, causal, tile, tile, SIMT_THREADS, smem)
+    raise ValueError(f"no {kernel} tile fits in {device.max_smem_per_block} bytes of shared memory")
+
+
+def choose_config(head_dim: int, dtype, causal: bool, device: DeviceProps) -> AttentionConfig:
+    """Pick the kernels for one problem. Pure: no GPU, no state.
+
+    Parameters
+    ----------
+    head_dim : int
+        The user's head dim, 1..256.
+    dtype : numpy dtype
+        float16, bfloat16 or float32.
+    causal : bool
+    device : DeviceProps
+
+    Returns
+    -------
+    AttentionConfig
+    """
+    dtype = np.dtype(dtype)
+    if dtype not in CUDA_TYPES:
+        raise TypeError(f"dtype must be one of {[d.name for d in SUPPORTED_DTYPES]}, got {dtype}")
+    if device.compute_capability < 80:
+        raise ValueError(f"cuflash needs compute capability 8.0 or newer, got {device.arch}")
+    d = padded_head_dim(head_dim)
+    causal = bool(causal)
+    if dtype == np.float32:
+        forward = _simt_spec("fwd_simt", dtype, d, causal, device)
+    else:
+        block_m, block_n = _mma_forward_tiles(d)
+        # Halve the key tile until Q plus two K/V stages fit (head_dim 256 on sm_80: 64 x 32).
+        while mma_smem_bytes(d, block_m, block_n, dtype.itemsize) > device.max_smem_per_block:
+            block_n //= 2
+        smem = mma_smem_bytes(d, block_m, block_n, dtype.itemsize)
+        warps = block_m // MMA_ROWS_PER_WARP
+        forward = KernelSpec("fwd_mma", dtype, d, causal, block_m, block_n, warps * 32, smem)
+    return AttentionConfig(
+        forward=forward,
+        bwd_preprocess=KernelSpec("bwd_preprocess", dtype),
+        bwd_dkdv=_simt_spec("bwd_dkdv_simt", dtype, d, causal, device),
+        bwd_dq=_simt_spec("bwd_dq_simt", dtype, d, causal, device),
+    )
+
+
+def all_specs(device: DeviceProps) -> list[KernelSpec]:
+    """Every distinct kernel the dispatcher can choose on ``device`` (for the compile check)."""
+    specs = {}
+    for dtype in SUPPORTED_DTYPES:
+        for d in HEAD_DIMS:
+            for causal in (False, True):
+                cfg = choose_config(d, dtype, causal, device)
+                for spec in (cfg.forward, cfg.bwd_preprocess, cfg.bwd_dkdv, cfg.bwd_dq):
+                    specs[spec.cache_key] = spec
+    return list(specs.values())

@@ -1,0 +1,105 @@
+"""The GPU path: choose the kernels for a problem, get them compiled, launch them on CuPy's stream."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from . import _config
+from ._compile import get_kernel
+from ._validate import Problem
+
+LOG2E = float(np.log2(np.e))
+
+
+@functools.lru_cache(maxsize=None)
+def device_props(device_id: int) -> _config.DeviceProps:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    return _config.DeviceProps(compute_capability=10 * props["major"] + props["minor"],
+                               max_smem_per_block=props["sharedMemPerBlockOptin"],
+                               sm_count=props["multiProcessorCount"])
+
+
+def _readable(x):
+    """``x`` itself when its last axis is contiguous and its strides are whole elements, else one copy."""
+    import cupy
+
+    itemsize = x.dtype.itemsize
+    if x.size and (x.strides[-1] != itemsize and x.shape[-1] > 1 or any(s % itemsize for s in x.strides)):
+        return cupy.ascontiguousarray(x)
+    return x
+
+
+def _strides(x) -> list[np.int64]:
+    """(batch, seq, head) strides in elements."""
+    return [np.int64(s // x.dtype.itemsize) for s in x.strides[:3]]
+
+
+def _vector_aligned(head_dim: int, *arrays) -> bool:
+    """Can every row be read as 16-byte chunks (cp.async)?"""
+    elems = 16 // arrays[0].dtype.itemsize
+    return head_dim % elems == 0 and all(
+        x.data.ptr % 16 == 0 and all(int(s) % elems == 0 for s in _strides(x)) for x in arrays)
+
+
+def _grid(blocks: int) -> tuple[int]:
+    if blocks >= 2**31:
+        raise ValueError(f"problem too large: {blocks} thread blocks (at most 2**31 - 1)")
+    return (max(blocks, 1),)
+
+
+def forward(q, k, v, p: Problem):
+    import cupy
+
+    device_id = q.device.id
+    with q.device:
+        q, k, v = _readable(q), _readable(k), _readable(v)
+        out = cupy.empty(q.shape, q.dtype)
+        lse = cupy.empty((p.batch, p.heads, p.seqlen_q), np.float32)
+        spec = _config.choose_config(p.head_dim, p.dtype, p.causal, device_props(device_id)).forward
+        kernel = get_kernel(spec, device_id)
+        m_blocks = -(-p.seqlen_q // spec.block_m)
+        args = (q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+                np.int32(p.batch), np.int32(p.heads), np.int32(p.group), np.int32(p.seqlen_q),
+                np.int32(p.seqlen_k), np.int32(p.head_dim), np.float32(p.softmax_scale * LOG2E),
+                np.int32(_vector_aligned(p.head_dim, q, k, v)))
+        kernel(_grid(m_blocks * p.batch * p.heads), (spec.threads,), args, shared_mem=spec.smem_bytes)
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, p: Problem):
+    import cupy
+
+    device_id = q.device.id
+    with q.device:
+        dout, q, k, v, out = (_readable(x) for x in (dout, q, k, v, out))
+        lse = cupy.ascontiguousarray(lse)
+        cfg = _config.choose_config(p.head_dim, p.dtype, p.causal, device_props(device_id))
+        dq = cupy.empty(q.shape, q.dtype)
+        dk = cupy.empty(k.shape, k.dtype)
+        dv = cupy.empty(v.shape, v.dtype)
+        delta = cupy.empty((p.batch, p.heads, p.seqlen_q), np.float32)
+
+        rows = p.batch * p.heads * p.seqlen_q
+        warps_per_block = cfg.bwd_preprocess.threads // 32
+        get_kernel(cfg.bwd_preprocess, device_id)(
+            _grid(-(-rows // warps_per_block)), (cfg.bwd_preprocess.threads,),
+            (dout, out, delta, *_strides(dout), *_strides(out), np.int32(p.batch), np.int32(p.heads),
+             np.int32(p.seqlen_q), np.int32(p.head_dim)))
+
+        args = (q, k, v, dout, lse, delta, dq, dk, dv, *_strides(q), *_strides(k), *_strides(v),
+                *_strides(dout), *_strides(dq), *_strides(dk), np.int32(p.batch), np.int32(p.heads),
+                np.int32(p.group), np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(p.head_dim),
+                np.float32(p.softmax_scale), np.float32(p.softmax_scale * LOG2E))
+        spec = cfg.bwd_dkdv
+        n_blocks = -(-p.seqlen_k // spec.block_n)
+        get_kernel(spec, device_id)(_grid(n_blocks * p.batch * p.heads_kv), (spec.threads,), args,
+                                    shared_mem=spec.smem_bytes)
+        spec = cfg.bwd_dq
+        m_blocks = -(-p.seqlen_q // spec.block_m)
+        get_kernel(spec, device_id)(_grid(m_blocks * p.batch * p.heads), (spec.threads,), args,
+                                    shared_mem=spec.smem_bytes)
+    return dq, dk, dv

@@ -1,0 +1,148 @@
+"""Input checks shared by the NumPy and CuPy paths.
+
+Every failure is a TypeError or ValueError that names the argument, what was expected and what came.
+Nothing here writes to the caller's arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import numpy as np
+
+from ._config import MAX_HEAD_DIM, SUPPORTED_DTYPES
+
+_DTYPE_NAMES = ", ".join(d.name for d in SUPPORTED_DTYPES)
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
+def array_module(**arrays):
+    """numpy or cupy, whichever all of ``arrays`` belong to; TypeError for anything else or a mix."""
+    cupy = _cupy()
+    kinds = {}
+    for name, a in arrays.items():
+        if isinstance(a, np.ndarray):
+            kinds[name] = "numpy"
+        elif cupy is not None and isinstance(a, cupy.ndarray):
+            kinds[name] = "cupy"
+        else:
+            raise TypeError(
+                f"{name} must be a numpy.ndarray or cupy.ndarray, got {type(a).__module__}.{type(a).__name__}"
+                " (arrays of other GPU libraries convert without a copy: cupy.from_dlpack(x))")
+    if len(set(kinds.values())) > 1:
+        listing = ", ".join(f"{n} is {k}" for n, k in kinds.items())
+        raise TypeError(f"q, k, v (and the backward's arrays) must all be NumPy or all be CuPy arrays; {listing}")
+    return cupy if "cupy" in kinds.values() else np
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """The validated shape of one attention call."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    heads_kv: int
+    head_dim: int
+    dtype: np.dtype
+    causal: bool
+    softmax_scale: float
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head."""
+        return self.heads // self.heads_kv if self.heads_kv else 1
+
+    @property
+    def is_empty(self) -> bool:
+        return 0 in (self.batch, self.seqlen_q, self.heads)
+
+
+def _check_4d(name: str, a, layout: str):
+    if a.ndim != 4:
+        raise ValueError(f"{name} must have 4 dimensions {layout}, got {a.ndim} (shape {tuple(a.shape)})")
+
+
+def _check_dtype(name: str, a):
+    if np.dtype(a.dtype) not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}, got {a.dtype}")
+
+
+def check_forward(q, k, v, causal, softmax_scale) -> Problem:
+    """Validate the forward's inputs and resolve the defaults."""
+    for name, a, layout in (("q", q, "(batch, seqlen_q, heads, head_dim)"),
+                            ("k", k, "(batch, seqlen_k, heads_kv, head_dim)"),
+                            ("v", v, "(batch, seqlen_k, heads_kv, head_dim)")):
+        _check_4d(name, a, layout)
+        _check_dtype(name, a)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    batch, seqlen_q, heads, head_dim = q.shape
+    _, seqlen_k, heads_kv, _ = k.shape
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError(f"batch size must match: q {batch}, k {k.shape[0]}, v {v.shape[0]}")
+    if v.shape[1] != seqlen_k:
+        raise ValueError(f"k and v must have the same seqlen_k: k {seqlen_k}, v {v.shape[1]}")
+    if v.shape[2] != heads_kv:
+        raise ValueError(f"k and v must have the same number of heads: k {heads_kv}, v {v.shape[2]}")
+    if not (k.shape[3] == v.shape[3] == head_dim):
+        raise ValueError(f"head_dim must match: q {head_dim}, k {k.shape[3]}, v {v.shape[3]}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
+    if heads_kv == 0 and heads != 0:
+        raise ValueError(f"k and v have 0 heads but q has {heads}")
+    if heads_kv and heads % heads_kv:
+        raise ValueError(f"heads of q ({heads}) must be a multiple of heads_kv of k and v ({heads_kv})")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_same_device(q=q, k=k, v=v)
+    return Problem(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, np.dtype(q.dtype), bool(causal),
+                   resolve_scale(softmax_scale, head_dim))
+
+
+def check_backward(dout, q, k, v, out, lse, causal, softmax_scale) -> Problem:
+    """Validate the backward's inputs (the forward's, plus dout, out and lse)."""
+    problem = check_forward(q, k, v, causal, softmax_scale)
+    for name, a in (("dout", dout), ("out", out)):
+        _check_4d(name, a, "(batch, seqlen_q, heads, head_dim)")
+        if a.dtype != q.dtype:
+            raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {a.dtype}")
+        if a.shape != q.shape:
+            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}, got {tuple(a.shape)}")
+    expected = (problem.batch, problem.heads, problem.seqlen_q)
+    if lse.ndim != 3 or tuple(lse.shape) != expected:
+        raise ValueError(f"lse must have shape (batch, heads, seqlen_q) = {expected}, got {tuple(lse.shape)}")
+    if lse.dtype != np.float32:
+        raise TypeError(f"lse must be float32 (as returned by attention(..., return_lse=True)), got {lse.dtype}")
+    check_same_device(q=q, dout=dout, out=out, lse=lse)
+    return problem
+
+
+def resolve_scale(softmax_scale, head_dim: int) -> float:
+    """``softmax_scale`` or its default ``1/sqrt(head_dim)``; ValueError unless positive and finite."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale}")
+    return scale
+
+
+def check_same_device(**arrays):
+    """ValueError when CuPy arrays live on different devices (NumPy arrays pass)."""
+    devices = {name: a.device.id for name, a in arrays.items() if hasattr(a, "device") and hasattr(a.device, "id")}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{n} on device {d}" for n, d in devices.items())
+        raise ValueError(f"all arrays must be on one device; {listing}")

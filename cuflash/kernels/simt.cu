@@ -1,0 +1,361 @@
+// Exact float32 kernels on the CUDA cores: the float32 forward, and the backward for every dtype.
+//
+// Every kernel stages its tiles in shared memory as float32, rows padded by one word so that threads
+// of a warp reading one column of different rows hit different banks. All arithmetic is float32 FMA.
+//
+// Backward (FlashAttention-2 algorithm, no seqlen_q x seqlen_k buffer):
+//   delta = rowsum(dout * out)                                   bwd_preprocess
+//   P  = exp(scale * Q K^T - lse),  dP = dout V^T,  dS = P * (dP - delta)
+//   dV = P^T dout,  dK = scale * dS^T Q   (per key tile, walking query tiles and grouped heads)  bwd_dkdv
+//   dQ = scale * dS K                     (per query tile, walking key tiles)                    bwd_dq
+// Each output element is written by exactly one thread after a fixed-order sum: the backward is
+// bitwise reproducible.
+#include "common.cuh"
+
+namespace cuflash {
+
+constexpr int kSimtThreads = 256;
+
+// Shared-memory plan of the SIMT kernels; its byte count is checked against the launch's SMEM_BYTES.
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct SimtTiles {
+    static constexpr int kRow = HEAD_DIM + 1;   // padded float32 row of a Q/K/V/dO tile
+    static constexpr int kScoreRow = BLOCK_N + 1;
+    static constexpr int kFwdFloats = (BLOCK_M + 2 * BLOCK_N) * kRow + BLOCK_M * kScoreRow + 3 * BLOCK_M;
+    static constexpr int kBwdFloats = (2 * BLOCK_M + 2 * BLOCK_N) * kRow + 2 * BLOCK_M * kScoreRow + 2 * BLOCK_M;
+};
+
+// rows [row0, row0 + ROWS) of one head -> float32 tile; out-of-range rows and columns read as 0.
+template <typename T, int ROWS, int HEAD_DIM>
+__device__ __forceinline__ void load_rows_f32(float* tile, const T* head_base, long long row_stride, int row0,
+                                              int rows_valid, int head_dim) {
+    constexpr int kRow = HEAD_DIM + 1;
+    for (int i = threadIdx.x; i < ROWS * HEAD_DIM; i += kSimtThreads) {
+        const int r = i / HEAD_DIM, e = i % HEAD_DIM;
+        const bool ok = row0 + r < rows_valid && e < head_dim;
+        tile[r * kRow + e] = ok ? to_float(head_base[static_cast<long long>(row0 + r) * row_stride + e]) : 0.f;
+    }
+}
+
+template <int HEAD_DIM>
+__device__ __forceinline__ float dot_rows(const float* a, const float* b) {
+    float s = 0.f;
+#pragma unroll 8
+    for (int e = 0; e < HEAD_DIM; ++e) s = fmaf(a[e], b[e], s);
+    return s;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Forward, float32. One block: BLOCK_M query rows of one (batch, head). S and P of the current key tile
+// live in shared memory; m_i and l_i per row in shared memory; acc in registers, each thread owning
+// one row and every kThreadsPerRow-th column of it.
+template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
+__global__ void __launch_bounds__(kSimtThreads)
+fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
+         float* __restrict__ lse, long long q_sb, long long q_ss, long long q_sh, long long k_sb,
+         long long k_ss, long long k_sh, long long v_sb, long long v_ss, long long v_sh, long long o_sb,
+         long long o_ss, long long o_sh, int batch, int heads, int group, int seqlen_q, int seqlen_k,
+         int head_dim, float scale_log2, int vec_ok) {
+    using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
+    static_assert(Tiles::kFwdFloats * 4 == SMEM_BYTES, "launch shared memory must match the tile plan");
+    constexpr int kRow = Tiles::kRow, kScoreRow = Tiles::kScoreRow;
+    constexpr int kThreadsPerRow = kSimtThreads / BLOCK_M;
+    constexpr int kColsPerThread = HEAD_DIM / kThreadsPerRow;
+    static_assert(kSimtThreads % BLOCK_M == 0 && HEAD_DIM % kThreadsPerRow == 0, "acc ownership must tile");
+    static_assert((BLOCK_M * BLOCK_N) % kSimtThreads == 0 && kSimtThreads % BLOCK_N == 0, "score ownership must tile");
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* q_s = reinterpret_cast<float*>(smem_raw);   // [BLOCK_M][kRow]
+    float* k_s = q_s + BLOCK_M * kRow;                 // [BLOCK_N][kRow]
+    float* v_s = k_s + BLOCK_N * kRow;                 // [BLOCK_N][kRow]
+    float* p_s = v_s + BLOCK_N * kRow;                 // [BLOCK_M][kScoreRow]: scores, then P
+    float* m_s = p_s + BLOCK_M * kScoreRow;            // [BLOCK_M] m_i (base 2)
+    float* l_s = m_s + BLOCK_M;                        // [BLOCK_M] l_i
+    float* alpha_s = l_s + BLOCK_M;                    // [BLOCK_M] rescale factor of this tile
+
+    const int bh_count = batch * heads;
+    const int num_m_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
+    const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x / bh_count);
+    const int bh = blockIdx.x % bh_count;
+    const int b = bh / heads, h = bh % heads, h_kv = h / group;
+    const int m0 = m_block * BLOCK_M;
+    const int causal_offset = seqlen_k - seqlen_q;
+    const T* k_head = k + b * k_sb + h_kv * k_sh;
+    const T* v_head = v + b * v_sb + h_kv * v_sh;
+    const int n_end = visible_key_end<CAUSAL>(m0 + BLOCK_M, seqlen_k, causal_offset);
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+
+    load_rows_f32<T, BLOCK_M, HEAD_DIM>(q_s, q + b * q_sb + h * q_sh, q_ss, m0, seqlen_q, head_dim);
+    for (int r = tid; r < BLOCK_M; r += kSimtThreads) { m_s[r] = -CUFLASH_INF; l_s[r] = 0.f; }
+    const int acc_row = tid / kThreadsPerRow, acc_col0 = tid % kThreadsPerRow;
+    float acc[kColsPerThread];
+#pragma unroll
+    for (int i = 0; i < kColsPerThread; ++i) acc[i] = 0.f;
+
+    for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
+        __syncthreads();   // previous tile's K, V and P are no longer read
+        load_rows_f32<T, BLOCK_N, HEAD_DIM>(k_s, k_head, k_ss, n0, seqlen_k, head_dim);
+        load_rows_f32<T, BLOCK_N, HEAD_DIM>(v_s, v_head, v_ss, n0, seqlen_k, head_dim);
+        __syncthreads();
+        for (int i = tid; i < BLOCK_M * BLOCK_N; i += kSimtThreads) {
+            const int r = i / BLOCK_N, c = i % BLOCK_N;
+            const float x = dot_rows<HEAD_DIM>(q_s + r * kRow, k_s + c * kRow) * scale_log2;
+            p_s[r * kScoreRow + c] = key_visible(CAUSAL, m0 + r, n0 + c, seqlen_k, causal_offset) ? x : -CUFLASH_INF;
+        }
+        __syncthreads();
+        for (int r = warp; r < BLOCK_M; r += kSimtThreads / 32) {
+            float mx = m_s[r];
+            for (int c = lane; c < BLOCK_N; c += 32) mx = fmaxf(mx, p_s[r * kScoreRow + c]);
+            mx = warp_max(mx);
+            const float base = safe_max(mx);
+            float sum = 0.f;
+            for (int c = lane; c < BLOCK_N; c += 32) {
+                const float p = exp2f(p_s[r * kScoreRow + c] - base);
+                p_s[r * kScoreRow + c] = p;
+                sum += p;
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) {
+                const float alpha = exp2f(m_s[r] - base);
+                alpha_s[r] = alpha;
+                l_s[r] = l_s[r] * alpha + sum;
+                m_s[r] = mx;
+            }
+        }
+        __syncthreads();
+        const float alpha = alpha_s[acc_row];
+#pragma unroll
+        for (int i = 0; i < kColsPerThread; ++i) {
+            const int e = acc_col0 + i * kThreadsPerRow;
+            float a = acc[i] * alpha;
+            for (int c = 0; c < BLOCK_N; ++c) a = fmaf(p_s[acc_row * kScoreRow + c], v_s[c * kRow + e], a);
+            acc[i] = a;
+        }
+    }
+    __syncthreads();
+
+    const int row = m0 + acc_row;
+    if (row < seqlen_q) {
+        const float l = l_s[acc_row];
+        const float inv_l = l == 0.f ? 0.f : 1.f / l;
+        T* out_row = out + b * o_sb + h * o_sh + row * o_ss;
+#pragma unroll
+        for (int i = 0; i < kColsPerThread; ++i) {
+            const int e = acc_col0 + i * kThreadsPerRow;
+            if (e < head_dim) out_row[e] = from_float<T>(acc[i] * inv_l);
+        }
+        if (acc_col0 == 0)
+            lse[static_cast<long long>(bh) * seqlen_q + row] = l == 0.f ? -CUFLASH_INF : (m_s[acc_row] + log2f(l)) * kLn2;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// delta[b, h, i] = sum_e dout[b, i, h, e] * out[b, i, h, e], float32; one warp per row.
+template <typename T>
+__global__ void __launch_bounds__(kSimtThreads)
+bwd_preprocess(const T* __restrict__ dout, const T* __restrict__ out, float* __restrict__ delta,
+               long long do_sb, long long do_ss, long long do_sh, long long o_sb, long long o_ss, long long o_sh,
+               int batch, int heads, int seqlen_q, int head_dim) {
+    const long long row_id = static_cast<long long>(blockIdx.x) * (kSimtThreads / 32) + threadIdx.x / 32;
+    const long long rows = static_cast<long long>(batch) * heads * seqlen_q;
+    if (row_id >= rows) return;
+    const int i = row_id % seqlen_q;
+    const int bh = row_id / seqlen_q;
+    const int b = bh / heads, h = bh % heads;
+    const T* dout_row = dout + b * do_sb + h * do_sh + i * do_ss;
+    const T* out_row = out + b * o_sb + h * o_sh + i * o_ss;
+    float s = 0.f;
+    for (int e = threadIdx.x % 32; e < head_dim; e += 32) s = fmaf(to_float(dout_row[e]), to_float(out_row[e]), s);
+    s = warp_sum(s);
+    if (threadIdx.x % 32 == 0) delta[row_id] = s;
+}
+
+// The shared step of both backward kernels: for the staged query tile (rows m0..) and key tile (n0..)
+// write P and dS to shared memory. Invisible pairs (mask, rows or keys out of range) get P = 0.
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ void recompute_p_ds(const float* q_s, const float* do_s, const float* k_s,
+                                               const float* v_s, const float* lse2_s, const float* delta_s,
+                                               float* p_s, float* ds_s, bool causal, int m0, int n0,
+                                               int seqlen_q, int seqlen_k, int causal_offset, float scale_log2) {
+    using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
+    constexpr int kRow = Tiles::kRow, kScoreRow = Tiles::kScoreRow;
+    for (int i = threadIdx.x; i < BLOCK_M * BLOCK_N; i += kSimtThreads) {
+        const int r = i / BLOCK_N, c = i % BLOCK_N;
+        const bool visible = m0 + r < seqlen_q && key_visible(causal, m0 + r, n0 + c, seqlen_k, causal_offset);
+        float p = 0.f, ds = 0.f;
+        if (visible) {
+            p = exp2f(dot_rows<HEAD_DIM>(q_s + r * kRow, k_s + c * kRow) * scale_log2 - lse2_s[r]);
+            ds = p * (dot_rows<HEAD_DIM>(do_s + r * kRow, v_s + c * kRow) - delta_s[r]);
+        }
+        p_s[r * kScoreRow + c] = p;
+        ds_s[r * kScoreRow + c] = ds;
+    }
+}
+
+// Stage lse (converted to base 2) and delta of rows [m0, m0 + BLOCK_M) of one (batch, head).
+template <int BLOCK_M>
+__device__ __forceinline__ void load_row_stats(float* lse2_s, float* delta_s, const float* lse_bh,
+                                               const float* delta_bh, int m0, int seqlen_q) {
+    for (int r = threadIdx.x; r < BLOCK_M; r += kSimtThreads) {
+        const bool ok = m0 + r < seqlen_q;
+        lse2_s[r] = ok ? lse_bh[m0 + r] * kLog2e : 0.f;
+        delta_s[r] = ok ? delta_bh[m0 + r] : 0.f;
+    }
+}
+
+#define CUFLASH_BWD_PARAMS                                                                                  \
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const T *__restrict__ dout, \
+        const float *__restrict__ lse, const float *__restrict__ delta, T *__restrict__ dq,                \
+        T *__restrict__ dk, T *__restrict__ dv, long long q_sb, long long q_ss, long long q_sh,            \
+        long long k_sb, long long k_ss, long long k_sh, long long v_sb, long long v_ss, long long v_sh,    \
+        long long do_sb, long long do_ss, long long do_sh, long long dq_sb, long long dq_ss,               \
+        long long dq_sh, long long dk_sb, long long dk_ss, long long dk_sh, int batch, int heads,          \
+        int group, int seqlen_q, int seqlen_k, int head_dim, float scale, float scale_log2
+
+// dK, dV: one block per (batch, kv head, BLOCK_N keys). It walks every query head of the group and
+// every query tile that can see its keys, accumulating in registers (thread: one key row, every
+// kThreadsPerRow-th column). dk and dv share strides (both allocated by cuflash).
+template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
+__global__ void __launch_bounds__(kSimtThreads) bwd_dkdv_simt(CUFLASH_BWD_PARAMS) {
+    using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
+    static_assert(Tiles::kBwdFloats * 4 == SMEM_BYTES, "launch shared memory must match the tile plan");
+    constexpr int kRow = Tiles::kRow, kScoreRow = Tiles::kScoreRow;
+    constexpr int kThreadsPerRow = kSimtThreads / BLOCK_N;
+    constexpr int kColsPerThread = HEAD_DIM / kThreadsPerRow;
+    static_assert(kSimtThreads % BLOCK_N == 0 && HEAD_DIM % kThreadsPerRow == 0, "dK/dV ownership must tile");
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* q_s = reinterpret_cast<float*>(smem_raw);   // [BLOCK_M][kRow]
+    float* do_s = q_s + BLOCK_M * kRow;                // [BLOCK_M][kRow]
+    float* k_s = do_s + BLOCK_M * kRow;                // [BLOCK_N][kRow]
+    float* v_s = k_s + BLOCK_N * kRow;                 // [BLOCK_N][kRow]
+    float* p_s = v_s + BLOCK_N * kRow;                 // [BLOCK_M][kScoreRow]
+    float* ds_s = p_s + BLOCK_M * kScoreRow;           // [BLOCK_M][kScoreRow]
+    float* lse2_s = ds_s + BLOCK_M * kScoreRow;        // [BLOCK_M]
+    float* delta_s = lse2_s + BLOCK_M;                 // [BLOCK_M]
+
+    const int heads_kv = heads / group;
+    const int bhk_count = batch * heads_kv;
+    const int n_block = blockIdx.x / bhk_count;   // lowest key blocks first: most query rows see them
+    const int bhk = blockIdx.x % bhk_count;
+    const int b = bhk / heads_kv, h_kv = bhk % heads_kv;
+    const int n0 = n_block * BLOCK_N;
+    const int causal_offset = seqlen_k - seqlen_q;
+    // first query row that sees key n0 under the causal mask: row >= n0 - causal_offset
+    const int m_begin = CAUSAL ? max(0, n0 - causal_offset) / BLOCK_M * BLOCK_M : 0;
+
+    load_rows_f32<T, BLOCK_N, HEAD_DIM>(k_s, k + b * k_sb + h_kv * k_sh, k_ss, n0, seqlen_k, head_dim);
+    load_rows_f32<T, BLOCK_N, HEAD_DIM>(v_s, v + b * v_sb + h_kv * v_sh, v_ss, n0, seqlen_k, head_dim);
+    const int key_row = threadIdx.x / kThreadsPerRow, col0 = threadIdx.x % kThreadsPerRow;
+    float dk_acc[kColsPerThread], dv_acc[kColsPerThread];
+#pragma unroll
+    for (int i = 0; i < kColsPerThread; ++i) dk_acc[i] = dv_acc[i] = 0.f;
+
+    for (int h = h_kv * group; h < (h_kv + 1) * group; ++h) {
+        const T* q_head = q + b * q_sb + h * q_sh;
+        const T* do_head = dout + b * do_sb + h * do_sh;
+        const long long bh = static_cast<long long>(b) * heads + h;
+        for (int m0 = m_begin; m0 < seqlen_q; m0 += BLOCK_M) {
+            __syncthreads();
+            load_rows_f32<T, BLOCK_M, HEAD_DIM>(q_s, q_head, q_ss, m0, seqlen_q, head_dim);
+            load_rows_f32<T, BLOCK_M, HEAD_DIM>(do_s, do_head, do_ss, m0, seqlen_q, head_dim);
+            load_row_stats<BLOCK_M>(lse2_s, delta_s, lse + bh * seqlen_q, delta + bh * seqlen_q, m0, seqlen_q);
+            __syncthreads();
+            recompute_p_ds<HEAD_DIM, BLOCK_M, BLOCK_N>(q_s, do_s, k_s, v_s, lse2_s, delta_s, p_s, ds_s, CAUSAL, m0,
+                                                       n0, seqlen_q, seqlen_k, causal_offset, scale_log2);
+            __syncthreads();
+#pragma unroll
+            for (int i = 0; i < kColsPerThread; ++i) {
+                const int e = col0 + i * kThreadsPerRow;
+                float a = dv_acc[i], c = dk_acc[i];
+                for (int r = 0; r < BLOCK_M; ++r) {
+                    a = fmaf(p_s[r * kScoreRow + key_row], do_s[r * kRow + e], a);
+                    c = fmaf(ds_s[r * kScoreRow + key_row], q_s[r * kRow + e], c);
+                }
+                dv_acc[i] = a;
+                dk_acc[i] = c;
+            }
+        }
+    }
+    const int key = n0 + key_row;
+    if (key < seqlen_k) {
+        T* dk_row = dk + b * dk_sb + h_kv * dk_sh + key * dk_ss;
+        T* dv_row = dv + b * dk_sb + h_kv * dk_sh + key * dk_ss;
+#pragma unroll
+        for (int i = 0; i < kColsPerThread; ++i) {
+            const int e = col0 + i * kThreadsPerRow;
+            if (e < head_dim) {
+                dk_row[e] = from_float<T>(dk_acc[i] * scale);
+                dv_row[e] = from_float<T>(dv_acc[i]);
+            }
+        }
+    }
+}
+
+// dQ: one block per (batch, head, BLOCK_M queries), walking the key tiles it can see; no atomics.
+template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
+__global__ void __launch_bounds__(kSimtThreads) bwd_dq_simt(CUFLASH_BWD_PARAMS) {
+    using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
+    static_assert(Tiles::kBwdFloats * 4 == SMEM_BYTES, "launch shared memory must match the tile plan");
+    constexpr int kRow = Tiles::kRow, kScoreRow = Tiles::kScoreRow;
+    constexpr int kThreadsPerRow = kSimtThreads / BLOCK_M;
+    constexpr int kColsPerThread = HEAD_DIM / kThreadsPerRow;
+    static_assert(kSimtThreads % BLOCK_M == 0 && HEAD_DIM % kThreadsPerRow == 0, "dQ ownership must tile");
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    float* q_s = reinterpret_cast<float*>(smem_raw);
+    float* do_s = q_s + BLOCK_M * kRow;
+    float* k_s = do_s + BLOCK_M * kRow;
+    float* v_s = k_s + BLOCK_N * kRow;
+    float* p_s = v_s + BLOCK_N * kRow;
+    float* ds_s = p_s + BLOCK_M * kScoreRow;
+    float* lse2_s = ds_s + BLOCK_M * kScoreRow;
+    float* delta_s = lse2_s + BLOCK_M;
+
+    const int bh_count = batch * heads;
+    const int num_m_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
+    const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x / bh_count);
+    const int bh = blockIdx.x % bh_count;
+    const int b = bh / heads, h = bh % heads, h_kv = h / group;
+    const int m0 = m_block * BLOCK_M;
+    const int causal_offset = seqlen_k - seqlen_q;
+    const int n_end = visible_key_end<CAUSAL>(m0 + BLOCK_M, seqlen_k, causal_offset);
+    const T* k_head = k + b * k_sb + h_kv * k_sh;
+    const T* v_head = v + b * v_sb + h_kv * v_sh;
+
+    load_rows_f32<T, BLOCK_M, HEAD_DIM>(q_s, q + b * q_sb + h * q_sh, q_ss, m0, seqlen_q, head_dim);
+    load_rows_f32<T, BLOCK_M, HEAD_DIM>(do_s, dout + b * do_sb + h * do_sh, do_ss, m0, seqlen_q, head_dim);
+    load_row_stats<BLOCK_M>(lse2_s, delta_s, lse + static_cast<long long>(bh) * seqlen_q,
+                            delta + static_cast<long long>(bh) * seqlen_q, m0, seqlen_q);
+    const int q_row = threadIdx.x / kThreadsPerRow, col0 = threadIdx.x % kThreadsPerRow;
+    float dq_acc[kColsPerThread];
+#pragma unroll
+    for (int i = 0; i < kColsPerThread; ++i) dq_acc[i] = 0.f;
+
+    for (int n0 = 0; n0 < n_end; n0 += BLOCK_N) {
+        __syncthreads();
+        load_rows_f32<T, BLOCK_N, HEAD_DIM>(k_s, k_head, k_ss, n0, seqlen_k, head_dim);
+        load_rows_f32<T, BLOCK_N, HEAD_DIM>(v_s, v_head, v_ss, n0, seqlen_k, head_dim);
+        __syncthreads();
+        recompute_p_ds<HEAD_DIM, BLOCK_M, BLOCK_N>(q_s, do_s, k_s, v_s, lse2_s, delta_s, p_s, ds_s, CAUSAL, m0, n0,
+                                                   seqlen_q, seqlen_k, causal_offset, scale_log2);
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < kColsPerThread; ++i) {
+            const int e = col0 + i * kThreadsPerRow;
+            float a = dq_acc[i];
+            for (int c = 0; c < BLOCK_N; ++c) a = fmaf(ds_s[q_row * kScoreRow + c], k_s[c * kRow + e], a);
+            dq_acc[i] = a;
+        }
+    }
+    const int row = m0 + q_row;
+    if (row < seqlen_q) {
+        T* dq_row = dq + b * dq_sb + h * dq_sh + row * dq_ss;
+#pragma unroll
+        for (int i = 0; i < kColsPerThread; ++i) {
+            const int e = col0 + i * kThreadsPerRow;
+            if (e < head_dim) dq_row[e] = from_float<T>(dq_acc[i] * scale);
+        }
+    }
+}
+
+}  // namespace cuflash

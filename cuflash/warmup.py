@@ -1,0 +1,52 @@
+"""Compile every kernel specialization for the current GPU ahead of time, in parallel.
+
+``python -m cuflash.warmup [--jobs N]`` fills CuPy's on-disk kernel cache (``CUPY_CACHE_DIR``) so that
+no later process pays NVRTC time on a first call. Without it each new specialization compiles on its
+first use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import multiprocessing
+import os
+import time
+
+
+def _compile_one(spec) -> tuple[str, float]:
+    from . import _cupy_path
+    from ._compile import get_kernel
+
+    start = time.perf_counter()
+    get_kernel(spec, 0)
+    _cupy_path.device_props(0)
+    return spec.name, time.perf_counter() - start
+
+
+def warmup(jobs: int | None = None, verbose: bool = True) -> int:
+    """Compile all specializations for device 0; returns how many."""
+    from . import _config, _cupy_path
+
+    specs = _config.all_specs(_cupy_path.device_props(0))
+    jobs = jobs or os.cpu_count() or 1
+    context = multiprocessing.get_context("spawn")  # CUDA contexts do not survive fork
+    start = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        for name, seconds in pool.map(_compile_one, specs):
+            if verbose:
+                print(f"{seconds:6.1f} s  {name}")
+    if verbose:
+        print(f"{len(specs)} kernels ready in {time.perf_counter() - start:.1f} s with {jobs} processes")
+    return len(specs)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m cuflash.warmup", description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=None, help="compiler processes (default: CPU count)")
+    args = parser.parse_args(argv)
+    warmup(args.jobs)
+
+
+if __name__ == "__main__":
+    main()

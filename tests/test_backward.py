@@ -1,0 +1,95 @@
+"""Backward pass against the float64 reference backward, on both paths."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import cuflash
+from cuflash import reference
+
+from ._checks import (BF16, DTYPES, assert_fa_close, lowp_attention_backward, make_qkv, max_abs_finite,
+                      poison_pool, to_numpy)
+
+BACKWARD_SHAPES = [
+    (1, 1, 1, 1, 1, 64, True),
+    (2, 113, 203, 2, 2, 64, False),
+    (1, 203, 113, 2, 2, 64, True),
+    (1, 128, 217, 4, 1, 32, True),     # MQA: dk, dv sum over 4 query heads
+    (1, 108, 256, 4, 2, 128, False),   # GQA
+    (1, 512, 256, 2, 2, 128, True),
+    (1, 63, 65, 2, 2, 40, True),
+    (1, 127, 129, 3, 3, 59, False),
+    (1, 65, 33, 2, 2, 111, True),
+    (1, 70, 90, 2, 1, 192, False),
+    (1, 33, 66, 2, 2, 256, True),
+    (1, 17, 19, 2, 2, 3, True),
+]
+
+
+def check_backward(xp, rng, batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, causal, dtype, scale=None):
+    q, k, v = make_qkv(xp, rng, batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype)
+    dout = xp.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(dtype))
+    out, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+    poison_pool(xp)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale)
+    refs = reference.attention_backward(dout, q, k, v, causal=causal, softmax_scale=scale)
+    lowps = lowp_attention_backward(dout, q, k, v, out, causal, scale, dtype)
+    max_score = max_abs_finite(reference.attention(q, k, v, causal=causal, softmax_scale=scale)[1])
+    for name, grad, ref, lowp, like in zip(("dq", "dk", "dv"), grads, refs, lowps, (q, k, v)):
+        assert type(grad) is type(q) and grad.dtype == q.dtype and grad.shape == like.shape, name
+        assert_fa_close(grad, ref, lowp, dtype, 3, name, max_score)
+
+
+@pytest.mark.parametrize("shape", BACKWARD_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_backward_shapes(xp, rng, shape, dtype):
+    check_backward(xp, rng, *shape, dtype)
+
+
+def test_backward_with_scale(xp, rng):
+    check_backward(xp, rng, 1, 70, 90, 2, 2, 64, True, BF16, scale=0.21)
+
+
+def test_backward_of_fully_masked_rows_is_zero(xp, rng):
+    q, k, v = make_qkv(xp, rng, 1, 40, 10, 2, 2, 32, np.float32)
+    dout = xp.asarray(rng.standard_normal(q.shape, dtype=np.float32))
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    assert np.all(to_numpy(dq)[:, :30] == 0)
+    assert np.all(np.isfinite(to_numpy(dk))) and np.all(np.isfinite(to_numpy(dv)))
+
+
+def test_backward_empty_keys(xp, rng):
+    q, k, v = make_qkv(xp, rng, 1, 6, 0, 2, 2, 32, np.float16)
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    dq, dk, dv = cuflash.attention_backward(out, q, k, v, out, lse)
+    assert dq.shape == q.shape and dk.shape == k.shape and np.all(to_numpy(dq) == 0)
+
+
+def test_backward_does_not_write_inputs(xp, rng):
+    q, k, v = make_qkv(xp, rng, 1, 50, 60, 2, 2, 64, np.float16)
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    dout = xp.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(np.float16))
+    arrays = (dout, q, k, v, out, lse)
+    copies = [to_numpy(x).copy() for x in arrays]
+    cuflash.attention_backward(*arrays)
+    for before, after in zip(copies, arrays):
+        np.testing.assert_array_equal(before, to_numpy(after))
+
+
+shapes = st.tuples(
+    st.integers(1, 2), st.integers(1, 200), st.integers(1, 200),
+    st.sampled_from([(1, 1), (2, 2), (4, 2), (4, 1)]), st.integers(1, 256), st.booleans())
+
+
+@given(shape=shapes, dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**32 - 1))
+@example(shape=(1, 1, 1, (1, 1), 1, False), dtype=DTYPES[0], seed=0)
+@example(shape=(1, 97, 33, (4, 1), 130, True), dtype=BF16, seed=3)
+@example(shape=(1, 1, 98, (1, 1), 1, False), dtype=DTYPES[0], seed=204402)  # dq ~ 1e-4 by cancellation
+def test_fuzzed_backward(xp, shape, dtype, seed):
+    batch, seqlen_q, seqlen_k, (heads, heads_kv), head_dim, causal = shape
+    check_backward(xp, np.random.default_rng(seed), batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim,
+                   causal, dtype)

@@ -1,0 +1,280 @@
+"""CPU tests of the benchmark package: FLOP counts, records, tables, plots, the CLI, the naive baseline.
+
+The GPU measurements themselves are not run here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from bench import accuracy, naive, report
+from bench.flops import attention_flops, tflops
+from bench.records import RECORD_FIELDS, Shape, make_header, make_record, read_json, results_dir, slug, write_json
+from bench.suites import MODEL_DIM, SUITES, TOKENS, suite_cells
+from cuflash import reference
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+SHAPE = Shape.square(batch=2, seqlen=1024, heads=16, head_dim=128)
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}, timeout=120)
+
+
+# FLOPs
+
+
+def test_forward_flops_follow_the_papers():
+    assert attention_flops(2, 16, 1024, 1024, 128, False, "fwd") == 4 * 2 * 16 * 1024 * 1024 * 128
+
+
+def test_causal_halves_and_passes_scale():
+    fwd = attention_flops(2, 16, 1024, 1024, 128, False, "fwd")
+    assert attention_flops(2, 16, 1024, 1024, 128, True, "fwd") == fwd / 2
+    assert attention_flops(2, 16, 1024, 1024, 128, False, "bwd") == 2.5 * fwd
+    assert attention_flops(2, 16, 1024, 1024, 128, False, "fwd+bwd") == 3.5 * fwd
+    assert attention_flops(2, 16, 1024, 1024, 128, True, "fwd+bwd") == 3.5 * fwd / 2
+
+
+def test_unknown_pass_is_rejected():
+    with pytest.raises(ValueError, match="pass"):
+        attention_flops(1, 1, 1, 1, 1, False, "backward")
+
+
+def test_tflops():
+    assert tflops(2e12, 1000.0) == pytest.approx(2.0)
+    assert tflops(1e12, 0.5) == pytest.approx(2000.0)
+
+
+# records
+
+
+def test_record_has_the_fields_and_derives_timings():
+    rec = make_record("cuflash", "fwd", "bfloat16", SHAPE, True, times_ms=[3.0, 1.0, 2.0, 10.0])
+    assert tuple(rec) == RECORD_FIELDS
+    assert (rec["ms_median"], rec["ms_min"], rec["ms_max"], rec["repeats"]) == (2.5, 1.0, 10.0, 4)
+    flops = 4 * 2 * 16 * 1024 * 1024 * 128 / 2
+    assert rec["tflops"] == pytest.approx(flops / 2.5e-3 / 1e12)
+    assert (rec["batch"], rec["seqlen_q"], rec["seqlen_k"], rec["heads"], rec["heads_kv"], rec["head_dim"]) == (
+        2, 1024, 1024, 16, 16, 128)
+    assert rec["causal"] is True and rec["status"] == "ok" and rec["peak_bytes"] is None
+
+
+def test_record_without_timing_has_nulls():
+    rec = make_record("naive-cupy", "bwd", "float16", SHAPE, False, status="oom", note="needs 80 GiB")
+    assert rec["ms_median"] is None and rec["tflops"] is None and rec["repeats"] == 0
+    assert rec["status"] == "oom" and rec["note"] == "needs 80 GiB"
+
+
+def test_record_rejects_unknown_status_and_pass():
+    with pytest.raises(ValueError, match="status"):
+        make_record("cuflash", "fwd", "bfloat16", SHAPE, False, status="error")
+    with pytest.raises(ValueError, match="pass"):
+        make_record("cuflash", "forward", "bfloat16", SHAPE, False)
+
+
+def test_untimed_tflops_and_memory_records():
+    overhead = make_record("cuflash", "fwd", "bfloat16", SHAPE, False, times_ms=[0.02], with_tflops=False)
+    assert overhead["ms_median"] == 0.02 and overhead["tflops"] is None
+    compile_cold = make_record("cuflash", "compile-cold", "bfloat16", SHAPE, False, times_ms=[900.0])
+    assert compile_cold["tflops"] is None
+    memory = make_record("cuflash", "fwd", "bfloat16", SHAPE, False, peak_bytes=4096)
+    assert memory["peak_bytes"] == 4096 and memory["ms_median"] is None
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("NVIDIA H200", "nvidia-h200"),
+    ("NVIDIA GeForce RTX 4090", "nvidia-geforce-rtx-4090"),
+    ("NVIDIA H100 80GB HBM3", "nvidia-h100-80gb-hbm3"),
+    ("  NVIDIA A100-SXM4-40GB ", "nvidia-a100-sxm4-40gb"),
+])
+def test_slug(name, expected):
+    assert slug(name) == expected
+
+
+def test_results_dir_and_json_round_trip(tmp_path):
+    header = make_header("grid", False, gpu="NVIDIA H200", driver="570.86", cuda="13.0", cupy="14.2.0", torch=None,
+                         cuflash="0.1.0")
+    assert header["header"] is True and header["suite"] == "grid" and header["date"]
+    for key in ("gpu", "driver", "cuda", "cupy", "torch", "cuflash"):
+        assert key in header
+    assert results_dir(tmp_path, "NVIDIA H200") == tmp_path / "nvidia-h200"
+    rec = make_record("cuflash", "fwd", "bfloat16", SHAPE, False, times_ms=[1.0])
+    path = write_json(results_dir(tmp_path, "NVIDIA H200") / "grid.json", header, [rec])
+    rows = json.loads(path.read_text())
+    assert rows[0]["header"] is True and rows[1] == rec
+    assert read_json(path) == (header, [rec])
+
+
+# suites
+
+
+def test_grid_keeps_tokens_and_model_width():
+    cells = suite_cells("grid")
+    assert len(cells) == 6 * 3 * 2 * 2 * 3
+    for cell in cells:
+        assert cell.shape.batch * cell.shape.seqlen_q == TOKENS
+        assert cell.shape.heads * cell.shape.head_dim == MODEL_DIM
+        assert cell.shape.seqlen_q == cell.shape.seqlen_k
+    assert {c.shape.seqlen_q for c in cells} == {512, 1024, 2048, 4096, 8192, 16384}
+    assert {c.dtype for c in cells} == {"bfloat16", "float16"}
+
+
+def test_quick_runs_are_small():
+    for suite in SUITES:
+        assert 0 < len(suite_cells(suite, quick=True)) < len(suite_cells(suite))
+    assert len(suite_cells("grid", quick=True)) == 12
+    assert max(c.shape.seqlen_q for c in suite_cells("memory")) == 32768
+
+
+def test_unknown_suite():
+    with pytest.raises(ValueError, match="unknown suite"):
+        suite_cells("latency")
+
+
+# tables and plots
+
+
+def grid_records():
+    """cuflash and torch-flash at two seqlens; naive runs out of memory at the second."""
+    shapes = {512: Shape.square(32, 512, 16, 128), 1024: Shape.square(16, 1024, 16, 128)}
+    flops = {s: attention_flops(sh.batch, sh.heads, s, s, 128, False, "fwd") for s, sh in shapes.items()}
+
+    def timed(impl, seqlen, rate):  # a time that gives exactly ``rate`` TFLOP/s
+        return make_record(impl, "fwd", "bfloat16", shapes[seqlen], False, times_ms=[flops[seqlen] / rate / 1e9])
+
+    return [timed("cuflash", 512, 100.0), timed("cuflash", 1024, 200.0),
+            timed("torch-flash", 512, 50.0), timed("torch-flash", 1024, 400.0),
+            timed("naive-cupy", 512, 25.0),
+            make_record("naive-cupy", "fwd", "bfloat16", shapes[1024], False, status="oom")]
+
+
+def test_markdown_table_rows_and_ratios():
+    table = report.markdown_table(grid_records(), report.LAYOUTS["grid"])
+    lines = table.splitlines()
+    assert lines[0] == "| impl | 512 | 1k |"
+    assert "| cuflash | 100.0 | 200.0 |" in lines
+    assert "| naive-cupy | 25.0 | oom |" in lines
+    assert "| torch-flash | 50.0 | 400.0 |" in lines
+    assert "| cuflash / naive-cupy | 4.00x |  |" in lines
+    assert "| cuflash / torch-flash | 2.00x | 0.50x |" in lines
+    # implementations in the fixed order, ratios after them
+    assert [line.split(" | ")[0] for line in lines[2:]] == [
+        "| cuflash", "| naive-cupy", "| torch-flash", "| cuflash / naive-cupy", "| cuflash / torch-flash"]
+
+
+def test_markdown_report_has_a_table_per_group():
+    header = make_header("grid", True, gpu="NVIDIA H200", driver="570.86", cuda="13.0", cupy="14.2.0", torch="2.9",
+                         cuflash="0.1.0")
+    records = grid_records() + [dict(r, dtype="float16") for r in grid_records()]
+    text = report.markdown(header, records, "grid")
+    assert text.startswith("# grid: NVIDIA H200")
+    assert "## fwd, head_dim 128, non-causal, dtype bfloat16" in text
+    assert "## fwd, head_dim 128, non-causal, dtype float16" in text
+    assert text.count("| cuflash / torch-flash |") == 2
+
+
+def test_memory_table_formats_bytes():
+    shape = Shape.square(1, 1024, 16, 128)
+    records = [make_record("cuflash", "fwd", "bfloat16", shape, False, peak_bytes=2 * 2**20),
+               make_record("naive-cupy", "fwd", "bfloat16", shape, False, peak_bytes=3 * 2**30)]
+    lines = report.markdown_table(records, report.LAYOUTS["memory"]).splitlines()
+    assert "| cuflash | 2.0 MiB |" in lines
+    assert "| naive-cupy | 3.00 GiB |" in lines
+    assert f"| cuflash / naive-cupy | {2 / 3072:.2f}x |" in lines
+
+
+def test_plot_and_markdown_from_a_results_file(tmp_path):
+    header = make_header("grid", False, gpu="NVIDIA H200", driver="570.86", cuda="13.0", cupy="14.2.0", torch=None,
+                         cuflash="0.1.0")
+    path = write_json(tmp_path / "grid.json", header, grid_records())
+    md_path, png_path = report.write_reports(path)
+    assert png_path == tmp_path / "grid.png" and png_path.stat().st_size > 1000
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| cuflash / torch-flash | 2.00x | 0.50x |" in md_path.read_text()
+
+
+def test_report_cli_regenerates(tmp_path):
+    header = make_header("memory", False, gpu="NVIDIA H200", driver="", cuda="13.0", cupy="14.2.0", torch=None,
+                         cuflash="0.1.0")
+    shape = Shape.square(1, 1024, 16, 128)
+    path = write_json(tmp_path / "memory.json", header,
+                      [make_record("cuflash", "fwd", "bfloat16", shape, False, peak_bytes=2**20)])
+    done = run_cli("bench.report", str(path))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "memory.png").stat().st_size > 0 and (tmp_path / "memory.md").exists()
+
+
+# accuracy rule and the naive baseline
+
+
+def test_accuracy_rule():
+    want = np.array([1.0, -2.0, 0.5], np.float32)
+    assert accuracy.relative_error(want + np.float32(0.02), want) == pytest.approx(0.01, rel=1e-4)
+    assert accuracy.check_outputs((want + np.float32(0.02),), (want,), ("out",), "bfloat16")["out"] < 0.02
+    with pytest.raises(accuracy.Mismatch, match="dq"):
+        accuracy.check_outputs((want + np.float32(0.1),), (want,), ("dq",), "bfloat16")
+    with pytest.raises(accuracy.Mismatch):
+        accuracy.check_outputs((np.full(3, np.nan, np.float32),), (want,), ("out",), "float16")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_naive_matches_the_reference(causal):
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((2, 37, 3, 16), dtype=np.float32) for _ in range(4))
+    out, probs = naive.forward(q, k, v, causal, keep_probs=True)
+    want_out, _ = reference.attention(q, k, v, causal)
+    np.testing.assert_allclose(out, want_out, atol=1e-5)
+    grads = naive.backward(dout, q, k, v, out, probs)
+    for got, want in zip(grads, reference.attention_backward(dout, q, k, v, causal), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_causal_bias_is_bottom_right_aligned():
+    bias = naive.causal_bias(np, 2, 4)
+    np.testing.assert_array_equal(np.isfinite(bias), reference.causal_mask(2, 4))
+
+
+# CLI
+
+
+def test_help_exits_zero():
+    done = run_cli("bench", "--help")
+    assert done.returncode == 0
+    for option in ("--quick", "--out", "--impl", "--suite", "grid", "memory", "overhead", "compile"):
+        assert option in done.stdout
+
+
+def test_unknown_suite_or_impl_is_a_usage_error():
+    assert "unknown suite" in run_cli("bench", "latency").stderr
+    done = run_cli("bench", "--impl", "cuflash,triton")
+    assert done.returncode == 2 and "unknown implementation" in done.stderr
+
+
+def test_gpu_suite_without_a_gpu_fails_cleanly(tmp_path):
+    # CUDA_VISIBLE_DEVICES="" hides every GPU, so this holds on GPU machines too.
+    done = run_cli("bench", "grid", "--quick", "--out", str(tmp_path), env={"CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 1
+    assert "bench: the grid suite(s) need a CUDA GPU" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_pure_modules_import_without_cupy_or_torch():
+    code = ("import sys; sys.modules['cupy'] = None; sys.modules['torch'] = None\n"
+            "import bench.__main__, bench.flops, bench.records, bench.report, bench.accuracy, bench.naive, "
+            "bench.suites, bench.impls, bench.timing\n"
+            "from bench.impls import gpu_unavailable_reason\n"
+            "print(gpu_unavailable_reason())")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert "CuPy is not installed" in done.stdout

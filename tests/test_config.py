@@ -1,0 +1,89 @@
+"""The tile table: pure, GPU-free, and every entry launchable."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from cuflash import _config
+from cuflash._config import BFLOAT16, choose_config, padded_head_dim
+
+DEVICES = {"A100": _config.A100, "H100": _config.H100, "RTX4090": _config.RTX_4090}
+
+
+@pytest.mark.parametrize("head_dim,expected", [(1, 32), (32, 32), (33, 64), (64, 64), (65, 96), (111, 128),
+                                               (129, 160), (200, 224), (256, 256)])
+def test_padded_head_dim(head_dim, expected):
+    assert padded_head_dim(head_dim) == expected
+
+
+@pytest.mark.parametrize("head_dim", [0, 257])
+def test_padded_head_dim_rejects_out_of_range(head_dim):
+    with pytest.raises(ValueError, match=r"head_dim must be in 1\.\.256"):
+        padded_head_dim(head_dim)
+
+
+@pytest.mark.parametrize("device", DEVICES.values(), ids=DEVICES.keys())
+@pytest.mark.parametrize("dtype", _config.SUPPORTED_DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("head_dim", range(1, 257, 7))
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_config_fits_the_device(device, dtype, head_dim, causal):
+    cfg = choose_config(head_dim, dtype, causal, device)
+    for spec in (cfg.forward, cfg.bwd_dkdv, cfg.bwd_dq):
+        assert spec.head_dim == padded_head_dim(head_dim) >= head_dim
+        assert spec.smem_bytes <= device.max_smem_per_block
+        assert spec.causal == causal and np.dtype(spec.dtype) == dtype
+        assert spec.threads % 32 == 0 and spec.threads <= 1024
+    if dtype == np.float32:
+        assert cfg.forward.kernel == "fwd_simt"  # float32 stays exact: no tensor cores, no tf32
+    else:
+        assert cfg.forward.kernel == "fwd_mma"
+        assert cfg.forward.block_m % 16 == 0 and cfg.forward.block_n % 16 == 0
+        assert cfg.forward.threads == cfg.forward.block_m // 16 * 32
+
+
+def test_smem_bytes_of_the_mma_forward():
+    # Q tile + 2 stages of K and V, rows of (128 + 8) halves
+    cfg = choose_config(128, np.float16, False, _config.H100)
+    assert cfg.forward.smem_bytes == (cfg.forward.block_m + 4 * cfg.forward.block_n) * 136 * 2
+
+
+def test_head_dim_256_halves_the_key_tile_on_sm80():
+    h100 = choose_config(256, BFLOAT16, True, _config.H100).forward
+    a100 = choose_config(256, BFLOAT16, True, _config.A100).forward
+    assert a100.block_n < h100.block_n and a100.smem_bytes <= _config.A100.max_smem_per_block < h100.smem_bytes
+
+
+def test_small_smem_devices_get_smaller_simt_tiles():
+    assert choose_config(256, np.float32, False, _config.RTX_4090).bwd_dkdv.block_m == 16
+    assert choose_config(256, np.float32, False, _config.H100).bwd_dkdv.block_m == 32
+
+
+def test_choose_config_is_pure():
+    a = choose_config(100, np.float16, True, _config.H100)
+    b = choose_config(100, np.float16, True, _config.H100)
+    assert a == b and hash(a) == hash(b)
+
+
+def test_rejects_old_gpus_and_bad_dtypes():
+    with pytest.raises(ValueError, match="compute capability 8.0"):
+        choose_config(64, np.float16, False, dataclasses.replace(_config.A100, compute_capability=75))
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        choose_config(64, np.float64, False, _config.A100)
+
+
+def test_spec_names_are_template_instances():
+    cfg = choose_config(64, np.float16, True, _config.H100)
+    assert cfg.forward.name == "cuflash::fwd_mma<__half, 64, true, 128, 64>"
+    assert cfg.bwd_preprocess.name == "cuflash::bwd_preprocess<__half>"
+    assert cfg.bwd_dq.name.startswith("cuflash::bwd_dq_simt<__half, 64, true, 32, 32, ")
+    assert cfg.bwd_dq.name.endswith(f", {cfg.bwd_dq.smem_bytes}>")
+
+
+def test_all_specs_are_distinct_and_cover_the_table():
+    specs = _config.all_specs(_config.H100)
+    assert len({s.cache_key for s in specs}) == len(specs)
+    # per dtype: 8 head dims x 2 masks x (forward, dkdv, dq) + one preprocess kernel
+    assert len(specs) == 3 * (len(_config.HEAD_DIMS) * 2 * 3 + 1)

@@ -1,0 +1,95 @@
+"""GPU-only properties: reproducibility, memory growth, streams."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuflash
+
+from ._checks import BF16, make_qkv
+from .conftest import GPU
+
+pytestmark = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and CuPy")
+
+
+@pytest.fixture
+def cp():
+    import cupy
+
+    return cupy
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32], ids=lambda d: np.dtype(d).name)
+def test_forward_is_bitwise_reproducible(cp, rng, dtype):
+    q, k, v = make_qkv(cp, rng, 4, 1000, 1000, 8, 2, 128, dtype)
+    first = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    second = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    for a, b in zip(first, second):
+        assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_is_bitwise_reproducible(cp, rng, deterministic):
+    # enough blocks to fill every SM several times, so scheduling order varies between runs
+    q, k, v = make_qkv(cp, rng, 4, 1024, 1024, 16, 4, 64, BF16)
+    dout = cp.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(BF16))
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    first = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=deterministic)
+    runs = 50 if deterministic else 10
+    for _ in range(runs):
+        again = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=deterministic)
+        for a, b in zip(first, again):
+            assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16))
+
+
+def _pool_growth(cp, fn) -> int:
+    """Bytes the memory pool had to obtain for ``fn`` (its peak footprint, inputs excluded)."""
+    pool = cp.get_default_memory_pool()
+    cp.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    result = fn()
+    cp.cuda.Device().synchronize()
+    grown = pool.total_bytes() - before
+    del result
+    return grown
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_memory_grows_linearly_in_seqlen(cp, rng, causal):
+    batch, heads, head_dim, dtype = 1, 4, 64, np.float16
+    extra = {}
+    for seqlen in (4096, 16384):
+        q, k, v = make_qkv(cp, rng, batch, seqlen, seqlen, heads, heads, head_dim, dtype)
+        io_bytes = q.nbytes  # out (and each gradient) has the size of an input
+        lse_bytes = batch * heads * seqlen * 4
+        fwd = _pool_growth(cp, lambda: cuflash.attention(q, k, v, causal=causal, return_lse=True))
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        bwd = _pool_growth(cp, lambda: cuflash.attention_backward(q, q, k, v, out, lse, causal=causal))
+        extra[seqlen] = (fwd - io_bytes - lse_bytes, bwd - 3 * io_bytes)
+        # a seqlen x seqlen float32 buffer per (batch, head) would be 4 GiB here
+        assert fwd < 2 * (io_bytes + lse_bytes) and bwd < 6 * io_bytes, (seqlen, fwd, bwd)
+    for pass_index in (0, 1):
+        small, large = extra[4096][pass_index], extra[16384][pass_index]
+        assert large <= 4 * max(small, 1 << 20), extra   # linear: 4x the tokens, at most 4x the bytes
+
+
+def test_runs_on_the_current_stream(cp, rng):
+    q, k, v = make_qkv(cp, rng, 2, 500, 500, 4, 4, 64, np.float16)
+    expected = cuflash.attention(q, k, v)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        out = cuflash.attention(q, k, v)
+    stream.synchronize()
+    assert cp.array_equal(out, expected)
+
+
+def test_arrays_on_different_devices_are_rejected(cp, rng):
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    q, k, v = make_qkv(cp, rng, 1, 8, 8, 1, 1, 32, np.float16)
+    with cp.cuda.Device(1):
+        k1 = cp.asarray(k)
+    with pytest.raises(ValueError, match="one device"):
+        cuflash.attention(q, k1, v)
