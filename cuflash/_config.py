@@ -35,7 +35,15 @@ KERNEL_FILES = {
     "bwd_preprocess": "simt.cu",
     "bwd_dkdv_simt": "simt.cu",
     "bwd_dq_simt": "simt.cu",
+    "bwd_dkdv_mma": "bwd_mma.cu",
+    "bwd_dq_mma": "bwd_mma.cu",
 }
+#: tensor-core kernels: 16 rows per warp, shared memory derived from the tile shape
+MMA_KERNELS = frozenset({"fwd_mma", "bwd_dkdv_mma", "bwd_dq_mma"})
+#: bwd_dkdv_mma keeps 16 x head_dim accumulators of dK and of dV per warp in registers; past this head
+#: dim only one of them fits, and dK and dV are computed by two launches
+MMA_BACKWARD_FUSED_HEAD_DIM = 128
+DKDV_BOTH, DKDV_DV_ONLY, DKDV_DK_ONLY = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +77,7 @@ class KernelSpec:
     block_n: int = 0
     threads: int = SIMT_THREADS
     smem_bytes: int = 0
+    part: int = 0  # bwd_dkdv_mma only: 0 dK and dV, 1 dV only, 2 dK only (DkdvPart in bwd_mma.cu)
 
     @property
     def source_file(self) -> str:
@@ -82,14 +91,16 @@ class KernelSpec:
             args = [ctype]
         else:
             args = [ctype, str(self.head_dim), "true" if self.causal else "false", str(self.block_m), str(self.block_n)]
-            if self.kernel != "fwd_mma":
+            if self.kernel not in MMA_KERNELS:
                 args.append(str(self.smem_bytes))
+            if self.kernel == "bwd_dkdv_mma":
+                args.append(str(self.part))
         return f"cuflash::{self.kernel}<{', '.join(args)}>"
 
     @property
     def cache_key(self) -> tuple:
         return (self.kernel, np.dtype(self.dtype).name, self.head_dim, self.causal, self.block_m, self.block_n,
-                self.threads, self.smem_bytes)
+                self.threads, self.smem_bytes, self.part)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +109,12 @@ class AttentionConfig:
 
     forward: KernelSpec
     bwd_preprocess: KernelSpec
-    bwd_dkdv: KernelSpec
+    bwd_dkdv: tuple[KernelSpec, ...]  # one launch, or one per gradient past MMA_BACKWARD_FUSED_HEAD_DIM
     bwd_dq: KernelSpec
+
+    @property
+    def specs(self) -> tuple[KernelSpec, ...]:
+        return (self.forward, self.bwd_preprocess, *self.bwd_dkdv, self.bwd_dq)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -110,9 +125,16 @@ def padded_head_dim(head_dim: int) -> int:
     raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
 
 
-def mma_smem_bytes(head_dim: int, block_m: int, block_n: int, itemsize: int) -> int:
-    """Q tile plus two stages of K and V tiles, rows padded by 8 elements (kernels/mma.cuh)."""
-    return (block_m + 4 * block_n) * (head_dim + 8) * itemsize
+def mma_smem_bytes(kernel: str, head_dim: int, block_m: int, block_n: int, itemsize: int) -> int:
+    """Shared memory of a tensor-core kernel; tile rows padded by 8 elements (kernels/mma.cuh)."""
+    row = (head_dim + 8) * itemsize
+    if kernel == "fwd_mma":  # Q, two stages of K and V
+        return (block_m + 4 * block_n) * row
+    if kernel == "bwd_dkdv_mma":  # K, V, two stages of Q and dO, two stages of lse and delta (float32)
+        return (2 * block_n + 4 * block_m) * row + 4 * block_m * 4
+    if kernel == "bwd_dq_mma":  # Q, dO, two stages of K and V
+        return (2 * block_m + 4 * block_n) * row
+    raise ValueError(f"not a tensor-core kernel: {kernel}")
 
 
 def simt_smem_bytes(kernel: str, head_dim: int, block_m: int, block_n: int) -> int:
@@ -123,6 +145,47 @@ def simt_smem_bytes(kernel: str, head_dim: int, block_m: int, block_n: int) -> i
     else:
         floats = (2 * block_m + 2 * block_n) * row + 2 * block_m * score_row + 2 * block_m
     return 4 * floats
+
+
+def _mma_backward_tiles(kernel: str, head_dim: int) -> tuple[int, int]:
+    """(block_m, block_n) of the tensor-core backward kernels, before fitting shared memory.
+
+    bwd_dkdv_mma: 16 keys per warp (block_n / 16 warps) hold dK and dV, head_dim / 2 float32 registers
+    each per thread, plus the 16 x block_m tiles P^T and dS^T: block_m 32 at head_dim 128 keeps the
+    sum near 180 registers. bwd_dq_mma: 16 queries per warp hold dQ plus the 16 x block_n tiles P, dS.
+    Starting points, to be replaced by measurements from ``python -m bench``.
+    """
+    if kernel == "bwd_dkdv_mma":
+        if head_dim <= 64:
+            return 64, 128
+        return (32, 64) if head_dim <= MMA_BACKWARD_FUSED_HEAD_DIM else (16, 64)
+    if head_dim <= 64:
+        return 128, 64
+    return (64, 64) if head_dim <= 128 else (64, 32)
+
+
+def _mma_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DeviceProps, part: int = 0) -> KernelSpec:
+    tiles = _mma_forward_tiles if kernel == "fwd_mma" else (lambda d: _mma_backward_tiles(kernel, d))
+    block_m, block_n = tiles(head_dim)
+    # Halve the streamed tile, then the resident one, until everything fits (head_dim 256 forward on
+    # sm_80: 64 x 32). Tiles stay multiples of the 16 x 16 mma block.
+    def fits(bm, bn):
+        return mma_smem_bytes(kernel, head_dim, bm, bn, dtype.itemsize) <= device.max_smem_per_block
+
+    streamed_is_m = kernel == "bwd_dkdv_mma"
+    while not fits(block_m, block_n):
+        streamed, resident = (block_m, block_n) if streamed_is_m else (block_n, block_m)
+        if streamed > MMA_ROWS_PER_WARP:
+            streamed //= 2
+        elif resident > MMA_ROWS_PER_WARP:
+            resident //= 2
+        else:
+            raise ValueError(f"no {kernel} tile for head_dim {head_dim} fits in {device.max_smem_per_block} "
+                             "bytes of shared memory")
+        block_m, block_n = (streamed, resident) if streamed_is_m else (resident, streamed)
+    warps = (block_n if kernel == "bwd_dkdv_mma" else block_m) // MMA_ROWS_PER_WARP
+    smem = mma_smem_bytes(kernel, head_dim, block_m, block_n, dtype.itemsize)
+    return KernelSpec(kernel, dtype, head_dim, causal, block_m, block_n, warps * 32, smem, part)
 
 
 def _mma_forward_tiles(head_dim: int) -> tuple[int, int]:
@@ -171,22 +234,17 @@ def choose_config(head_dim: int, dtype, causal: bool, device: DeviceProps) -> At
         raise ValueError(f"cuflash needs compute capability 8.0 or newer, got {device.arch}")
     d = padded_head_dim(head_dim)
     causal = bool(causal)
-    if dtype == np.float32:
-        forward = _simt_spec("fwd_simt", dtype, d, causal, device)
+    half = dtype != np.float32  # float32 stays exact: CUDA cores, no tf32
+    forward = _mma_spec("fwd_mma", dtype, d, causal, device) if half else _simt_spec("fwd_simt", dtype, d, causal, device)
+    if half:
+        parts = (DKDV_BOTH,) if d <= MMA_BACKWARD_FUSED_HEAD_DIM else (DKDV_DV_ONLY, DKDV_DK_ONLY)
+        bwd_dkdv = tuple(_mma_spec("bwd_dkdv_mma", dtype, d, causal, device, part) for part in parts)
+        bwd_dq = _mma_spec("bwd_dq_mma", dtype, d, causal, device)
     else:
-        block_m, block_n = _mma_forward_tiles(d)
-        # Halve the key tile until Q plus two K/V stages fit (head_dim 256 on sm_80: 64 x 32).
-        while mma_smem_bytes(d, block_m, block_n, dtype.itemsize) > device.max_smem_per_block:
-            block_n //= 2
-        smem = mma_smem_bytes(d, block_m, block_n, dtype.itemsize)
-        warps = block_m // MMA_ROWS_PER_WARP
-        forward = KernelSpec("fwd_mma", dtype, d, causal, block_m, block_n, warps * 32, smem)
-    return AttentionConfig(
-        forward=forward,
-        bwd_preprocess=KernelSpec("bwd_preprocess", dtype),
-        bwd_dkdv=_simt_spec("bwd_dkdv_simt", dtype, d, causal, device),
-        bwd_dq=_simt_spec("bwd_dq_simt", dtype, d, causal, device),
-    )
+        bwd_dkdv = (_simt_spec("bwd_dkdv_simt", dtype, d, causal, device),)
+        bwd_dq = _simt_spec("bwd_dq_simt", dtype, d, causal, device)
+    return AttentionConfig(forward=forward, bwd_preprocess=KernelSpec("bwd_preprocess", dtype),
+                           bwd_dkdv=bwd_dkdv, bwd_dq=bwd_dq)
 
 
 def all_specs(device: DeviceProps) -> list[KernelSpec]:
@@ -196,6 +254,6 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
         for d in HEAD_DIMS:
             for causal in (False, True):
                 cfg = choose_config(d, dtype, causal, device)
-                for spec in (cfg.forward, cfg.bwd_preprocess, cfg.bwd_dkdv, cfg.bwd_dq):
+                for spec in cfg.specs:
                     specs[spec.cache_key] = spec
     return list(specs.values())

@@ -93,11 +93,12 @@ def backward(dout, q, k, v, out, lse, p: Problem):
         args = (q, k, v, dout, lse, delta, dq, dk, dv, *_strides(q), *_strides(k), *_strides(v),
                 *_strides(dout), *_strides(dq), *_strides(dk), np.int32(p.batch), np.int32(p.heads),
                 np.int32(p.group), np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(p.head_dim),
-                np.float32(p.softmax_scale), np.float32(p.softmax_scale * LOG2E))
-        spec = cfg.bwd_dkdv
-        n_blocks = -(-p.seqlen_k // spec.block_n)
-        get_kernel(spec, device_id)(_grid(n_blocks * p.batch * p.heads_kv), (spec.threads,), args,
-                                    shared_mem=spec.smem_bytes)
+                np.float32(p.softmax_scale), np.float32(p.softmax_scale * LOG2E),
+                np.int32(_vector_aligned(p.head_dim, q, k, v, dout)))
+        for spec in cfg.bwd_dkdv:
+            n_blocks = -(-p.seqlen_k // spec.block_n)
+            get_kernel(spec, device_id)(_grid(n_blocks * p.batch * p.heads_kv), (spec.threads,), args,
+                                        shared_mem=spec.smem_bytes)
         spec = cfg.bwd_dq
         m_blocks = -(-p.seqlen_q // spec.block_m)
         get_kernel(spec, device_id)(_grid(m_blocks * p.batch * p.heads), (spec.threads,), args,

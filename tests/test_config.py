@@ -31,17 +31,24 @@ def test_padded_head_dim_rejects_out_of_range(head_dim):
 @pytest.mark.parametrize("causal", [False, True])
 def test_every_config_fits_the_device(device, dtype, head_dim, causal):
     cfg = choose_config(head_dim, dtype, causal, device)
-    for spec in (cfg.forward, cfg.bwd_dkdv, cfg.bwd_dq):
+    for spec in (cfg.forward, *cfg.bwd_dkdv, cfg.bwd_dq):
         assert spec.head_dim == padded_head_dim(head_dim) >= head_dim
         assert spec.smem_bytes <= device.max_smem_per_block
         assert spec.causal == causal and np.dtype(spec.dtype) == dtype
         assert spec.threads % 32 == 0 and spec.threads <= 1024
-    if dtype == np.float32:
-        assert cfg.forward.kernel == "fwd_simt"  # float32 stays exact: no tensor cores, no tf32
+    if dtype == np.float32:  # float32 stays exact: no tensor cores, no tf32
+        assert {s.kernel for s in cfg.specs} == {"fwd_simt", "bwd_preprocess", "bwd_dkdv_simt", "bwd_dq_simt"}
     else:
-        assert cfg.forward.kernel == "fwd_mma"
-        assert cfg.forward.block_m % 16 == 0 and cfg.forward.block_n % 16 == 0
-        assert cfg.forward.threads == cfg.forward.block_m // 16 * 32
+        assert {s.kernel for s in cfg.specs} == {"fwd_mma", "bwd_preprocess", "bwd_dkdv_mma", "bwd_dq_mma"}
+        for spec in (cfg.forward, cfg.bwd_dq):  # 16 query rows per warp
+            assert spec.block_m % 16 == 0 and spec.block_n % 16 == 0
+            assert spec.threads == spec.block_m // 16 * 32
+        for spec in cfg.bwd_dkdv:  # 16 keys per warp
+            assert spec.threads == spec.block_n // 16 * 32 and spec.block_m % 16 == 0
+        # one launch computes both gradients, or two launches one each
+        assert sorted(s.part for s in cfg.bwd_dkdv) in ([_config.DKDV_BOTH],
+                                                        [_config.DKDV_DV_ONLY, _config.DKDV_DK_ONLY])
+        assert (len(cfg.bwd_dkdv) == 1) == (padded_head_dim(head_dim) <= _config.MMA_BACKWARD_FUSED_HEAD_DIM)
 
 
 def test_smem_bytes_of_the_mma_forward():
@@ -57,8 +64,8 @@ def test_head_dim_256_halves_the_key_tile_on_sm80():
 
 
 def test_small_smem_devices_get_smaller_simt_tiles():
-    assert choose_config(256, np.float32, False, _config.RTX_4090).bwd_dkdv.block_m == 16
-    assert choose_config(256, np.float32, False, _config.H100).bwd_dkdv.block_m == 32
+    assert choose_config(256, np.float32, False, _config.RTX_4090).bwd_dkdv[0].block_m == 16
+    assert choose_config(256, np.float32, False, _config.H100).bwd_dkdv[0].block_m == 32
 
 
 def test_choose_config_is_pure():
@@ -78,12 +85,18 @@ def test_spec_names_are_template_instances():
     cfg = choose_config(64, np.float16, True, _config.H100)
     assert cfg.forward.name == "cuflash::fwd_mma<__half, 64, true, 128, 64>"
     assert cfg.bwd_preprocess.name == "cuflash::bwd_preprocess<__half>"
-    assert cfg.bwd_dq.name.startswith("cuflash::bwd_dq_simt<__half, 64, true, 32, 32, ")
-    assert cfg.bwd_dq.name.endswith(f", {cfg.bwd_dq.smem_bytes}>")
+    assert cfg.bwd_dkdv[0].name == "cuflash::bwd_dkdv_mma<__half, 64, true, 64, 128, 0>"
+    simt = choose_config(64, np.float32, True, _config.H100).bwd_dq
+    assert simt.name == f"cuflash::bwd_dq_simt<float, 64, true, 32, 32, {simt.smem_bytes}>"
 
 
 def test_all_specs_are_distinct_and_cover_the_table():
     specs = _config.all_specs(_config.H100)
     assert len({s.cache_key for s in specs}) == len(specs)
-    # per dtype: 8 head dims x 2 masks x (forward, dkdv, dq) + one preprocess kernel
-    assert len(specs) == 3 * (len(_config.HEAD_DIMS) * 2 * 3 + 1)
+    # per dtype and mask: a forward and a dq kernel per head dim, one dkdv kernel per head dim up to
+    # MMA_BACKWARD_FUSED_HEAD_DIM and two past it (float32: always one); one preprocess kernel per dtype
+    fused = sum(d <= _config.MMA_BACKWARD_FUSED_HEAD_DIM for d in _config.HEAD_DIMS)
+    split = len(_config.HEAD_DIMS) - fused
+    half = 2 * (2 * len(_config.HEAD_DIMS) + fused + 2 * split) + 1
+    single = 2 * 3 * len(_config.HEAD_DIMS) + 1
+    assert len(specs) == 2 * half + single

@@ -106,4 +106,62 @@ __device__ __forceinline__ void load_tile_async(T* tile, const T* head_base, lon
     }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Warp-level products on padded shared tiles (rows of HEAD_DIM elements, kRow apart).
+
+// acc[NB][4] += A . B^T: A is 16 rows of a tile (k = head dim), B is NB * 8 rows of a tile (k = head dim).
+// Used for S = Q K^T and dP = dO V^T (and their transposes, swapping the tiles).
+template <typename T, int HEAD_DIM, int NB>
+__device__ __forceinline__ void warp_gemm_rows_rows(float (&acc)[NB][4], const T* a_rows, const T* b_rows,
+                                                    int lane) {
+    constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
+    static_assert(NB % 2 == 0, "B is read 16 rows per ldmatrix.x4");
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+        unsigned a[4];
+        ldmatrix_x4(a, a_rows + ((lane % 8) + 8 * ((lane / 8) % 2)) * kRow + ks * 16 + 8 * (lane / 16));
+#pragma unroll
+        for (int nb = 0; nb < NB; nb += 2) {
+            unsigned b[4];
+            ldmatrix_x4(b, b_rows + (nb * 8 + (lane % 8) + 8 * (lane / 16)) * kRow + ks * 16 + 8 * ((lane / 8) % 2));
+            mma_16816<T>(acc[nb], a, b[0], b[1]);
+            mma_16816<T>(acc[nb + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// acc[HEAD_DIM / 8][4] += A . B: A is KK k16-fragments in registers (an accumulator packed by
+// pack_a_fragments), B is KK * 16 rows of a tile, read transposed (k = row, n = head dim).
+// Used for P.V, dV += P^T dO, dK += dS^T Q and dQ += dS K.
+template <typename T, int HEAD_DIM, int KK>
+__device__ __forceinline__ void warp_gemm_frag_rows(float (&acc)[HEAD_DIM / 8][4], const unsigned (&a)[KK][4],
+                                                    const T* b_rows, int lane) {
+    constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
+#pragma unroll
+    for (int kk = 0; kk < KK; ++kk) {
+#pragma unroll
+        for (int db = 0; db < HEAD_DIM / 8; db += 2) {
+            unsigned b[4];
+            ldmatrix_x4_trans(b, b_rows + (kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2)) * kRow + db * 8 + 8 * (lane / 16));
+            mma_16816<T>(acc[db], a[kk], b[0], b[1]);
+            mma_16816<T>(acc[db + 1], a[kk], b[2], b[3]);
+        }
+    }
+}
+
+// Two adjacent 16 x 8 accumulator tiles are one 16 x 16 A fragment (layouts at the top of this file).
+template <typename T, int NB>
+__device__ __forceinline__ void pack_a_fragments(unsigned (&a)[NB / 2][4], const float (&c)[NB][4]) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+        a[nb / 2][(nb % 2) * 2 + 0] = pack2<T>(c[nb][0], c[nb][1]);
+        a[nb / 2][(nb % 2) * 2 + 1] = pack2<T>(c[nb][2], c[nb][3]);
+    }
+}
+
+template <int N> __device__ __forceinline__ void zero(float (&c)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
+}
+
 }  // namespace cuflash

@@ -209,7 +209,7 @@ __device__ __forceinline__ void load_row_stats(float* lse2_s, float* delta_s, co
         long long k_sb, long long k_ss, long long k_sh, long long v_sb, long long v_ss, long long v_sh,    \
         long long do_sb, long long do_ss, long long do_sh, long long dq_sb, long long dq_ss,               \
         long long dq_sh, long long dk_sb, long long dk_ss, long long dk_sh, int batch, int heads,          \
-        int group, int seqlen_q, int seqlen_k, int head_dim, float scale, float scale_log2
+        int group, int seqlen_q, int seqlen_k, int head_dim, float scale, float scale_log2, int vec_ok
 
 // dK, dV: one block per (batch, kv head, BLOCK_N keys). It walks every query head of the group and
 // every query tile that can see its keys, accumulating in registers (thread: one key row, every
