@@ -11,7 +11,7 @@ import re
 from .flops import PASSES, attention_flops, tflops
 
 #: Outcomes of one (implementation, cell): timed, declined by the implementation, or out of memory.
-STATUSES = ("ok", "refused", "oom")
+STATUSES = ("ok", "refused", "oom", "skipped")
 #: Passes of the compile suite, besides the timed PASSES.
 COMPILE_PASSES = ("compile-cold", "compile-warm")
 
@@ -52,7 +52,8 @@ def make_record(impl: str, pass_: str, dtype: str, shape: Shape, causal: bool, s
         numpy dtype name, e.g. ``"bfloat16"``.
     shape : Shape
     causal : bool
-    status : {"ok", "refused", "oom"}
+    status : {"ok", "refused", "oom", "skipped"}
+        "skipped": the bench chose not to run the cell (the note says why).
     times_ms : list of float, optional
         Every timed repeat; gives ms_median/min/max and the repeat count.
     peak_bytes : int, optional

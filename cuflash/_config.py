@@ -93,6 +93,8 @@ class KernelSpec:
             args = [ctype, str(self.head_dim), "true" if self.causal else "false", str(self.block_m), str(self.block_n)]
             if self.kernel not in MMA_KERNELS:
                 args.append(str(self.smem_bytes))
+            if self.kernel == "fwd_mma":
+                args.append(str(self.threads // 32))
             if self.kernel == "bwd_dkdv_mma":
                 args.append(str(self.part))
         return f"cuflash::{self.kernel}<{', '.join(args)}>"
@@ -151,22 +153,25 @@ def _mma_backward_tiles(kernel: str, head_dim: int) -> tuple[int, int]:
     """(block_m, block_n) of the tensor-core backward kernels, before fitting shared memory.
 
     bwd_dkdv_mma: 16 keys per warp (block_n / 16 warps) hold dK and dV, head_dim / 2 float32 registers
-    each per thread, plus the 16 x block_m tiles P^T and dS^T: block_m 32 at head_dim 128 keeps the
-    sum near 180 registers. bwd_dq_mma: 16 queries per warp hold dQ plus the 16 x block_n tiles P, dS.
-    Starting points, to be replaced by measurements from ``python -m bench``.
+    each per thread, plus the 16 x block_m tiles P^T and dS^T. bwd_dq_mma: 16 queries per warp hold
+    dQ plus the 16 x block_n tiles P, dS. TFLOP/s of the whole backward measured on the H200,
+    bfloat16, FlashAttention's grid at seqlen 1k / 4k, non-causal (tools/tune.py), as
+    (dkdv block_m x block_n, dq block_m x block_n):
+      head_dim 64:  (32 x 64, 64 x 64) 125 / 149;  (64 x 64, 128 x 32) 125 / 148;  (64 x 128, 128 x 64) 120 / 140
+      head_dim 128: (32 x 64, 64 x 64) 138 / 158;  (32 x 128, 128 x 32) 127 / 146;  (16 x 64, 64 x 32) 116 / 132
+      head_dim 256 (dK and dV in two launches): (16 x 64, 64 x 32) 86 / 95;  (32 x 64, 64 x 16) 80 / 91
     """
     if kernel == "bwd_dkdv_mma":
-        if head_dim <= 64:
-            return 64, 128
         return (32, 64) if head_dim <= MMA_BACKWARD_FUSED_HEAD_DIM else (16, 64)
-    if head_dim <= 64:
-        return 128, 64
     return (64, 64) if head_dim <= 128 else (64, 32)
 
 
 def _mma_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DeviceProps, part: int = 0) -> KernelSpec:
-    tiles = _mma_forward_tiles if kernel == "fwd_mma" else (lambda d: _mma_backward_tiles(kernel, d))
-    block_m, block_n = tiles(head_dim)
+    if kernel == "fwd_mma":
+        block_m, block_n, warps = _mma_forward_tiles(head_dim, device)
+    else:
+        block_m, block_n = _mma_backward_tiles(kernel, head_dim)
+        warps = (block_n if kernel == "bwd_dkdv_mma" else block_m) // MMA_ROWS_PER_WARP
     # Halve the streamed tile, then the resident one, until everything fits (head_dim 256 forward on
     # sm_80: 64 x 32). Tiles stay multiples of the 16 x 16 mma block.
     def fits(bm, bn):
@@ -183,22 +188,30 @@ def _mma_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DevicePro
             raise ValueError(f"no {kernel} tile for head_dim {head_dim} fits in {device.max_smem_per_block} "
                              "bytes of shared memory")
         block_m, block_n = (streamed, resident) if streamed_is_m else (resident, streamed)
-    warps = (block_n if kernel == "bwd_dkdv_mma" else block_m) // MMA_ROWS_PER_WARP
+    if kernel == "fwd_mma":
+        warps = min(warps, block_m // MMA_ROWS_PER_WARP)
+    else:
+        warps = (block_n if kernel == "bwd_dkdv_mma" else block_m) // MMA_ROWS_PER_WARP
     smem = mma_smem_bytes(kernel, head_dim, block_m, block_n, dtype.itemsize)
     return KernelSpec(kernel, dtype, head_dim, causal, block_m, block_n, warps * 32, smem, part)
 
 
-def _mma_forward_tiles(head_dim: int) -> tuple[int, int]:
-    """(block_m, block_n) of the tensor-core forward, before fitting shared memory.
+def _mma_forward_tiles(head_dim: int, device: DeviceProps) -> tuple[int, int, int]:
+    """(block_m, block_n, warps) of the tensor-core forward, before fitting shared memory.
 
-    Starting points of the FlashAttention-2 tile table (16 query rows per warp, the S tile of a warp
-    kept in registers); to be replaced entry by entry with measurements from ``python -m bench``.
+    A warp owns block_m / warps query rows (16 per mma atom). TFLOP/s measured on the H200,
+    bfloat16, FlashAttention's grid at seqlen 1k / 4k, non-causal (tools/tune.py, bench/NOTES.md):
+      head_dim 64:  128 x 64, 4 warps 211 / 238;  128 x 32, 4 warps 199 / 232;  64 x 64, 4 warps 179 / 202
+      head_dim 128: 128 x 32, 4 warps 216 / 252;  64 x 32, 4 warps 203 / 226;  128 x 64, 8 warps 175 / 212
+                    (128 x 64, 4 warps spills 40 bytes at 255 registers)
+      head_dim 256: 128 x 32, 8 warps 191 / 219;  64 x 32, 4 warps 184 / 208;  64 x 64, 4 warps 146 / 162
     """
     if head_dim <= 64:
-        return 128, 64
+        return 128, 64, 4
     if head_dim <= 128:
-        return 128, 64
-    return 64, 64
+        # sm_80's ptxas spills 20 bytes on 128 x 32 x 4 at head_dim 128: the next best there
+        return (128, 32, 4) if device.compute_capability >= 90 else (64, 32, 4)
+    return 128, 32, 8
 
 
 def _simt_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DeviceProps) -> KernelSpec:

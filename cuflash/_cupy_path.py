@@ -51,7 +51,8 @@ def _grid(blocks: int) -> tuple[int]:
     return (max(blocks, 1),)
 
 
-def forward(q, k, v, p: Problem):
+def forward(q, k, v, p: Problem, spec: _config.KernelSpec | None = None):
+    """out, lse; ``spec`` overrides the tile table's forward kernel (for tuning tools)."""
     import cupy
 
     device_id = q.device.id
@@ -59,7 +60,8 @@ def forward(q, k, v, p: Problem):
         q, k, v = _readable(q), _readable(k), _readable(v)
         out = cupy.empty(q.shape, q.dtype)
         lse = cupy.empty((p.batch, p.heads, p.seqlen_q), np.float32)
-        spec = _config.choose_config(p.head_dim, p.dtype, p.causal, device_props(device_id)).forward
+        if spec is None:
+            spec = _config.choose_config(p.head_dim, p.dtype, p.causal, device_props(device_id)).forward
         kernel = get_kernel(spec, device_id)
         m_blocks = -(-p.seqlen_q // spec.block_m)
         args = (q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
@@ -70,14 +72,16 @@ def forward(q, k, v, p: Problem):
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, p: Problem):
+def backward(dout, q, k, v, out, lse, p: Problem, cfg: _config.AttentionConfig | None = None):
+    """dq, dk, dv; ``cfg`` overrides the tile table's backward kernels (for tuning tools)."""
     import cupy
 
     device_id = q.device.id
     with q.device:
         dout, q, k, v, out = (_readable(x) for x in (dout, q, k, v, out))
         lse = cupy.ascontiguousarray(lse)
-        cfg = _config.choose_config(p.head_dim, p.dtype, p.causal, device_props(device_id))
+        if cfg is None:
+            cfg = _config.choose_config(p.head_dim, p.dtype, p.causal, device_props(device_id))
         dq = cupy.empty(q.shape, q.dtype)
         dk = cupy.empty(k.shape, k.dtype)
         dv = cupy.empty(v.shape, v.dtype)

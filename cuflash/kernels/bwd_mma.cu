@@ -49,7 +49,7 @@ enum DkdvPart { kDkAndDv = 0, kDvOnly = 1, kDkOnly = 2 };
 // the transposed tiles S^T = K Q^T and dP^T = V dO^T (16 keys x BLOCK_M queries), so P^T and dS^T sit
 // in accumulator layout and feed dV and dK as A fragments without a trip through shared memory.
 template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N, int PART>
-__global__ void __launch_bounds__(BLOCK_N / 16 * 32) bwd_dkdv_mma(CUFLASH_BWD_MMA_PARAMS) {
+__global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_mma(CUFLASH_BWD_MMA_PARAMS) {
     constexpr bool kDk = PART != kDvOnly, kDv = PART != kDkOnly;
     constexpr int kThreads = BLOCK_N / 16 * 32;
     constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32) bwd_dkdv_mma(CUFLASH_BWD_MM
 // V tiles of BLOCK_N keys stream through two cp.async stages (the forward's structure). dS stays in
 // registers as the A operand of dS K.
 template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N>
-__global__ void __launch_bounds__(BLOCK_M / 16 * 32) bwd_dq_mma(CUFLASH_BWD_MMA_PARAMS) {
+__global__ void __launch_bounds__(BLOCK_M / 16 * 32, 1) bwd_dq_mma(CUFLASH_BWD_MMA_PARAMS) {
     constexpr int kThreads = BLOCK_M / 16 * 32;
     constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
     constexpr int kNTiles = BLOCK_N / 8;

@@ -1,0 +1,103 @@
+"""Sweep tile candidates of the tensor-core kernels on the GPU (the tile table's measurements).
+
+``python tools/tune.py fwd|bwd [--seqlens 1024 4096] [--dims 64 128 256]``: for each head dim, mask and
+candidate, the kernel's registers and local memory (spills) as loaded, and its TFLOP/s on
+FlashAttention's grid (bfloat16). The chosen entries and their numbers go into cuflash/_config.py and
+bench/NOTES.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import cupy as cp
+import numpy as np
+
+from cuflash import _config, _cupy_path
+from cuflash._compile import get_kernel
+from cuflash._validate import check_forward
+
+TOKENS, WIDTH = 16384, 2048
+
+FWD_CANDIDATES = {  # head_dim: (block_m, block_n, warps)
+    64: [(128, 64, 4), (64, 64, 4), (128, 64, 8), (64, 64, 2), (128, 32, 4), (64, 128, 4)],
+    128: [(128, 32, 4), (64, 64, 4), (128, 64, 8), (64, 32, 2), (128, 32, 8), (64, 32, 4)],
+    256: [(64, 64, 4), (64, 32, 4), (32, 64, 2), (64, 32, 2), (128, 32, 8)],
+}
+BWD_CANDIDATES = {  # head_dim: ((dkdv block_m, block_n), (dq block_m, block_n))
+    64: [((64, 128), (128, 64)), ((32, 64), (64, 64)), ((64, 64), (128, 32)), ((32, 128), (64, 128))],
+    128: [((32, 64), (64, 64)), ((16, 64), (64, 32)), ((32, 128), (128, 32)), ((64, 64), (32, 64))],
+    256: [((16, 64), (64, 32)), ((16, 32), (32, 32)), ((32, 64), (64, 16))],
+}
+
+
+def time_ms(fn, repeats=8):
+    flush = cp.empty(256 << 20, cp.uint8)
+    fn()
+    times = []
+    for _ in range(repeats):
+        flush.fill(0)
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+def mma_spec(kernel, d, causal, bm, bn, warps, part=0):
+    dtype = cp.dtype("bfloat16")
+    smem = _config.mma_smem_bytes(kernel, d, bm, bn, dtype.itemsize)
+    return _config.KernelSpec(kernel, dtype, d, causal, bm, bn, warps * 32, smem, part)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("pass_", choices=["fwd", "bwd"])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
+    args = parser.parse_args()
+    bf16 = cp.dtype("bfloat16")
+    limit = _cupy_path.device_props(0).max_smem_per_block
+    for d in args.dims:
+        for causal in (False, True):
+            candidates = FWD_CANDIDATES[d] if args.pass_ == "fwd" else BWD_CANDIDATES[d]
+            for cand in candidates:
+                if args.pass_ == "fwd":
+                    spec = mma_spec("fwd_mma", d, causal, *cand)
+                    specs = [spec]
+                else:
+                    base = _config.choose_config(d, bf16, causal, _cupy_path.device_props(0))
+                    (dkdv_m, dkdv_n), (dq_m, dq_n) = cand
+                    dkdv = tuple(mma_spec("bwd_dkdv_mma", d, causal, dkdv_m, dkdv_n, dkdv_n // 16, s.part)
+                                 for s in base.bwd_dkdv)
+                    dq = mma_spec("bwd_dq_mma", d, causal, dq_m, dq_n, dq_m // 16)
+                    cfg = dataclasses.replace(base, bwd_dkdv=dkdv, bwd_dq=dq)
+                    specs = [*dkdv, dq]
+                if any(s.smem_bytes > limit for s in specs):
+                    continue
+                kernels = [get_kernel(s, 0) for s in specs]
+                regs = "/".join(str(kr.num_regs) for kr in kernels)
+                spill = sum(kr.local_size_bytes for kr in kernels)
+                cells = []
+                for n in args.seqlens:
+                    b, h = TOKENS // n, WIDTH // d
+                    q, k, v, do = (cp.random.standard_normal((b, n, h, d), dtype=cp.float32).astype(bf16)
+                                   for _ in range(4))
+                    p = check_forward(q, k, v, causal, None)
+                    flops = 4 * b * h * n * n * d / (2 if causal else 1)
+                    if args.pass_ == "fwd":
+                        ms = time_ms(lambda: _cupy_path.forward(q, k, v, p, spec))
+                    else:
+                        out, lse = _cupy_path.forward(q, k, v, p)
+                        ms = time_ms(lambda: _cupy_path.backward(do, q, k, v, out, lse, p, cfg))
+                        flops *= 2.5
+                    cells.append(f"{flops / ms / 1e9:6.1f}")
+                print(f"{args.pass_} d={d:3d} causal={causal!s:5} {str(cand):28s} regs {regs:>9} local {spill:4d}  "
+                      + " ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
