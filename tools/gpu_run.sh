@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The device machine's session script: warm the kernel cache, run the whole test suite, then the given
-# benchmark command. Logs land in $OUT (the device tool brings them back).
+# benchmark command. Logs and the benchmark's results (results.tgz) land in $OUT (the device tool brings
+# them back, at most 8 files). PYTEST_ARGS adds pytest options; SKIP_TESTS=1 skips the tests.
 #   bash tools/gpu_run.sh [bench args...]      e.g. bash tools/gpu_run.sh grid memory
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -20,4 +21,5 @@ if [ $# -gt 0 ]; then
   start=$SECONDS
   python3 -m bench "$@" 2>&1 | tee "$OUT/bench.log" | tail -n 60
   echo "bench: $((SECONDS - start)) s"
+  tar czf "$OUT/results.tgz" bench/results
 fi
