@@ -9,6 +9,7 @@ specs of the forward and backward kernels; it needs no GPU and is unit-tested on
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import ml_dtypes
 import numpy as np
@@ -224,8 +225,10 @@ def _simt_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DevicePr
     raise ValueError(f"no {kernel} tile fits in {device.max_smem_per_block} bytes of shared memory")
 
 
+@functools.lru_cache(maxsize=1024)
 def choose_config(head_dim: int, dtype, causal: bool, device: DeviceProps) -> AttentionConfig:
-    """Pick the kernels for one problem. Pure: no GPU, no state.
+    """Pick the kernels for one problem. Pure: no GPU, no state (so its results are cached: a call's
+    host time matters at small shapes, bench's overhead suite).
 
     Parameters
     ----------

@@ -49,7 +49,7 @@ __device__ __forceinline__ float dot_rows(const float* a, const float* b) {
 // live in shared memory; m_i and l_i per row in shared memory; acc in registers, each thread owning
 // one row and every kThreadsPerRow-th column of it.
 template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
-__global__ void __launch_bounds__(kSimtThreads)
+__global__ void __launch_bounds__(kSimtThreads, 1)
 fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
          float* __restrict__ lse, long long q_sb, long long q_ss, long long q_sh, long long k_sb,
          long long k_ss, long long k_sh, long long v_sb, long long v_ss, long long v_sh, long long o_sb,
@@ -124,11 +124,14 @@ fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
         __syncthreads();
         const float alpha = alpha_s[acc_row];
 #pragma unroll
-        for (int i = 0; i < kColsPerThread; ++i) {
-            const int e = acc_col0 + i * kThreadsPerRow;
-            float a = acc[i] * alpha;
-            for (int c = 0; c < BLOCK_N; ++c) a = fmaf(p_s[acc_row * kScoreRow + c], v_s[c * kRow + e], a);
-            acc[i] = a;
+        for (int i = 0; i < kColsPerThread; ++i) acc[i] *= alpha;
+        // Key loop outside, columns unrolled inside: each P value is read once, and the unrolled body
+        // stays kColsPerThread FMAs long (a fully unrolled nest took NVRTC seconds per kernel).
+#pragma unroll 2
+        for (int c = 0; c < BLOCK_N; ++c) {
+            const float p = p_s[acc_row * kScoreRow + c];
+#pragma unroll
+            for (int i = 0; i < kColsPerThread; ++i) acc[i] = fmaf(p, v_s[c * kRow + acc_col0 + i * kThreadsPerRow], acc[i]);
         }
     }
     __syncthreads();
@@ -151,7 +154,7 @@ fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 // ---------------------------------------------------------------------------------------------------
 // delta[b, h, i] = sum_e dout[b, i, h, e] * out[b, i, h, e], float32; one warp per row.
 template <typename T>
-__global__ void __launch_bounds__(kSimtThreads)
+__global__ void __launch_bounds__(kSimtThreads, 1)
 bwd_preprocess(const T* __restrict__ dout, const T* __restrict__ out, float* __restrict__ delta,
                long long do_sb, long long do_ss, long long do_sh, long long o_sb, long long o_ss, long long o_sh,
                int batch, int heads, int seqlen_q, int head_dim) {
@@ -215,7 +218,7 @@ __device__ __forceinline__ void load_row_stats(float* lse2_s, float* delta_s, co
 // every query tile that can see its keys, accumulating in registers (thread: one key row, every
 // kThreadsPerRow-th column). dk and dv share strides (both allocated by cuflash).
 template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
-__global__ void __launch_bounds__(kSimtThreads) bwd_dkdv_simt(CUFLASH_BWD_PARAMS) {
+__global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_BWD_PARAMS) {
     using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
     static_assert(Tiles::kBwdFloats * 4 == SMEM_BYTES, "launch shared memory must match the tile plan");
     constexpr int kRow = Tiles::kRow, kScoreRow = Tiles::kScoreRow;
@@ -263,16 +266,15 @@ __global__ void __launch_bounds__(kSimtThreads) bwd_dkdv_simt(CUFLASH_BWD_PARAMS
             recompute_p_ds<HEAD_DIM, BLOCK_M, BLOCK_N>(q_s, do_s, k_s, v_s, lse2_s, delta_s, p_s, ds_s, CAUSAL, m0,
                                                        n0, seqlen_q, seqlen_k, causal_offset, scale_log2);
             __syncthreads();
+#pragma unroll 2
+            for (int r = 0; r < BLOCK_M; ++r) {
+                const float p = p_s[r * kScoreRow + key_row], ds = ds_s[r * kScoreRow + key_row];
 #pragma unroll
-            for (int i = 0; i < kColsPerThread; ++i) {
-                const int e = col0 + i * kThreadsPerRow;
-                float a = dv_acc[i], c = dk_acc[i];
-                for (int r = 0; r < BLOCK_M; ++r) {
-                    a = fmaf(p_s[r * kScoreRow + key_row], do_s[r * kRow + e], a);
-                    c = fmaf(ds_s[r * kScoreRow + key_row], q_s[r * kRow + e], c);
+                for (int i = 0; i < kColsPerThread; ++i) {
+                    const int e = col0 + i * kThreadsPerRow;
+                    dv_acc[i] = fmaf(p, do_s[r * kRow + e], dv_acc[i]);
+                    dk_acc[i] = fmaf(ds, q_s[r * kRow + e], dk_acc[i]);
                 }
-                dv_acc[i] = a;
-                dk_acc[i] = c;
             }
         }
     }
@@ -293,7 +295,7 @@ __global__ void __launch_bounds__(kSimtThreads) bwd_dkdv_simt(CUFLASH_BWD_PARAMS
 
 // dQ: one block per (batch, head, BLOCK_M queries), walking the key tiles it can see; no atomics.
 template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
-__global__ void __launch_bounds__(kSimtThreads) bwd_dq_simt(CUFLASH_BWD_PARAMS) {
+__global__ void __launch_bounds__(kSimtThreads, 1) bwd_dq_simt(CUFLASH_BWD_PARAMS) {
     using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
     static_assert(Tiles::kBwdFloats * 4 == SMEM_BYTES, "launch shared memory must match the tile plan");
     constexpr int kRow = Tiles::kRow, kScoreRow = Tiles::kScoreRow;
@@ -339,12 +341,12 @@ __global__ void __launch_bounds__(kSimtThreads) bwd_dq_simt(CUFLASH_BWD_PARAMS) 
         recompute_p_ds<HEAD_DIM, BLOCK_M, BLOCK_N>(q_s, do_s, k_s, v_s, lse2_s, delta_s, p_s, ds_s, CAUSAL, m0, n0,
                                                    seqlen_q, seqlen_k, causal_offset, scale_log2);
         __syncthreads();
+#pragma unroll 2
+        for (int c = 0; c < BLOCK_N; ++c) {
+            const float ds = ds_s[q_row * kScoreRow + c];
 #pragma unroll
-        for (int i = 0; i < kColsPerThread; ++i) {
-            const int e = col0 + i * kThreadsPerRow;
-            float a = dq_acc[i];
-            for (int c = 0; c < BLOCK_N; ++c) a = fmaf(ds_s[q_row * kScoreRow + c], k_s[c * kRow + e], a);
-            dq_acc[i] = a;
+            for (int i = 0; i < kColsPerThread; ++i)
+                dq_acc[i] = fmaf(ds, k_s[c * kRow + col0 + i * kThreadsPerRow], dq_acc[i]);
         }
     }
     const int row = m0 + q_row;

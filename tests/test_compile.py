@@ -1,0 +1,53 @@
+"""Every kernel the dispatcher can choose compiles with NVRTC for sm_80 and sm_90, without a GPU.
+
+The float16/bfloat16 (tensor-core) kernels must not spill registers to local memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import multiprocessing
+import os
+
+import numpy as np
+import pytest
+
+from cuflash import _config
+from cuflash._compile import compile_offline
+
+TARGETS = {"sm_80": _config.A100, "sm_90": _config.H100}
+
+
+@pytest.fixture(scope="module", params=sorted(TARGETS))
+def reports(request):
+    # one NVRTC program per (source file, dtype), compiled in parallel processes
+    groups = collections.defaultdict(list)
+    for spec in _config.all_specs(TARGETS[request.param]):
+        groups[spec.source_file, spec.dtype.name].append(spec)
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(os.cpu_count(), mp_context=context) as pool:
+        results = pool.map(compile_offline, groups.values(), [request.param] * len(groups))
+        return [r for group in results for r in group]
+
+
+def test_every_specialization_compiles(reports):
+    device = TARGETS[reports[0].arch]
+    assert {r.spec.cache_key for r in reports} == {s.cache_key for s in _config.all_specs(device)}
+    kernels = collections.Counter(r.spec.kernel for r in reports)
+    # 8 head dims x 2 masks: half-precision forwards for 2 dtypes, SIMT forward for float32
+    assert kernels["fwd_mma"] == 2 * 2 * len(_config.HEAD_DIMS)
+    assert kernels["fwd_simt"] == 2 * len(_config.HEAD_DIMS)
+    assert all(r.registers > 0 for r in reports)
+
+
+def test_half_precision_kernels_do_not_spill(reports):
+    spilling = [(r.spec.name, r.spill_store_bytes, r.spill_load_bytes) for r in reports
+                if np.dtype(r.spec.dtype) != np.float32 and (r.spill_store_bytes or r.spill_load_bytes)]
+    assert not spilling, f"register spills on {reports[0].arch}: {spilling}"
+
+
+def test_register_budget_allows_the_launch(reports):
+    # 64K 32-bit registers per SM on sm_80 and sm_90: a block must fit on one SM.
+    for r in reports:
+        assert r.registers * r.spec.threads <= 65536, (r.spec.name, r.registers)
