@@ -36,19 +36,22 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32 (no peers for float32)")
     args = parser.parse_args()
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
         torch = None
-    bf16 = cp.dtype("bfloat16")
+    dtype = cp.dtype(args.dtype)
+    if dtype == cp.float32:
+        torch = None  # SDPA's flash and cuDNN backends take half precision only
     print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | {'fwd':>7} {'fa2':>7} {'cudnn':>7} | {'bwd':>7} {'fa2':>7} {'cudnn':>7}  TFLOP/s")
     for d in args.dims:
         for causal in (False, True):
             for n in args.seqlens:
                 b, h = TOKENS // n, WIDTH // d
-                q, k, v, do = (cp.random.standard_normal((b, n, h, d), dtype=cp.float32).astype(bf16) for _ in range(4))
+                q, k, v, do = (cp.random.standard_normal((b, n, h, d), dtype=cp.float32).astype(dtype) for _ in range(4))
                 flops = 4 * b * h * n * n * d / (2 if causal else 1)
                 out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
                 row = [time_ms(lambda: cuflash.attention(q, k, v, causal=causal))]

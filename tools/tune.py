@@ -12,11 +12,11 @@ import argparse
 import dataclasses
 
 import cupy as cp
-import numpy as np
 
 from cuflash import _config, _cupy_path
 from cuflash._compile import get_kernel
 from cuflash._validate import check_forward
+from speed_probe import time_ms  # tools/ is on sys.path when run as tools/tune.py
 
 TOKENS, WIDTH = 16384, 2048
 
@@ -30,21 +30,6 @@ BWD_CANDIDATES = {  # head_dim: ((dkdv block_m, block_n), (dq block_m, block_n))
     128: [((32, 64), (64, 64)), ((16, 64), (64, 32)), ((32, 128), (128, 32)), ((64, 64), (32, 64))],
     256: [((16, 64), (64, 32)), ((16, 32), (32, 32)), ((32, 64), (64, 16))],
 }
-
-
-def time_ms(fn, repeats=8):
-    flush = cp.empty(256 << 20, cp.uint8)
-    fn()
-    times = []
-    for _ in range(repeats):
-        flush.fill(0)
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
 
 
 def mma_spec(kernel, d, causal, bm, bn, warps, part=0):

@@ -11,15 +11,6 @@
 
 namespace cuflash {
 
-#define CUFLASH_BWD_MMA_PARAMS                                                                              \
-    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const T *__restrict__ dout, \
-        const float *__restrict__ lse, const float *__restrict__ delta, T *__restrict__ dq,                \
-        T *__restrict__ dk, T *__restrict__ dv, long long q_sb, long long q_ss, long long q_sh,            \
-        long long k_sb, long long k_ss, long long k_sh, long long v_sb, long long v_ss, long long v_sh,    \
-        long long do_sb, long long do_ss, long long do_sh, long long dq_sb, long long dq_ss,               \
-        long long dq_sh, long long dk_sb, long long dk_ss, long long dk_sh, int batch, int heads,          \
-        int group, int seqlen_q, int seqlen_k, int head_dim, float scale, float scale_log2, int vec_ok
-
 // Store a warp's 16 x HEAD_DIM accumulator (rows row0 + g and row0 + g + 8) times `factor`.
 template <typename T, int HEAD_DIM>
 __device__ __forceinline__ void store_rows(T* base, long long row_stride, int row0, int rows_valid, int head_dim,
@@ -49,7 +40,7 @@ enum DkdvPart { kDkAndDv = 0, kDvOnly = 1, kDkOnly = 2 };
 // the transposed tiles S^T = K Q^T and dP^T = V dO^T (16 keys x BLOCK_M queries), so P^T and dS^T sit
 // in accumulator layout and feed dV and dK as A fragments without a trip through shared memory.
 template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N, int PART>
-__global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_mma(CUFLASH_BWD_MMA_PARAMS) {
+__global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
     constexpr bool kDk = PART != kDvOnly, kDv = PART != kDkOnly;
     constexpr int kThreads = BLOCK_N / 16 * 32;
     constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
@@ -66,12 +57,8 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_mma(CUFLASH_BWD
     float* lse2_s = reinterpret_cast<float*>(do_s + 2 * BLOCK_M * kRow);
     float* delta_s = lse2_s + 2 * BLOCK_M;
 
-    const int heads_kv = heads / group;
-    const int bhk_count = batch * heads_kv;
-    const int n_block = blockIdx.x / bhk_count;   // low key blocks first: under the causal mask they see the most rows
-    const int bhk = blockIdx.x % bhk_count;
-    const int b = bhk / heads_kv, h_kv = bhk % heads_kv;
-    const int n0 = n_block * BLOCK_N;
+    const KeyBlock blk(BLOCK_N, heads / group, seqlen_k);
+    const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
     const int causal_offset = seqlen_k - seqlen_q;
     const int m_begin = CAUSAL ? max(0, n0 - causal_offset) / BLOCK_M * BLOCK_M : 0;
     const int m_tiles = m_begin < seqlen_q ? (seqlen_q - m_begin + BLOCK_M - 1) / BLOCK_M : 0;
@@ -171,7 +158,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_mma(CUFLASH_BWD
 // V tiles of BLOCK_N keys stream through two cp.async stages (the forward's structure). dS stays in
 // registers as the A operand of dS K.
 template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N>
-__global__ void __launch_bounds__(BLOCK_M / 16 * 32, 1) bwd_dq_mma(CUFLASH_BWD_MMA_PARAMS) {
+__global__ void __launch_bounds__(BLOCK_M / 16 * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) {
     constexpr int kThreads = BLOCK_M / 16 * 32;
     constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
     constexpr int kNTiles = BLOCK_N / 8;
@@ -185,12 +172,8 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 32, 1) bwd_dq_mma(CUFLASH_BWD_M
     T* k_s = do_s + BLOCK_M * kRow;
     T* v_s = k_s + 2 * BLOCK_N * kRow;
 
-    const int bh_count = batch * heads;
-    const int num_m_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
-    const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x / bh_count);
-    const int bh = blockIdx.x % bh_count;
-    const int b = bh / heads, h = bh % heads, h_kv = h / group;
-    const int m0 = m_block * BLOCK_M;
+    const QueryBlock blk(BLOCK_M, heads, group, seqlen_q);
+    const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const int causal_offset = seqlen_k - seqlen_q;
     const int n_end = visible_key_end<CAUSAL>(m0 + BLOCK_M, seqlen_k, causal_offset);
     const int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;

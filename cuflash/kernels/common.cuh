@@ -68,4 +68,45 @@ __device__ __forceinline__ bool key_visible(bool causal, int row, int key, int s
     return key < seqlen_k && (!causal || key <= row + causal_offset);
 }
 
+// The query block of a thread block in the kernels that walk key tiles per query block (forward, dQ).
+// Grid: one block per (batch, head, query block), query blocks fastest, so the blocks resident at one
+// time mostly belong to a few heads and read the same K and V through L2. Within a head the highest
+// query blocks come first: under the causal mask they have the most key tiles to walk.
+struct QueryBlock {
+    int bh, b, h, h_kv, m0;
+    __device__ __forceinline__ QueryBlock(int block_m, int heads, int group, int seqlen_q) {
+        const int num_m_blocks = max(1, (seqlen_q + block_m - 1) / block_m);
+        const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x % num_m_blocks);
+        bh = blockIdx.x / num_m_blocks;
+        b = bh / heads;
+        h = bh % heads;
+        h_kv = h / group;
+        m0 = m_block * block_m;
+    }
+};
+
+// The key block of a thread block in the dK/dV kernels: one block per (batch, kv head, key block), key
+// blocks fastest (resident blocks share Q and dO through L2); the lowest key blocks, which the most
+// query rows see under the causal mask, come first within a head.
+struct KeyBlock {
+    int b, h_kv, n0;
+    __device__ __forceinline__ KeyBlock(int block_n, int heads_kv, int seqlen_k) {
+        const int num_n_blocks = max(1, (seqlen_k + block_n - 1) / block_n);
+        const int bhk = blockIdx.x / num_n_blocks;
+        b = bhk / heads_kv;
+        h_kv = bhk % heads_kv;
+        n0 = static_cast<int>(blockIdx.x % num_n_blocks) * block_n;
+    }
+};
+
+// The parameters of every backward kernel (bwd_mma.cu, simt.cu): one list, one launch path.
+#define CUFLASH_BWD_PARAMS                                                                                  \
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const T *__restrict__ dout, \
+        const float *__restrict__ lse, const float *__restrict__ delta, T *__restrict__ dq,                \
+        T *__restrict__ dk, T *__restrict__ dv, long long q_sb, long long q_ss, long long q_sh,            \
+        long long k_sb, long long k_ss, long long k_sh, long long v_sb, long long v_ss, long long v_sh,    \
+        long long do_sb, long long do_ss, long long do_sh, long long dq_sb, long long dq_ss,               \
+        long long dq_sh, long long dk_sb, long long dk_ss, long long dk_sh, int batch, int heads,          \
+        int group, int seqlen_q, int seqlen_k, int head_dim, float scale, float scale_log2, int vec_ok
+
 }  // namespace cuflash

@@ -41,13 +41,8 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     T* k_s = q_s + BLOCK_M * kRow;
     T* v_s = k_s + 2 * BLOCK_N * kRow;
 
-    const int bh_count = batch * heads;
-    const int num_m_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
-    // Highest query blocks first: under the causal mask they have the most key tiles to walk.
-    const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x / bh_count);
-    const int bh = blockIdx.x % bh_count;
-    const int b = bh / heads, h = bh % heads, h_kv = h / group;
-    const int m0 = m_block * BLOCK_M;
+    const QueryBlock blk(BLOCK_M, heads, group, seqlen_q);
+    const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const int causal_offset = seqlen_k - seqlen_q;
 
     const T* q_head = q + b * q_sb + h * q_sh;

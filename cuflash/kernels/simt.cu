@@ -72,12 +72,8 @@ fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
     float* l_s = m_s + BLOCK_M;                        // [BLOCK_M] l_i
     float* alpha_s = l_s + BLOCK_M;                    // [BLOCK_M] rescale factor of this tile
 
-    const int bh_count = batch * heads;
-    const int num_m_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
-    const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x / bh_count);
-    const int bh = blockIdx.x % bh_count;
-    const int b = bh / heads, h = bh % heads, h_kv = h / group;
-    const int m0 = m_block * BLOCK_M;
+    const QueryBlock blk(BLOCK_M, heads, group, seqlen_q);
+    const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const int causal_offset = seqlen_k - seqlen_q;
     const T* k_head = k + b * k_sb + h_kv * k_sh;
     const T* v_head = v + b * v_sb + h_kv * v_sh;
@@ -205,15 +201,6 @@ __device__ __forceinline__ void load_row_stats(float* lse2_s, float* delta_s, co
     }
 }
 
-#define CUFLASH_BWD_PARAMS                                                                                  \
-    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const T *__restrict__ dout, \
-        const float *__restrict__ lse, const float *__restrict__ delta, T *__restrict__ dq,                \
-        T *__restrict__ dk, T *__restrict__ dv, long long q_sb, long long q_ss, long long q_sh,            \
-        long long k_sb, long long k_ss, long long k_sh, long long v_sb, long long v_ss, long long v_sh,    \
-        long long do_sb, long long do_ss, long long do_sh, long long dq_sb, long long dq_ss,               \
-        long long dq_sh, long long dk_sb, long long dk_ss, long long dk_sh, int batch, int heads,          \
-        int group, int seqlen_q, int seqlen_k, int head_dim, float scale, float scale_log2, int vec_ok
-
 // dK, dV: one block per (batch, kv head, BLOCK_N keys). It walks every query head of the group and
 // every query tile that can see its keys, accumulating in registers (thread: one key row, every
 // kThreadsPerRow-th column). dk and dv share strides (both allocated by cuflash).
@@ -236,12 +223,8 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_BWD_PAR
     float* lse2_s = ds_s + BLOCK_M * kScoreRow;        // [BLOCK_M]
     float* delta_s = lse2_s + BLOCK_M;                 // [BLOCK_M]
 
-    const int heads_kv = heads / group;
-    const int bhk_count = batch * heads_kv;
-    const int n_block = blockIdx.x / bhk_count;   // lowest key blocks first: most query rows see them
-    const int bhk = blockIdx.x % bhk_count;
-    const int b = bhk / heads_kv, h_kv = bhk % heads_kv;
-    const int n0 = n_block * BLOCK_N;
+    const KeyBlock blk(BLOCK_N, heads / group, seqlen_k);
+    const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
     const int causal_offset = seqlen_k - seqlen_q;
     // first query row that sees key n0 under the causal mask: row >= n0 - causal_offset
     const int m_begin = CAUSAL ? max(0, n0 - causal_offset) / BLOCK_M * BLOCK_M : 0;
@@ -313,12 +296,8 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dq_simt(CUFLASH_BWD_PARAM
     float* lse2_s = ds_s + BLOCK_M * kScoreRow;
     float* delta_s = lse2_s + BLOCK_M;
 
-    const int bh_count = batch * heads;
-    const int num_m_blocks = (seqlen_q + BLOCK_M - 1) / BLOCK_M;
-    const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x / bh_count);
-    const int bh = blockIdx.x % bh_count;
-    const int b = bh / heads, h = bh % heads, h_kv = h / group;
-    const int m0 = m_block * BLOCK_M;
+    const QueryBlock blk(BLOCK_M, heads, group, seqlen_q);
+    const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const int causal_offset = seqlen_k - seqlen_q;
     const int n_end = visible_key_end<CAUSAL>(m0 + BLOCK_M, seqlen_k, causal_offset);
     const T* k_head = k + b * k_sb + h_kv * k_sh;
