@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_mma(CUFLASH_BWD
     float* lse2_s = reinterpret_cast<float*>(do_s + 2 * BLOCK_M * kRow);
     float* delta_s = lse2_s + 2 * BLOCK_M;
 
-    const KeyBlock blk(BLOCK_N, heads / group, seqlen_k);
+    const KeyBlock blk(BLOCK_N, batch, heads / group);
     const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
     const int causal_offset = seqlen_k - seqlen_q;
     const int m_begin = CAUSAL ? max(0, n0 - causal_offset) / BLOCK_M * BLOCK_M : 0;
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 32, 1) bwd_dq_mma(CUFLASH_BWD_P
     T* k_s = do_s + BLOCK_M * kRow;
     T* v_s = k_s + 2 * BLOCK_N * kRow;
 
-    const QueryBlock blk(BLOCK_M, heads, group, seqlen_q);
+    const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const int causal_offset = seqlen_k - seqlen_q;
     const int n_end = visible_key_end<CAUSAL>(m0 + BLOCK_M, seqlen_k, causal_offset);

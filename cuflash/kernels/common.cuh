@@ -69,15 +69,17 @@ __device__ __forceinline__ bool key_visible(bool causal, int row, int key, int s
 }
 
 // The query block of a thread block in the kernels that walk key tiles per query block (forward, dQ).
-// Grid: one block per (batch, head, query block), query blocks fastest, so the blocks resident at one
-// time mostly belong to a few heads and read the same K and V through L2. Within a head the highest
-// query blocks come first: under the causal mask they have the most key tiles to walk.
+// Grid: one block per (query block, batch, head), batch * heads fastest, the highest query blocks of
+// every head first: under the causal mask they have the most key tiles to walk, and starting all the
+// long blocks first balances the SMs. (Query blocks fastest, for K/V reuse in L2, measured no faster
+// without the mask and 5-10% slower with it: bench/NOTES.md.)
 struct QueryBlock {
     int bh, b, h, h_kv, m0;
-    __device__ __forceinline__ QueryBlock(int block_m, int heads, int group, int seqlen_q) {
-        const int num_m_blocks = max(1, (seqlen_q + block_m - 1) / block_m);
-        const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x % num_m_blocks);
-        bh = blockIdx.x / num_m_blocks;
+    __device__ __forceinline__ QueryBlock(int block_m, int batch, int heads, int group, int seqlen_q) {
+        const int bh_count = batch * heads;
+        const int num_m_blocks = (seqlen_q + block_m - 1) / block_m;
+        const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x / bh_count);
+        bh = blockIdx.x % bh_count;
         b = bh / heads;
         h = bh % heads;
         h_kv = h / group;
@@ -85,17 +87,17 @@ struct QueryBlock {
     }
 };
 
-// The key block of a thread block in the dK/dV kernels: one block per (batch, kv head, key block), key
-// blocks fastest (resident blocks share Q and dO through L2); the lowest key blocks, which the most
-// query rows see under the causal mask, come first within a head.
+// The key block of a thread block in the dK/dV kernels: one block per (key block, batch, kv head),
+// batch * heads_kv fastest, the lowest key blocks (which the most query rows see under the causal mask)
+// of every head first.
 struct KeyBlock {
     int b, h_kv, n0;
-    __device__ __forceinline__ KeyBlock(int block_n, int heads_kv, int seqlen_k) {
-        const int num_n_blocks = max(1, (seqlen_k + block_n - 1) / block_n);
-        const int bhk = blockIdx.x / num_n_blocks;
+    __device__ __forceinline__ KeyBlock(int block_n, int batch, int heads_kv) {
+        const int bhk_count = batch * heads_kv;
+        const int bhk = blockIdx.x % bhk_count;
         b = bhk / heads_kv;
         h_kv = bhk % heads_kv;
-        n0 = static_cast<int>(blockIdx.x % num_n_blocks) * block_n;
+        n0 = static_cast<int>(blockIdx.x / bhk_count) * block_n;
     }
 };
 

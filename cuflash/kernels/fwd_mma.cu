@@ -41,7 +41,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     T* k_s = q_s + BLOCK_M * kRow;
     T* v_s = k_s + 2 * BLOCK_N * kRow;
 
-    const QueryBlock blk(BLOCK_M, heads, group, seqlen_q);
+    const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const int causal_offset = seqlen_k - seqlen_q;
 

@@ -72,7 +72,7 @@ fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
     float* l_s = m_s + BLOCK_M;                        // [BLOCK_M] l_i
     float* alpha_s = l_s + BLOCK_M;                    // [BLOCK_M] rescale factor of this tile
 
-    const QueryBlock blk(BLOCK_M, heads, group, seqlen_q);
+    const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const int causal_offset = seqlen_k - seqlen_q;
     const T* k_head = k + b * k_sb + h_kv * k_sh;
@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_BWD_PAR
     float* lse2_s = ds_s + BLOCK_M * kScoreRow;        // [BLOCK_M]
     float* delta_s = lse2_s + BLOCK_M;                 // [BLOCK_M]
 
-    const KeyBlock blk(BLOCK_N, heads / group, seqlen_k);
+    const KeyBlock blk(BLOCK_N, batch, heads / group);
     const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
     const int causal_offset = seqlen_k - seqlen_q;
     // first query row that sees key n0 under the causal mask: row >= n0 - causal_offset
@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dq_simt(CUFLASH_BWD_PARAM
     float* lse2_s = ds_s + BLOCK_M * kScoreRow;
     float* delta_s = lse2_s + BLOCK_M;
 
-    const QueryBlock blk(BLOCK_M, heads, group, seqlen_q);
+    const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const int causal_offset = seqlen_k - seqlen_q;
     const int n_end = visible_key_end<CAUSAL>(m0 + BLOCK_M, seqlen_k, causal_offset);
