@@ -169,10 +169,9 @@ def _mma_backward_tiles(kernel: str, head_dim: int) -> tuple[int, int]:
 
 def _mma_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DeviceProps, part: int = 0) -> KernelSpec:
     if kernel == "fwd_mma":
-        block_m, block_n, warps = _mma_forward_tiles(head_dim, device)
+        block_m, block_n, table_warps = _mma_forward_tiles(head_dim, device)
     else:
         block_m, block_n = _mma_backward_tiles(kernel, head_dim)
-        warps = (block_n if kernel == "bwd_dkdv_mma" else block_m) // MMA_ROWS_PER_WARP
     # Halve the streamed tile, then the resident one, until everything fits (head_dim 256 forward on
     # sm_80: 64 x 32). Tiles stay multiples of the 16 x 16 mma block.
     def fits(bm, bn):
@@ -189,8 +188,10 @@ def _mma_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DevicePro
             raise ValueError(f"no {kernel} tile for head_dim {head_dim} fits in {device.max_smem_per_block} "
                              "bytes of shared memory")
         block_m, block_n = (streamed, resident) if streamed_is_m else (resident, streamed)
+    # Warps follow the fitted tile: the forward keeps its table's count while whole 16-row atoms remain;
+    # the backward kernels have one warp per 16 rows of their resident tile.
     if kernel == "fwd_mma":
-        warps = min(warps, block_m // MMA_ROWS_PER_WARP)
+        warps = min(table_warps, block_m // MMA_ROWS_PER_WARP)
     else:
         warps = (block_n if kernel == "bwd_dkdv_mma" else block_m) // MMA_ROWS_PER_WARP
     smem = mma_smem_bytes(kernel, head_dim, block_m, block_n, dtype.itemsize)
