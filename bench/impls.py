@@ -17,7 +17,7 @@ from . import naive
 from .records import Shape
 from .report import fmt_bytes
 
-IMPL_NAMES = ("cuflash", "naive-cupy", "torch-flash", "torch-cudnn", "torch-efficient")
+IMPL_NAMES = ("cuflash", "cuflash-deterministic", "naive-cupy", "torch-flash", "torch-cudnn", "torch-efficient")
 #: torch implementation -> member of torch.nn.attention.SDPBackend
 TORCH_BACKENDS = {"torch-flash": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENTION",
                   "torch-efficient": "EFFICIENT_ATTENTION"}
@@ -155,9 +155,11 @@ class CupyImpl:
 
 
 class Cuflash(CupyImpl):
-    """cuflash; it allocates only its outputs, lse and delta, so it tries every cell."""
+    """cuflash; it allocates only its outputs, lse, delta (and the float32 dQ buffer of the atomic
+    backward), so it tries every cell."""
 
     name = "cuflash"
+    deterministic = False
 
     def make_call(self, pass_: str, x: Inputs, causal: bool):
         import cuflash
@@ -166,13 +168,22 @@ class Cuflash(CupyImpl):
             return lambda: (cuflash.attention(x.q, x.k, x.v, causal=causal),)
         if pass_ == "bwd":
             out, lse = cuflash.attention(x.q, x.k, x.v, causal=causal, return_lse=True)
-            return lambda: cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, causal=causal)
+            return lambda: cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, causal=causal,
+                                                      deterministic=self.deterministic)
 
         def forward_backward():
             out, lse = cuflash.attention(x.q, x.k, x.v, causal=causal, return_lse=True)
-            return (out, *cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, causal=causal))
+            return (out, *cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, causal=causal,
+                                                     deterministic=self.deterministic))
 
         return forward_backward
+
+
+class CuflashDeterministic(Cuflash):
+    """cuflash's backward with ``deterministic=True`` (bitwise-reproducible dq: no atomics)."""
+
+    name = "cuflash-deterministic"
+    deterministic = True
 
 
 class NaiveCupy(CupyImpl):
@@ -280,7 +291,7 @@ def _sdpa_backend(name: str):
 
 def default_impl_names() -> list[str]:
     """Every implementation this machine can run: the torch ones need PyTorch with CUDA and the backend."""
-    return ["cuflash", "naive-cupy"] + [name for name in TORCH_BACKENDS if _sdpa_backend(name) is not None]
+    return ["cuflash", "cuflash-deterministic", "naive-cupy"] + [name for name in TORCH_BACKENDS if _sdpa_backend(name) is not None]
 
 
 def make_impls(names: list[str]) -> list:
@@ -292,5 +303,6 @@ def make_impls(names: list[str]) -> list:
                 raise RuntimeError(f"{name} needs PyTorch >= 2.3 with CUDA and SDPBackend.{TORCH_BACKENDS[name]}")
             impls.append(TorchSdpa(name))
         else:
-            impls.append({"cuflash": Cuflash, "naive-cupy": NaiveCupy}[name]())
+            impls.append({"cuflash": Cuflash, "cuflash-deterministic": CuflashDeterministic,
+                          "naive-cupy": NaiveCupy}[name]())
     return impls

@@ -14,7 +14,7 @@ import pathlib
 from .records import read_json
 
 #: Table rows and plot lines, in this order; unknown implementations follow, sorted.
-IMPL_ORDER = ("cuflash", "naive-cupy", "torch-flash", "torch-cudnn", "torch-efficient")
+IMPL_ORDER = ("cuflash", "cuflash-deterministic", "naive-cupy", "torch-flash", "torch-cudnn", "torch-efficient")
 SUBJECT = "cuflash"
 PASS_ORDER = ("fwd", "bwd", "fwd+bwd", "compile-cold", "compile-warm")
 #: The plots show one dtype, to stay readable; the tables show all.

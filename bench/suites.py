@@ -51,6 +51,8 @@ QUICK_COMPILE_HEAD_DIMS = (128,)
 #: and its backward passes over the whole grid would take longer than the 8 minutes the suite may use.
 #: Its backward is measured by the memory suite.
 GRID_FORWARD_ONLY = ("naive-cupy",)
+#: ... and these implementations' backward passes only: their forward is cuflash's own.
+GRID_BACKWARD_ONLY = ("cuflash-deterministic",)
 #: Only these implementations compile kernels at run time (CuPy JIT); PyTorch ships prebuilt kernels.
 JIT_IMPLS = ("cuflash", "naive-cupy")
 
@@ -212,6 +214,9 @@ def run_suite(suite: str, impl_names: list[str], quick: bool = False, repeats: i
                 if suite == "grid" and impl.name in GRID_FORWARD_ONLY and cell.pass_ != "fwd":
                     records.append(make_record(impl.name, cell.pass_, cell.dtype, cell.shape, cell.causal,
                                                status="skipped", note="grid times this baseline's forward only"))
+                elif suite == "grid" and impl.name in GRID_BACKWARD_ONLY and cell.pass_ == "fwd":
+                    records.append(make_record(impl.name, cell.pass_, cell.dtype, cell.shape, cell.causal,
+                                               status="skipped", note="the forward is cuflash's own"))
                 else:
                     records.append(_run_one(impl, cell, inputs, expected, MEASURES[suite], settings, timer))
                 bar.update()

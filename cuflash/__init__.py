@@ -84,8 +84,11 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_sc
     causal, softmax_scale
         As given to the forward.
     deterministic : bool
-        Ask for bitwise-reproducible gradients. The current backward accumulates every gradient in a
-        fixed order without atomics, so it is deterministic in both settings.
+        False (the default): for float16/bfloat16 on the GPU, dq is accumulated in float32 with
+        atomics inside the dk/dv kernel (FlashAttention-2's way, fewer matrix products), so its last
+        bits may differ from run to run. True: dq comes from its own kernel that sums in a fixed order,
+        and dq, dk, dv are bitwise identical on every run. dk and dv are bitwise reproducible in both
+        settings; float32 and the NumPy path are deterministic in both.
 
     Returns
     -------
@@ -103,4 +106,4 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_sc
         return _numpy_path.backward(dout, q, k, v, out, lse, problem)
     from . import _cupy_path
 
-    return _cupy_path.backward(dout, q, k, v, out, lse, problem)
+    return _cupy_path.backward(dout, q, k, v, out, lse, problem, deterministic)

@@ -38,6 +38,7 @@ KERNEL_FILES = {
     "bwd_dq_simt": "simt.cu",
     "bwd_dkdv_mma": "bwd_mma.cu",
     "bwd_dq_mma": "bwd_mma.cu",
+    "bwd_dq_convert": "bwd_mma.cu",
 }
 #: tensor-core kernels: 16 rows per warp, shared memory derived from the tile shape
 MMA_KERNELS = frozenset({"fwd_mma", "bwd_dkdv_mma", "bwd_dq_mma"})
@@ -79,6 +80,7 @@ class KernelSpec:
     threads: int = SIMT_THREADS
     smem_bytes: int = 0
     part: int = 0  # bwd_dkdv_mma only: 0 dK and dV, 1 dV only, 2 dK only (DkdvPart in bwd_mma.cu)
+    atomic_dq: bool = False  # bwd_dkdv_mma only: also add dQ into a float32 buffer with atomics
 
     @property
     def source_file(self) -> str:
@@ -90,6 +92,8 @@ class KernelSpec:
         ctype = CUDA_TYPES[np.dtype(self.dtype)]
         if self.kernel == "bwd_preprocess":
             args = [ctype]
+        elif self.kernel == "bwd_dq_convert":
+            args = [ctype, str(self.head_dim)]
         else:
             args = [ctype, str(self.head_dim), "true" if self.causal else "false", str(self.block_m), str(self.block_n)]
             if self.kernel not in MMA_KERNELS:
@@ -97,27 +101,35 @@ class KernelSpec:
             if self.kernel == "fwd_mma":
                 args.append(str(self.threads // 32))
             if self.kernel == "bwd_dkdv_mma":
-                args.append(str(self.part))
+                args += [str(self.part), "true" if self.atomic_dq else "false"]
         return f"cuflash::{self.kernel}<{', '.join(args)}>"
 
     @property
     def cache_key(self) -> tuple:
         return (self.kernel, np.dtype(self.dtype).name, self.head_dim, self.causal, self.block_m, self.block_n,
-                self.threads, self.smem_bytes, self.part)
+                self.threads, self.smem_bytes, self.part, self.atomic_dq)
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """The kernels of one (head dim, dtype, causal, device) problem."""
+    """The kernels of one (head dim, dtype, causal, device) problem.
+
+    The backward runs ``bwd_preprocess``, then either the deterministic pair (``bwd_dkdv``, then
+    ``bwd_dq``) or, where ``bwd_dkdv_atomic`` is not empty (float16/bfloat16), the default: the dK/dV
+    kernels that also add dQ into a zeroed float32 buffer with atomics, then ``bwd_dq_convert``.
+    """
 
     forward: KernelSpec
     bwd_preprocess: KernelSpec
     bwd_dkdv: tuple[KernelSpec, ...]  # one launch, or one per gradient past MMA_BACKWARD_FUSED_HEAD_DIM
     bwd_dq: KernelSpec
+    bwd_dkdv_atomic: tuple[KernelSpec, ...] = ()
+    bwd_dq_convert: KernelSpec | None = None
 
     @property
     def specs(self) -> tuple[KernelSpec, ...]:
-        return (self.forward, self.bwd_preprocess, *self.bwd_dkdv, self.bwd_dq)
+        atomic = (*self.bwd_dkdv_atomic, self.bwd_dq_convert) if self.bwd_dkdv_atomic else ()
+        return (self.forward, self.bwd_preprocess, *self.bwd_dkdv, self.bwd_dq, *atomic)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -128,13 +140,15 @@ def padded_head_dim(head_dim: int) -> int:
     raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
 
 
-def mma_smem_bytes(kernel: str, head_dim: int, block_m: int, block_n: int, itemsize: int) -> int:
+def mma_smem_bytes(kernel: str, head_dim: int, block_m: int, block_n: int, itemsize: int,
+                   atomic_dq: bool = False) -> int:
     """Shared memory of a tensor-core kernel; tile rows padded by 8 elements (kernels/mma.cuh)."""
     row = (head_dim + 8) * itemsize
     if kernel == "fwd_mma":  # Q, two stages of K and V
         return (block_m + 4 * block_n) * row
     if kernel == "bwd_dkdv_mma":  # K, V, two stages of Q and dO, two stages of lse and delta (float32)
-        return (2 * block_n + 4 * block_m) * row + 4 * block_m * 4
+        ds_transposed = block_n * (block_m + 8) * itemsize if atomic_dq else 0  # dS^T for the dQ product
+        return (2 * block_n + 4 * block_m) * row + 4 * block_m * 4 + ds_transposed
     if kernel == "bwd_dq_mma":  # Q, dO, two stages of K and V
         return (2 * block_m + 4 * block_n) * row
     raise ValueError(f"not a tensor-core kernel: {kernel}")
@@ -150,32 +164,40 @@ def simt_smem_bytes(kernel: str, head_dim: int, block_m: int, block_n: int) -> i
     return 4 * floats
 
 
-def _mma_backward_tiles(kernel: str, head_dim: int) -> tuple[int, int]:
+def _mma_backward_tiles(kernel: str, head_dim: int, atomic_dq: bool = False) -> tuple[int, int]:
     """(block_m, block_n) of the tensor-core backward kernels, before fitting shared memory.
 
     bwd_dkdv_mma: 16 keys per warp (block_n / 16 warps) hold dK and dV, head_dim / 2 float32 registers
     each per thread, plus the 16 x block_m tiles P^T and dS^T. bwd_dq_mma: 16 queries per warp hold
     dQ plus the 16 x block_n tiles P, dS. TFLOP/s of the whole backward measured on the H200,
-    bfloat16, FlashAttention's grid at seqlen 1k / 4k, non-causal (tools/tune.py), as
-    (dkdv block_m x block_n, dq block_m x block_n):
+    bfloat16, FlashAttention's grid at seqlen 1k / 4k (tools/tune.py, bench/NOTES.md).
+    Atomic-dQ default (dkdv block_m x block_n), non-causal; causal:
+      head_dim 64:  64 x 64 137 / 177, causal 115 / 173;  64 x 128 139 / 161;  32 x 64 119 / 146
+      head_dim 128: 32 x 64 150 / 194, causal 127 / 190;  32 x 128 150 / 177;  64 x 64 spills 48 bytes
+    Deterministic (dkdv block_m x block_n, dq block_m x block_n), non-causal (head_dim 64 moved to the
+    atomic kernel's 64 x 64 dkdv tile with the 64 x 64 dq tile after the table above; bench grid):
       head_dim 64:  (32 x 64, 64 x 64) 125 / 149;  (64 x 64, 128 x 32) 125 / 148;  (64 x 128, 128 x 64) 120 / 140
       head_dim 128: (32 x 64, 64 x 64) 138 / 158;  (32 x 128, 128 x 32) 127 / 146;  (16 x 64, 64 x 32) 116 / 132
       head_dim 256 (dK and dV in two launches): (16 x 64, 64 x 32) 86 / 95;  (32 x 64, 64 x 16) 80 / 91
     """
     if kernel == "bwd_dkdv_mma":
-        return (32, 64) if head_dim <= MMA_BACKWARD_FUSED_HEAD_DIM else (16, 64)
+        if head_dim > MMA_BACKWARD_FUSED_HEAD_DIM:
+            return 16, 64
+        # 64 query rows per step reuse each K/V fragment twice as often; at head_dim 128 they spill
+        return (64, 64) if head_dim <= 64 else (32, 64)
     return (64, 64) if head_dim <= 128 else (64, 32)
 
 
-def _mma_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DeviceProps, part: int = 0) -> KernelSpec:
+def _mma_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DeviceProps, part: int = 0,
+              atomic_dq: bool = False) -> KernelSpec:
     if kernel == "fwd_mma":
         block_m, block_n, table_warps = _mma_forward_tiles(head_dim, device)
     else:
-        block_m, block_n = _mma_backward_tiles(kernel, head_dim)
+        block_m, block_n = _mma_backward_tiles(kernel, head_dim, atomic_dq)
     # Halve the streamed tile, then the resident one, until everything fits (head_dim 256 forward on
     # sm_80: 64 x 32). Tiles stay multiples of the 16 x 16 mma block.
     def fits(bm, bn):
-        return mma_smem_bytes(kernel, head_dim, bm, bn, dtype.itemsize) <= device.max_smem_per_block
+        return mma_smem_bytes(kernel, head_dim, bm, bn, dtype.itemsize, atomic_dq) <= device.max_smem_per_block
 
     streamed_is_m = kernel == "bwd_dkdv_mma"
     while not fits(block_m, block_n):
@@ -194,8 +216,8 @@ def _mma_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DevicePro
         warps = min(table_warps, block_m // MMA_ROWS_PER_WARP)
     else:
         warps = (block_n if kernel == "bwd_dkdv_mma" else block_m) // MMA_ROWS_PER_WARP
-    smem = mma_smem_bytes(kernel, head_dim, block_m, block_n, dtype.itemsize)
-    return KernelSpec(kernel, dtype, head_dim, causal, block_m, block_n, warps * 32, smem, part)
+    smem = mma_smem_bytes(kernel, head_dim, block_m, block_n, dtype.itemsize, atomic_dq)
+    return KernelSpec(kernel, dtype, head_dim, causal, block_m, block_n, warps * 32, smem, part, atomic_dq)
 
 
 def _mma_forward_tiles(head_dim: int, device: DeviceProps) -> tuple[int, int, int]:
@@ -205,14 +227,21 @@ def _mma_forward_tiles(head_dim: int, device: DeviceProps) -> tuple[int, int, in
     bfloat16, FlashAttention's grid at seqlen 1k / 4k, non-causal (tools/tune.py, bench/NOTES.md):
       head_dim 64:  128 x 64, 4 warps 211 / 238;  128 x 32, 4 warps 199 / 232;  64 x 64, 4 warps 179 / 202
       head_dim 128: 128 x 32, 4 warps 216 / 252;  64 x 32, 4 warps 203 / 226;  128 x 64, 8 warps 175 / 212
-                    (128 x 64, 4 warps spills 40 bytes at 255 registers)
       head_dim 256: 128 x 32, 8 warps 191 / 219;  64 x 32, 4 warps 184 / 208;  64 x 64, 4 warps 146 / 162
+    After the cheaper tile loader (forward v3), seqlen 512 / 1k / 4k, non-causal; causal:
+      head_dim 64:  128 x 64, 4 warps 201 / 234 / 271, causal 130 / 156 / 212;  64 x 64, 2 warps 178 / 207 / 252
+      head_dim 128: 128 x 64, 4 warps 190 / 234 / 294, causal 153 / 211 / 297;
+                    128 x 32, 4 warps 207 / 242 / 278, causal 122 / 169 / 252
+      head_dim 256: 128 x 32, 8 warps 166 / 197 / 229, causal 115 / 157 / 218;  64 x 32, 4 warps 164 / 189 / 236
     """
     if head_dim <= 64:
         return 128, 64, 4
     if head_dim <= 128:
-        # sm_80's ptxas spills 20 bytes on 128 x 32 x 4 at head_dim 128: the next best there
-        return (128, 32, 4) if device.compute_capability >= 90 else (64, 32, 4)
+        # sm_80's ptxas spills on 128-row tiles at head_dim 128 (20 bytes at 128 x 32): 64 x 32 there;
+        # head_dim 96 spills 16 bytes at 128 x 64 under the causal mask: 128 x 32
+        if device.compute_capability < 90:
+            return 64, 32, 4
+        return (128, 64, 4) if head_dim == 128 else (128, 32, 4)
     return 128, 32, 8
 
 
@@ -257,11 +286,17 @@ def choose_config(head_dim: int, dtype, causal: bool, device: DeviceProps) -> At
         parts = (DKDV_BOTH,) if d <= MMA_BACKWARD_FUSED_HEAD_DIM else (DKDV_DV_ONLY, DKDV_DK_ONLY)
         bwd_dkdv = tuple(_mma_spec("bwd_dkdv_mma", dtype, d, causal, device, part) for part in parts)
         bwd_dq = _mma_spec("bwd_dq_mma", dtype, d, causal, device)
-    else:
+        # the atomic default adds dQ in the launch that computes dS (the one with dK)
+        bwd_dkdv_atomic = tuple(_mma_spec("bwd_dkdv_mma", dtype, d, causal, device, part, part != DKDV_DV_ONLY)
+                                for part in parts)
+        bwd_dq_convert = KernelSpec("bwd_dq_convert", dtype, d)
+    else:  # float32: CUDA cores, always the deterministic pair
         bwd_dkdv = (_simt_spec("bwd_dkdv_simt", dtype, d, causal, device),)
         bwd_dq = _simt_spec("bwd_dq_simt", dtype, d, causal, device)
+        bwd_dkdv_atomic, bwd_dq_convert = (), None
     return AttentionConfig(forward=forward, bwd_preprocess=KernelSpec("bwd_preprocess", dtype),
-                           bwd_dkdv=bwd_dkdv, bwd_dq=bwd_dq)
+                           bwd_dkdv=bwd_dkdv, bwd_dq=bwd_dq, bwd_dkdv_atomic=bwd_dkdv_atomic,
+                           bwd_dq_convert=bwd_dq_convert)
 
 
 def all_specs(device: DeviceProps) -> list[KernelSpec]:

@@ -72,8 +72,13 @@ def forward(q, k, v, p: Problem, spec: _config.KernelSpec | None = None):
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, p: Problem, cfg: _config.AttentionConfig | None = None):
-    """dq, dk, dv; ``cfg`` overrides the tile table's backward kernels (for tuning tools)."""
+def backward(dout, q, k, v, out, lse, p: Problem, deterministic: bool = False,
+             cfg: _config.AttentionConfig | None = None):
+    """dq, dk, dv; ``cfg`` overrides the tile table's backward kernels (for tuning tools).
+
+    The default adds dQ with float32 atomics inside the dK/dV kernels (where the config has them:
+    float16/bfloat16); ``deterministic`` runs the separate dQ kernel instead.
+    """
     import cupy
 
     device_id = q.device.id
@@ -82,10 +87,14 @@ def backward(dout, q, k, v, out, lse, p: Problem, cfg: _config.AttentionConfig |
         lse = cupy.ascontiguousarray(lse)
         if cfg is None:
             cfg = _config.choose_config(p.head_dim, p.dtype, p.causal, device_props(device_id))
+        atomic_dq = bool(cfg.bwd_dkdv_atomic) and not deterministic
         dq = cupy.empty(q.shape, q.dtype)
         dk = cupy.empty(k.shape, k.dtype)
         dv = cupy.empty(v.shape, v.dtype)
         delta = cupy.empty((p.batch, p.heads, p.seqlen_q), np.float32)
+        # float32 (batch, heads, seqlen_q, specialized head dim); O(seqlen) per (batch, head)
+        dq_accum = (cupy.zeros((p.batch, p.heads, p.seqlen_q, cfg.bwd_dq_convert.head_dim), np.float32)
+                    if atomic_dq else None)
 
         rows = p.batch * p.heads * p.seqlen_q
         warps_per_block = cfg.bwd_preprocess.threads // 32
@@ -94,17 +103,27 @@ def backward(dout, q, k, v, out, lse, p: Problem, cfg: _config.AttentionConfig |
             (dout, out, delta, *_strides(dout), *_strides(out), np.int32(p.batch), np.int32(p.heads),
              np.int32(p.seqlen_q), np.int32(p.head_dim)))
 
-        args = (q, k, v, dout, lse, delta, dq, dk, dv, *_strides(q), *_strides(k), *_strides(v),
+        args = (q, k, v, dout, lse, delta, dq, dk, dv,
+                dq_accum if atomic_dq else np.uint64(0),  # a null float* where dQ has its own kernel
+                *_strides(q), *_strides(k), *_strides(v),
                 *_strides(dout), *_strides(dq), *_strides(dk), np.int32(p.batch), np.int32(p.heads),
                 np.int32(p.group), np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(p.head_dim),
                 np.float32(p.softmax_scale), np.float32(p.softmax_scale * LOG2E),
                 np.int32(_vector_aligned(p.head_dim, q, k, v, dout)))
-        for spec in cfg.bwd_dkdv:
+        for spec in cfg.bwd_dkdv_atomic if atomic_dq else cfg.bwd_dkdv:
             n_blocks = -(-p.seqlen_k // spec.block_n)
             get_kernel(spec, device_id)(_grid(n_blocks * p.batch * p.heads_kv), (spec.threads,), args,
                                         shared_mem=spec.smem_bytes)
-        spec = cfg.bwd_dq
-        m_blocks = -(-p.seqlen_q // spec.block_m)
-        get_kernel(spec, device_id)(_grid(m_blocks * p.batch * p.heads), (spec.threads,), args,
-                                    shared_mem=spec.smem_bytes)
+        if atomic_dq:
+            spec = cfg.bwd_dq_convert
+            vectors = dq_accum.size // 4  # one thread per 4 columns
+            get_kernel(spec, device_id)(
+                _grid(-(-vectors // spec.threads)), (spec.threads,),
+                (dq_accum, dq, *_strides(dq), np.int32(p.batch), np.int32(p.heads), np.int32(p.seqlen_q),
+                 np.int32(p.head_dim), np.float32(p.softmax_scale)))
+        else:
+            spec = cfg.bwd_dq
+            m_blocks = -(-p.seqlen_q // spec.block_m)
+            get_kernel(spec, device_id)(_grid(m_blocks * p.batch * p.heads), (spec.threads,), args,
+                                        shared_mem=spec.smem_bytes)
     return dq, dk, dv

@@ -29,12 +29,14 @@ BACKWARD_SHAPES = [
 ]
 
 
-def check_backward(xp, rng, batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, causal, dtype, scale=None):
+def check_backward(xp, rng, batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, causal, dtype, scale=None,
+                   deterministic=False):
     q, k, v = make_qkv(xp, rng, batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype)
     dout = xp.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(dtype))
     out, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
     poison_pool(xp)
-    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale,
+                                       deterministic=deterministic)
     refs = reference.attention_backward(dout, q, k, v, causal=causal, softmax_scale=scale)
     lowps = lowp_attention_backward(dout, q, k, v, out, causal, scale, dtype)
     max_score = max_abs_finite(reference.attention(q, k, v, causal=causal, softmax_scale=scale)[1])
@@ -43,10 +45,11 @@ def check_backward(xp, rng, batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim
         assert_fa_close(grad, ref, lowp, dtype, 3, name, max_score)
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "deterministic"])
 @pytest.mark.parametrize("shape", BACKWARD_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
-def test_backward_shapes(xp, rng, shape, dtype):
-    check_backward(xp, rng, *shape, dtype)
+def test_backward_shapes(xp, rng, shape, dtype, deterministic):
+    check_backward(xp, rng, *shape, dtype, deterministic=deterministic)
 
 
 def test_backward_with_scale(xp, rng):
@@ -85,11 +88,11 @@ shapes = st.tuples(
     st.sampled_from([(1, 1), (2, 2), (4, 2), (4, 1)]), st.integers(1, 256), st.booleans())
 
 
-@given(shape=shapes, dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**32 - 1))
-@example(shape=(1, 1, 1, (1, 1), 1, False), dtype=DTYPES[0], seed=0)
-@example(shape=(1, 97, 33, (4, 1), 130, True), dtype=BF16, seed=3)
-@example(shape=(1, 1, 98, (1, 1), 1, False), dtype=DTYPES[0], seed=204402)  # dq ~ 1e-4 by cancellation
-def test_fuzzed_backward(xp, shape, dtype, seed):
+@given(shape=shapes, dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**32 - 1), deterministic=st.booleans())
+@example(shape=(1, 1, 1, (1, 1), 1, False), dtype=DTYPES[0], seed=0, deterministic=False)
+@example(shape=(1, 97, 33, (4, 1), 130, True), dtype=BF16, seed=3, deterministic=False)
+@example(shape=(1, 1, 98, (1, 1), 1, False), dtype=DTYPES[0], seed=204402, deterministic=False)  # dq ~ 1e-4 by cancellation
+def test_fuzzed_backward(xp, shape, dtype, seed, deterministic):
     batch, seqlen_q, seqlen_k, (heads, heads_kv), head_dim, causal = shape
     check_backward(xp, np.random.default_rng(seed), batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim,
-                   causal, dtype)
+                   causal, dtype, deterministic=deterministic)

@@ -31,24 +31,31 @@ def test_padded_head_dim_rejects_out_of_range(head_dim):
 @pytest.mark.parametrize("causal", [False, True])
 def test_every_config_fits_the_device(device, dtype, head_dim, causal):
     cfg = choose_config(head_dim, dtype, causal, device)
-    for spec in (cfg.forward, *cfg.bwd_dkdv, cfg.bwd_dq):
+    for spec in (cfg.forward, *cfg.bwd_dkdv, cfg.bwd_dq, *cfg.bwd_dkdv_atomic):
         assert spec.head_dim == padded_head_dim(head_dim) >= head_dim
         assert spec.smem_bytes <= device.max_smem_per_block
         assert spec.causal == causal and np.dtype(spec.dtype) == dtype
         assert spec.threads % 32 == 0 and spec.threads <= 1024
     if dtype == np.float32:  # float32 stays exact: no tensor cores, no tf32
         assert {s.kernel for s in cfg.specs} == {"fwd_simt", "bwd_preprocess", "bwd_dkdv_simt", "bwd_dq_simt"}
+        assert cfg.bwd_dkdv_atomic == () and cfg.bwd_dq_convert is None  # always the deterministic pair
     else:
-        assert {s.kernel for s in cfg.specs} == {"fwd_mma", "bwd_preprocess", "bwd_dkdv_mma", "bwd_dq_mma"}
+        assert {s.kernel for s in cfg.specs} == {"fwd_mma", "bwd_preprocess", "bwd_dkdv_mma", "bwd_dq_mma",
+                                                 "bwd_dq_convert"}
+        assert cfg.bwd_dq_convert.head_dim == padded_head_dim(head_dim)
         # whole 16-row mma atoms per warp
         fwd = cfg.forward
         assert fwd.block_n % 16 == 0 and fwd.block_m % (16 * (fwd.threads // 32)) == 0
         assert cfg.bwd_dq.block_n % 16 == 0 and cfg.bwd_dq.threads == cfg.bwd_dq.block_m // 16 * 32
-        for spec in cfg.bwd_dkdv:  # 16 keys per warp
+        for spec in (*cfg.bwd_dkdv, *cfg.bwd_dkdv_atomic):  # 16 keys per warp
             assert spec.threads == spec.block_n // 16 * 32 and spec.block_m % 16 == 0
-        # one launch computes both gradients, or two launches one each
-        assert sorted(s.part for s in cfg.bwd_dkdv) in ([_config.DKDV_BOTH],
+        # one launch computes both gradients, or two launches one each; the atomic default adds dQ in
+        # the launch that computes dS (the one with dK), and only there
+        for launches in (cfg.bwd_dkdv, cfg.bwd_dkdv_atomic):
+            assert sorted(s.part for s in launches) in ([_config.DKDV_BOTH],
                                                         [_config.DKDV_DV_ONLY, _config.DKDV_DK_ONLY])
+        assert not any(s.atomic_dq for s in cfg.bwd_dkdv)
+        assert all(s.atomic_dq == (s.part != _config.DKDV_DV_ONLY) for s in cfg.bwd_dkdv_atomic)
         assert (len(cfg.bwd_dkdv) == 1) == (padded_head_dim(head_dim) <= _config.MMA_BACKWARD_FUSED_HEAD_DIM)
 
 
@@ -88,7 +95,9 @@ def test_spec_names_are_template_instances():
     cfg = choose_config(64, np.float16, True, _config.H100)
     assert cfg.forward.name == "cuflash::fwd_mma<__half, 64, true, 128, 64, 4>"
     assert cfg.bwd_preprocess.name == "cuflash::bwd_preprocess<__half>"
-    assert cfg.bwd_dkdv[0].name == "cuflash::bwd_dkdv_mma<__half, 64, true, 32, 64, 0>"
+    assert cfg.bwd_dkdv[0].name == "cuflash::bwd_dkdv_mma<__half, 64, true, 64, 64, 0, false>"
+    assert cfg.bwd_dkdv_atomic[0].name.endswith(", 0, true>")
+    assert cfg.bwd_dq_convert.name == "cuflash::bwd_dq_convert<__half, 64>"
     simt = choose_config(64, np.float32, True, _config.H100).bwd_dq
     assert simt.name == f"cuflash::bwd_dq_simt<float, 64, true, 32, 32, {simt.smem_bytes}>"
 
@@ -97,9 +106,12 @@ def test_all_specs_are_distinct_and_cover_the_table():
     specs = _config.all_specs(_config.H100)
     assert len({s.cache_key for s in specs}) == len(specs)
     # per dtype and mask: a forward and a dq kernel per head dim, one dkdv kernel per head dim up to
-    # MMA_BACKWARD_FUSED_HEAD_DIM and two past it (float32: always one); one preprocess kernel per dtype
+    # MMA_BACKWARD_FUSED_HEAD_DIM and two past it (float32: always one); one preprocess kernel per dtype.
+    # The atomic-dQ default adds one dkdv kernel per head dim (past the fused limit it shares the dV-only
+    # launch) and one dq_convert kernel per head dim (not per mask).
     fused = sum(d <= _config.MMA_BACKWARD_FUSED_HEAD_DIM for d in _config.HEAD_DIMS)
     split = len(_config.HEAD_DIMS) - fused
-    half = 2 * (2 * len(_config.HEAD_DIMS) + fused + 2 * split) + 1
+    atomic = len(_config.HEAD_DIMS)
+    half = 2 * (2 * len(_config.HEAD_DIMS) + fused + 2 * split + atomic) + 1 + len(_config.HEAD_DIMS)
     single = 2 * 3 * len(_config.HEAD_DIMS) + 1
     assert len(specs) == 2 * half + single

@@ -46,7 +46,8 @@ def main():
     dtype = cp.dtype(args.dtype)
     if dtype == cp.float32:
         torch = None  # SDPA's flash and cuDNN backends take half precision only
-    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | {'fwd':>7} {'fa2':>7} {'cudnn':>7} | {'bwd':>7} {'fa2':>7} {'cudnn':>7}  TFLOP/s")
+    print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | {'fwd':>7} {'fa2':>7} {'cudnn':>7} | {'bwd':>7} {'bwd-det':>7} "
+          f"{'fa2':>7} {'cudnn':>7}  TFLOP/s")
     for d in args.dims:
         for causal in (False, True):
             for n in args.seqlens:
@@ -65,11 +66,12 @@ def main():
                             lq, lk, lv = (x.detach().requires_grad_() for x in (tq, tk, tv))
                             o = torch.nn.functional.scaled_dot_product_attention(lq, lk, lv, is_causal=causal)
                             peers_b.append(time_ms(lambda: torch.autograd.grad(o, (lq, lk, lv), tdo, retain_graph=True)))
-                bwd = time_ms(lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=causal))
+                bwd = [time_ms(lambda: cuflash.attention_backward(do, q, k, v, out, lse, causal=causal,
+                                                                  deterministic=det)) for det in (False, True)]
                 fmt = lambda ms, f: f"{f / ms / 1e9:7.1f}"
                 print(f"{d:4d} {str(causal):>6} {n:6d} | {fmt(row[0], flops)} "
                       + " ".join(fmt(t, flops) for t in peers_f)
-                      + f" | {fmt(bwd, 2.5 * flops)} " + " ".join(fmt(t, 2.5 * flops) for t in peers_b))
+                      + " | " + " ".join(fmt(t, 2.5 * flops) for t in bwd + peers_b), flush=True)
 
 
 if __name__ == "__main__":

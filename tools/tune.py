@@ -1,8 +1,9 @@
 """Sweep tile candidates of the tensor-core kernels on the GPU (the tile table's measurements).
 
-``python tools/tune.py fwd|bwd [--seqlens 1024 4096] [--dims 64 128 256]``: for each head dim, mask and
-candidate, the kernel's registers and local memory (spills) as loaded, and its TFLOP/s on
-FlashAttention's grid (bfloat16). The chosen entries and their numbers go into cuflash/_config.py and
+``python tools/tune.py fwd|bwd [--seqlens 1024 4096] [--dims 64 128 256] [--deterministic]``: for each
+head dim, mask and candidate, the kernel's registers and local memory (spills) as loaded, and its TFLOP/s
+on FlashAttention's grid (bfloat16). ``bwd`` sweeps the dK/dV tile of the atomic-dQ default, or with
+``--deterministic`` the (dK/dV, dQ) tile pair of the deterministic backward. The chosen entries and their numbers go into cuflash/_config.py and
 bench/NOTES.md.
 """
 
@@ -22,20 +23,25 @@ TOKENS, WIDTH = 16384, 2048
 
 FWD_CANDIDATES = {  # head_dim: (block_m, block_n, warps)
     64: [(128, 64, 4), (64, 64, 4), (128, 64, 8), (64, 64, 2), (128, 32, 4), (64, 128, 4)],
-    128: [(128, 32, 4), (64, 64, 4), (128, 64, 8), (64, 32, 2), (128, 32, 8), (64, 32, 4)],
+    128: [(128, 32, 4), (128, 64, 4), (64, 64, 4), (128, 64, 8), (64, 32, 2), (128, 32, 8)],
     256: [(64, 64, 4), (64, 32, 4), (32, 64, 2), (64, 32, 2), (128, 32, 8)],
 }
-BWD_CANDIDATES = {  # head_dim: ((dkdv block_m, block_n), (dq block_m, block_n))
+ATOMIC_BWD_CANDIDATES = {  # head_dim: (dkdv block_m, block_n) of the atomic-dQ default
+    64: [(32, 64), (64, 64), (16, 64), (32, 128), (64, 128)],
+    128: [(32, 64), (64, 64), (16, 64), (32, 128), (16, 128)],
+    256: [(16, 64), (16, 32), (32, 64)],
+}
+DETERMINISTIC_BWD_CANDIDATES = {  # head_dim: ((dkdv block_m, block_n), (dq block_m, block_n))
     64: [((64, 128), (128, 64)), ((32, 64), (64, 64)), ((64, 64), (128, 32)), ((32, 128), (64, 128))],
     128: [((32, 64), (64, 64)), ((16, 64), (64, 32)), ((32, 128), (128, 32)), ((64, 64), (32, 64))],
     256: [((16, 64), (64, 32)), ((16, 32), (32, 32)), ((32, 64), (64, 16))],
 }
 
 
-def mma_spec(kernel, d, causal, bm, bn, warps, part=0):
+def mma_spec(kernel, d, causal, bm, bn, warps, part=0, atomic_dq=False):
     dtype = cp.dtype("bfloat16")
-    smem = _config.mma_smem_bytes(kernel, d, bm, bn, dtype.itemsize)
-    return _config.KernelSpec(kernel, dtype, d, causal, bm, bn, warps * 32, smem, part)
+    smem = _config.mma_smem_bytes(kernel, d, bm, bn, dtype.itemsize, atomic_dq)
+    return _config.KernelSpec(kernel, dtype, d, causal, bm, bn, warps * 32, smem, part, atomic_dq)
 
 
 def main():
@@ -43,24 +49,34 @@ def main():
     parser.add_argument("pass_", choices=["fwd", "bwd"])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--deterministic", action="store_true", help="bwd: the deterministic backward's tiles")
     args = parser.parse_args()
+    rows = _config.MMA_ROWS_PER_WARP  # the backward kernels have one warp per 16 rows of their resident tile
     bf16 = cp.dtype("bfloat16")
     limit = _cupy_path.device_props(0).max_smem_per_block
     for d in args.dims:
         for causal in (False, True):
-            candidates = FWD_CANDIDATES[d] if args.pass_ == "fwd" else BWD_CANDIDATES[d]
+            candidates = (FWD_CANDIDATES if args.pass_ == "fwd" else DETERMINISTIC_BWD_CANDIDATES
+                          if args.deterministic else ATOMIC_BWD_CANDIDATES)[d]
             for cand in candidates:
                 if args.pass_ == "fwd":
                     spec = mma_spec("fwd_mma", d, causal, *cand)
                     specs = [spec]
-                else:
+                elif args.deterministic:
                     base = _config.choose_config(d, bf16, causal, _cupy_path.device_props(0))
                     (dkdv_m, dkdv_n), (dq_m, dq_n) = cand
-                    dkdv = tuple(mma_spec("bwd_dkdv_mma", d, causal, dkdv_m, dkdv_n, dkdv_n // 16, s.part)
+                    dkdv = tuple(mma_spec("bwd_dkdv_mma", d, causal, dkdv_m, dkdv_n, dkdv_n // rows, s.part)
                                  for s in base.bwd_dkdv)
-                    dq = mma_spec("bwd_dq_mma", d, causal, dq_m, dq_n, dq_m // 16)
+                    dq = mma_spec("bwd_dq_mma", d, causal, dq_m, dq_n, dq_m // rows)
                     cfg = dataclasses.replace(base, bwd_dkdv=dkdv, bwd_dq=dq)
                     specs = [*dkdv, dq]
+                else:
+                    base = _config.choose_config(d, bf16, causal, _cupy_path.device_props(0))
+                    dkdv_m, dkdv_n = cand
+                    dkdv = tuple(mma_spec("bwd_dkdv_mma", d, causal, dkdv_m, dkdv_n, dkdv_n // rows, s.part,
+                                          s.atomic_dq) for s in base.bwd_dkdv_atomic)
+                    cfg = dataclasses.replace(base, bwd_dkdv_atomic=dkdv)
+                    specs = list(dkdv)
                 if any(s.smem_bytes > limit for s in specs):
                     continue
                 kernels = [get_kernel(s, 0) for s in specs]
@@ -77,7 +93,7 @@ def main():
                         ms = time_ms(lambda: _cupy_path.forward(q, k, v, p, spec))
                     else:
                         out, lse = _cupy_path.forward(q, k, v, p)
-                        ms = time_ms(lambda: _cupy_path.backward(do, q, k, v, out, lse, p, cfg))
+                        ms = time_ms(lambda: _cupy_path.backward(do, q, k, v, out, lse, p, args.deterministic, cfg))
                         flops *= 2.5
                     cells.append(f"{flops / ms / 1e9:6.1f}")
                 print(f"{args.pass_} d={d:3d} causal={causal!s:5} {str(cand):28s} regs {regs:>9} local {spill:4d}  "

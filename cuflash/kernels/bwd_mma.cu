@@ -5,8 +5,13 @@
 //   dP = dO V^T,  dS = P * (dP - delta)
 //   bwd_dkdv_mma: per key tile, walking the query tiles of every head of its kv group:
 //                 dV += P^T dO,  dK += dS^T Q  (scale applied at the end)
-//   bwd_dq_mma:   per query tile, walking the key tiles it sees:  dQ += dS K
-// Every output element is summed in a fixed order by one thread: bitwise reproducible.
+//   dQ += dS K, one of two ways:
+//     default (ATOMIC_DQ): inside bwd_dkdv_mma, dS goes through shared memory and every key block adds
+//       its share of dQ into a float32 buffer with atomics; bwd_dq_convert scales and casts it. Five
+//       matrix products per tile, as in FlashAttention-2, but the order of the float32 sums varies.
+//     deterministic: bwd_dq_mma, per query tile, walks the key tiles it sees and recomputes S and dP:
+//       seven products per tile, every element summed in a fixed order by one thread.
+// dK and dV are summed in a fixed order by one thread in both modes: bitwise reproducible.
 #include "mma.cuh"
 
 namespace cuflash {
@@ -30,6 +35,16 @@ __device__ __forceinline__ void store_rows(T* base, long long row_stride, int ro
     }
 }
 
+// dst[0..1] += (x, y) in global memory (16-byte vector atomics on sm_90, two scalar ones before).
+__device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
+#if __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
+#else
+    atomicAdd(dst, x);
+    atomicAdd(dst + 1, y);
+#endif
+}
+
 // Which gradients one launch of bwd_dkdv_mma accumulates. Each warp holds 16 x HEAD_DIM of every
 // gradient it accumulates; past HEAD_DIM 128 both would not fit in registers, so the host launches the
 // kernel twice, once per gradient (P is recomputed; dP^T is needed for dK only).
@@ -39,16 +54,25 @@ enum DkdvPart { kDkAndDv = 0, kDvOnly = 1, kDkOnly = 2 };
 // Query tiles (Q, dO, lse, delta) of BLOCK_M rows stream through two cp.async stages. The warp computes
 // the transposed tiles S^T = K Q^T and dP^T = V dO^T (16 keys x BLOCK_M queries), so P^T and dS^T sit
 // in accumulator layout and feed dV and dK as A fragments without a trip through shared memory.
-template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N, int PART>
+// With ATOMIC_DQ (a launch that computes dK), each warp also stores its dS^T rows to shared memory;
+// the block then computes dQ[query tile] += dS K over its BLOCK_N keys as items of (16 query rows,
+// kDqCols columns) spread over the warps, and adds them into dq_accum.
+template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N, int PART, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
     constexpr bool kDk = PART != kDvOnly, kDv = PART != kDkOnly;
-    constexpr int kThreads = BLOCK_N / 16 * 32;
+    static_assert(!ATOMIC_DQ || kDk, "dQ needs dS, which only a launch computing dK has");
+    constexpr int kWarps = BLOCK_N / 16;
+    constexpr int kThreads = kWarps * 32;
+    constexpr int kDsRow = PaddedRow<BLOCK_M>::kElems;                 // dS^T rows: BLOCK_M queries
+    constexpr int kDqCols = HEAD_DIM % 64 == 0 ? 64 : 32;               // dQ columns of one work item
+    constexpr int kDqItems = BLOCK_M / 16 * (HEAD_DIM / kDqCols);
     constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
     constexpr int kMTiles = BLOCK_M / 8;     // n8 tiles of S^T per warp
     constexpr int kDTiles = HEAD_DIM / 8;
     static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0, "tiles are made of 16 x 16 mma blocks");
 
-    // Shared memory: K, V [BLOCK_N][kRow]; Q, dO [2][BLOCK_M][kRow]; lse2, delta [2][BLOCK_M] float32.
+    // Shared memory: K, V [BLOCK_N][kRow]; Q, dO [2][BLOCK_M][kRow]; lse2, delta [2][BLOCK_M] float32;
+    // with ATOMIC_DQ, dS^T [BLOCK_N][kDsRow].
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* k_s = reinterpret_cast<T*>(smem_raw);
     T* v_s = k_s + BLOCK_N * kRow;
@@ -56,6 +80,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_mma(CUFLASH_BWD
     T* do_s = q_s + 2 * BLOCK_M * kRow;
     float* lse2_s = reinterpret_cast<float*>(do_s + 2 * BLOCK_M * kRow);
     float* delta_s = lse2_s + 2 * BLOCK_M;
+    T* ds_s = reinterpret_cast<T*>(delta_s + 2 * BLOCK_M);
 
     const KeyBlock blk(BLOCK_N, batch, heads / group);
     const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
@@ -144,8 +169,42 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_mma(CUFLASH_BWD
             }
             pack_a_fragments<T, kMTiles>(a, ds);
             warp_gemm_frag_rows<T, HEAD_DIM, BLOCK_M / 16>(dk_acc, a, q_tile, lane);    // dK += dS^T Q
+            if constexpr (ATOMIC_DQ) {
+                // This warp's 16 rows of dS^T, as the packed words of `a` (accumulator layout).
+                T* ds_rows = ds_s + warp * 16 * kDsRow;
+#pragma unroll
+                for (int mb = 0; mb < kMTiles; ++mb) {
+                    *reinterpret_cast<unsigned*>(ds_rows + g * kDsRow + mb * 8 + 2 * t) = a[mb / 2][(mb % 2) * 2];
+                    *reinterpret_cast<unsigned*>(ds_rows + (g + 8) * kDsRow + mb * 8 + 2 * t) = a[mb / 2][(mb % 2) * 2 + 1];
+                }
+                __syncthreads();
+                const int h = h_kv * group + s / m_tiles;
+                float* dq_tile = dq_accum + ((static_cast<long long>(b) * heads + h) * seqlen_q + m0) * HEAD_DIM;
+#pragma unroll
+                for (int it = 0; it < (kDqItems + kWarps - 1) / kWarps; ++it) {
+                    const int item = warp + it * kWarps;
+                    if (kDqItems % kWarps != 0 && item >= kDqItems) break;
+                    const int row0 = (item % (BLOCK_M / 16)) * 16, col0 = (item / (BLOCK_M / 16)) * kDqCols;
+                    unsigned ds_frag[BLOCK_N / 16][4];   // dS rows row0.., k = the block's keys
+#pragma unroll
+                    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+                        load_a_transposed<T>(ds_frag[kk], ds_s + kk * 16 * kDsRow + row0, kDsRow, lane);
+                    float dq_part[kDqCols / 8][4];
+                    zero(dq_part);
+                    warp_gemm_frag_rows<T, HEAD_DIM, BLOCK_N / 16, kDqCols>(dq_part, ds_frag, k_s + col0, lane);
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = row0 + g + 8 * r;
+                        if (m0 + row >= seqlen_q) continue;
+#pragma unroll
+                        for (int db = 0; db < kDqCols / 8; ++db)
+                            atomic_add2(dq_tile + row * HEAD_DIM + col0 + db * 8 + 2 * t, dq_part[db][2 * r],
+                                        dq_part[db][2 * r + 1]);
+                    }
+                }
+            }
         }
-        __syncthreads();   // this stage is refilled by the copies issued at the top of step s + 1
+        __syncthreads();   // this stage (and dS^T) is refilled by step s + 1
     }
     cp_async_wait<0>();
 
@@ -253,6 +312,28 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 32, 1) bwd_dq_mma(CUFLASH_BWD_P
     }
     cp_async_wait<0>();
     store_rows<T, HEAD_DIM>(dq + b * dq_sb + h * dq_sh, dq_ss, m0 + warp * 16, seqlen_q, head_dim, dq_acc, scale, lane);
+}
+
+// dq = dq_accum * scale, cast to T: the last step of the atomic-dQ backward. One thread per 4 columns.
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(256) bwd_dq_convert(const float* __restrict__ dq_accum, T* __restrict__ dq,
+                                                      long long dq_sb, long long dq_ss, long long dq_sh, int batch,
+                                                      int heads, int seqlen_q, int head_dim, float scale) {
+    constexpr int kVecs = HEAD_DIM / 4;
+    const long long n = static_cast<long long>(batch) * heads * seqlen_q * kVecs;
+    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<long long>(gridDim.x) * blockDim.x) {
+        const int col = static_cast<int>(i % kVecs) * 4;
+        const long long row = i / kVecs;   // (b, h, s) flattened
+        const int s = static_cast<int>(row % seqlen_q);
+        const long long bh = row / seqlen_q;
+        const float4 x = reinterpret_cast<const float4*>(dq_accum)[i];
+        T* dst = dq + (bh / heads) * dq_sb + s * dq_ss + (bh % heads) * dq_sh + col;
+        const float vals[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (col + e < head_dim) dst[e] = from_float<T>(vals[e] * scale);
+    }
 }
 
 }  // namespace cuflash

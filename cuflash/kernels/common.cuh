@@ -101,14 +101,17 @@ struct KeyBlock {
     }
 };
 
-// The parameters of every backward kernel (bwd_mma.cu, simt.cu): one list, one launch path.
-#define CUFLASH_BWD_PARAMS                                                                                  \
-    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, const T *__restrict__ dout, \
-        const float *__restrict__ lse, const float *__restrict__ delta, T *__restrict__ dq,                \
-        T *__restrict__ dk, T *__restrict__ dv, long long q_sb, long long q_ss, long long q_sh,            \
-        long long k_sb, long long k_ss, long long k_sh, long long v_sb, long long v_ss, long long v_sh,    \
-        long long do_sb, long long do_ss, long long do_sh, long long dq_sb, long long dq_ss,               \
-        long long dq_sh, long long dk_sb, long long dk_ss, long long dk_sh, int batch, int heads,          \
-        int group, int seqlen_q, int seqlen_k, int head_dim, float scale, float scale_log2, int vec_ok
+// The parameters of every backward kernel (bwd_mma.cu, simt.cu): one list, one launch path. dq_accum is
+// float32 (batch, heads, seqlen_q, HEAD_DIM), zeroed, for the kernels that add dQ with atomics; null
+// for the others.
+#define CUFLASH_BWD_PARAMS                                                                            \
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,                        \
+        const T *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ delta,   \
+        T *__restrict__ dq, T *__restrict__ dk, T *__restrict__ dv, float *__restrict__ dq_accum,     \
+        long long q_sb, long long q_ss, long long q_sh, long long k_sb, long long k_ss,               \
+        long long k_sh, long long v_sb, long long v_ss, long long v_sh, long long do_sb,              \
+        long long do_ss, long long do_sh, long long dq_sb, long long dq_ss, long long dq_sh,          \
+        long long dk_sb, long long dk_ss, long long dk_sh, int batch, int heads, int group,           \
+        int seqlen_q, int seqlen_k, int head_dim, float scale, float scale_log2, int vec_ok
 
 }  // namespace cuflash

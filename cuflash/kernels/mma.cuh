@@ -84,9 +84,28 @@ template <typename T, int ROWS, int HEAD_DIM, int NTHREADS>
 __device__ __forceinline__ void load_tile_async(T* tile, const T* head_base, long long row_stride,
                                                 int row0, int rows_valid, int head_dim, bool vec_ok,
                                                 int tid) {
-    constexpr int kChunks = HEAD_DIM / 8;
+    constexpr int kChunks = HEAD_DIM / 8;   // 16-byte chunks per row
     constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
+    if constexpr (NTHREADS % kChunks == 0) {
+        // Each thread keeps one column chunk and steps down the rows kRowsPerPass at a time: one
+        // pointer add, one compare against a precomputed bound and one cp.async per chunk (the index
+        // arithmetic of the general loop below cost ~25 instructions per chunk in the SASS).
+        constexpr int kRowsPerPass = NTHREADS / kChunks;
+        const int r0 = tid / kChunks, d0 = (tid % kChunks) * 8;
+        if (vec_ok) {
+            const int rows_left = d0 < head_dim ? rows_valid - row0 - r0 : 0;
+            const T* src = head_base + static_cast<long long>(row0 + r0) * row_stride + d0;
+            const long long pass_stride = kRowsPerPass * row_stride;
+            T* dst = tile + r0 * kRow + d0;
 #pragma unroll
+            for (int it = 0; it < (ROWS + kRowsPerPass - 1) / kRowsPerPass; ++it) {
+                if (ROWS % kRowsPerPass != 0 && r0 + it * kRowsPerPass >= ROWS) break;
+                const bool ok = it * kRowsPerPass < rows_left;
+                cp_async_16(dst + it * kRowsPerPass * kRow, ok ? src + it * pass_stride : head_base, ok ? 16 : 0);
+            }
+            return;
+        }
+    }
     for (int i = tid; i < ROWS * kChunks; i += NTHREADS) {
         const int r = i / kChunks;
         const int d0 = (i % kChunks) * 8;
@@ -130,23 +149,32 @@ __device__ __forceinline__ void warp_gemm_rows_rows(float (&acc)[NB][4], const T
     }
 }
 
-// acc[HEAD_DIM / 8][4] += A . B: A is KK k16-fragments in registers (an accumulator packed by
-// pack_a_fragments), B is KK * 16 rows of a tile, read transposed (k = row, n = head dim).
+// acc[NCOLS / 8][4] += A . B: A is KK k16-fragments in registers (an accumulator packed by
+// pack_a_fragments, or loaded by load_a_transposed), B is KK * 16 rows of a padded HEAD_DIM tile, read
+// transposed (k = row, n = column), NCOLS columns from b_rows on (all of them by default).
 // Used for P.V, dV += P^T dO, dK += dS^T Q and dQ += dS K.
-template <typename T, int HEAD_DIM, int KK>
-__device__ __forceinline__ void warp_gemm_frag_rows(float (&acc)[HEAD_DIM / 8][4], const unsigned (&a)[KK][4],
+template <typename T, int HEAD_DIM, int KK, int NCOLS = HEAD_DIM>
+__device__ __forceinline__ void warp_gemm_frag_rows(float (&acc)[NCOLS / 8][4], const unsigned (&a)[KK][4],
                                                     const T* b_rows, int lane) {
     constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
+    static_assert(NCOLS % 16 == 0 && NCOLS <= HEAD_DIM, "B columns are read 16 per ldmatrix.x4");
 #pragma unroll
     for (int kk = 0; kk < KK; ++kk) {
 #pragma unroll
-        for (int db = 0; db < HEAD_DIM / 8; db += 2) {
+        for (int db = 0; db < NCOLS / 8; db += 2) {
             unsigned b[4];
             ldmatrix_x4_trans(b, b_rows + (kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2)) * kRow + db * 8 + 8 * (lane / 16));
             mma_16816<T>(acc[db], a[kk], b[0], b[1]);
             mma_16816<T>(acc[db + 1], a[kk], b[2], b[3]);
         }
     }
+}
+
+// The A fragment of a 16 x 16 block of M^T, where M is stored row-major in shared memory (rows of
+// row_elems elements) and m points at the block's first element: M's rows are the fragment's k.
+template <typename T>
+__device__ __forceinline__ void load_a_transposed(unsigned (&a)[4], const T* m, int row_elems, int lane) {
+    ldmatrix_x4_trans(a, m + ((lane % 8) + 8 * (lane / 16)) * row_elems + 8 * ((lane / 8) % 2));
 }
 
 // Two adjacent 16 x 8 accumulator tiles are one 16 x 16 A fragment (layouts at the top of this file).
