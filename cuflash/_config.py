@@ -164,7 +164,7 @@ def simt_smem_bytes(kernel: str, head_dim: int, block_m: int, block_n: int) -> i
     return 4 * floats
 
 
-def _mma_backward_tiles(kernel: str, head_dim: int, atomic_dq: bool = False) -> tuple[int, int]:
+def _mma_backward_tiles(kernel: str, head_dim: int) -> tuple[int, int]:
     """(block_m, block_n) of the tensor-core backward kernels, before fitting shared memory.
 
     bwd_dkdv_mma: 16 keys per warp (block_n / 16 warps) hold dK and dV, head_dim / 2 float32 registers
@@ -183,7 +183,8 @@ def _mma_backward_tiles(kernel: str, head_dim: int, atomic_dq: bool = False) -> 
     if kernel == "bwd_dkdv_mma":
         if head_dim > MMA_BACKWARD_FUSED_HEAD_DIM:
             return 16, 64
-        # 64 query rows per step reuse each K/V fragment twice as often; at head_dim 128 they spill
+        # both modes: 64 query rows per step reuse each K/V fragment twice as often; at head_dim 128
+        # they spill (the atomic kernel's dS^T store adds nothing to the tile choice)
         return (64, 64) if head_dim <= 64 else (32, 64)
     return (64, 64) if head_dim <= 128 else (64, 32)
 
@@ -193,7 +194,7 @@ def _mma_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DevicePro
     if kernel == "fwd_mma":
         block_m, block_n, table_warps = _mma_forward_tiles(head_dim, device)
     else:
-        block_m, block_n = _mma_backward_tiles(kernel, head_dim, atomic_dq)
+        block_m, block_n = _mma_backward_tiles(kernel, head_dim)
     # Halve the streamed tile, then the resident one, until everything fits (head_dim 256 forward on
     # sm_80: 64 x 32). Tiles stay multiples of the 16 x 16 mma block.
     def fits(bm, bn):

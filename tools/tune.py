@@ -56,6 +56,7 @@ def main():
     limit = _cupy_path.device_props(0).max_smem_per_block
     for d in args.dims:
         for causal in (False, True):
+            base = _config.choose_config(d, bf16, causal, _cupy_path.device_props(0))
             candidates = (FWD_CANDIDATES if args.pass_ == "fwd" else DETERMINISTIC_BWD_CANDIDATES
                           if args.deterministic else ATOMIC_BWD_CANDIDATES)[d]
             for cand in candidates:
@@ -63,7 +64,6 @@ def main():
                     spec = mma_spec("fwd_mma", d, causal, *cand)
                     specs = [spec]
                 elif args.deterministic:
-                    base = _config.choose_config(d, bf16, causal, _cupy_path.device_props(0))
                     (dkdv_m, dkdv_n), (dq_m, dq_n) = cand
                     dkdv = tuple(mma_spec("bwd_dkdv_mma", d, causal, dkdv_m, dkdv_n, dkdv_n // rows, s.part)
                                  for s in base.bwd_dkdv)
@@ -71,7 +71,6 @@ def main():
                     cfg = dataclasses.replace(base, bwd_dkdv=dkdv, bwd_dq=dq)
                     specs = [*dkdv, dq]
                 else:
-                    base = _config.choose_config(d, bf16, causal, _cupy_path.device_props(0))
                     dkdv_m, dkdv_n = cand
                     dkdv = tuple(mma_spec("bwd_dkdv_mma", d, causal, dkdv_m, dkdv_n, dkdv_n // rows, s.part,
                                           s.atomic_dq) for s in base.bwd_dkdv_atomic)
