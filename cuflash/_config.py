@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import ml_dtypes
 import numpy as np
@@ -37,13 +38,17 @@ KERNEL_FILES = {
     "bwd_dkdv_simt": "simt.cu",
     "bwd_dq_simt": "simt.cu",
     "bwd_dkdv_mma": "bwd_mma.cu",
+    "bwd_dkdv_rows_mma": "bwd_mma.cu",
     "bwd_dq_mma": "bwd_mma.cu",
     "bwd_dq_convert": "bwd_mma.cu",
 }
-#: tensor-core kernels: 16 rows per warp, shared memory derived from the tile shape
-MMA_KERNELS = frozenset({"fwd_mma", "bwd_dkdv_mma", "bwd_dq_mma"})
-#: bwd_dkdv_mma keeps 16 x head_dim accumulators of dK and of dV per warp in registers; past this head
-#: dim only one of them fits, and dK and dV are computed by two launches
+#: tensor-core kernels: shared memory derived from the tile shape
+MMA_KERNELS = frozenset({"fwd_mma", "bwd_dkdv_mma", "bwd_dkdv_rows_mma", "bwd_dq_mma"})
+#: bwd_dkdv_mma: 8 warps in 2 x 4 and 4 x 2 grids of warp tiles (``kThreads`` in kernels/bwd_mma.cu)
+DKDV_TILED_THREADS = 256
+#: bwd_dkdv_rows_mma keeps 16 x head_dim accumulators of dK and of dV per warp in registers; past this
+#: head dim only one of them fits, and dK and dV are computed by two launches. bwd_dkdv_mma serves head
+#: dims up to here too (where its tiles fit in shared memory).
 MMA_BACKWARD_FUSED_HEAD_DIM = 128
 DKDV_BOTH, DKDV_DV_ONLY, DKDV_DK_ONLY = 0, 1, 2
 
@@ -79,8 +84,8 @@ class KernelSpec:
     block_n: int = 0
     threads: int = SIMT_THREADS
     smem_bytes: int = 0
-    part: int = 0  # bwd_dkdv_mma only: 0 dK and dV, 1 dV only, 2 dK only (DkdvPart in bwd_mma.cu)
-    atomic_dq: bool = False  # bwd_dkdv_mma only: also add dQ into a float32 buffer with atomics
+    part: int = 0  # bwd_dkdv_rows_mma only: 0 dK and dV, 1 dV only, 2 dK only (DkdvPart in bwd_mma.cu)
+    atomic_dq: bool = False  # the dK/dV kernels only: also add dQ into a float32 buffer with atomics
 
     @property
     def source_file(self) -> str:
@@ -100,8 +105,10 @@ class KernelSpec:
                 args.append(str(self.smem_bytes))
             if self.kernel == "fwd_mma":
                 args.append(str(self.threads // 32))
-            if self.kernel == "bwd_dkdv_mma":
-                args += [str(self.part), "true" if self.atomic_dq else "false"]
+            if self.kernel == "bwd_dkdv_rows_mma":
+                args.append(str(self.part))
+            if self.kernel in ("bwd_dkdv_mma", "bwd_dkdv_rows_mma"):
+                args.append("true" if self.atomic_dq else "false")
         return f"cuflash::{self.kernel}<{', '.join(args)}>"
 
     @property
@@ -146,7 +153,9 @@ def mma_smem_bytes(kernel: str, head_dim: int, block_m: int, block_n: int, items
     row = (head_dim + 8) * itemsize
     if kernel == "fwd_mma":  # Q, two stages of K and V
         return (block_m + 4 * block_n) * row
-    if kernel == "bwd_dkdv_mma":  # K, V, two stages of Q and dO, two stages of lse and delta (float32)
+    if kernel == "bwd_dkdv_mma":  # K, V, two stages of Q and dO, P and dS, two stages of lse and delta
+        return (2 * block_n + 4 * block_m) * row + 2 * block_m * (block_n + 8) * itemsize + 4 * block_m * 4
+    if kernel == "bwd_dkdv_rows_mma":  # K, V, two stages of Q and dO, two stages of lse and delta
         ds_transposed = block_n * (block_m + 8) * itemsize if atomic_dq else 0  # dS^T for the dQ product
         return (2 * block_n + 4 * block_m) * row + 4 * block_m * 4 + ds_transposed
     if kernel == "bwd_dq_mma":  # Q, dO, two stages of K and V
@@ -167,10 +176,14 @@ def simt_smem_bytes(kernel: str, head_dim: int, block_m: int, block_n: int) -> i
 def _mma_backward_tiles(kernel: str, head_dim: int) -> tuple[int, int]:
     """(block_m, block_n) of the tensor-core backward kernels, before fitting shared memory.
 
-    bwd_dkdv_mma: 16 keys per warp (block_n / 16 warps) hold dK and dV, head_dim / 2 float32 registers
-    each per thread, plus the 16 x block_m tiles P^T and dS^T. bwd_dq_mma: 16 queries per warp hold
-    dQ plus the 16 x block_n tiles P, dS. TFLOP/s of the whole backward measured on the H200,
-    bfloat16, FlashAttention's grid at seqlen 1k / 4k (tools/tune.py, bench/NOTES.md).
+    bwd_dkdv_mma: block_n keys, 8 warps tiling each product in 2-D (kernels/bwd_mma.cu); its tiles are
+    fixed (no fitting): where they do not fit, bwd_dkdv_rows_mma serves. TFLOP/s of the whole backward
+    measured on the H200, bfloat16, FlashAttention's grid at seqlen 1k / 4k: see bench/NOTES.md
+    (backward v3), recorded here after the tuning run.
+    bwd_dkdv_rows_mma: 16 keys per warp (block_n / 16 warps) hold dK and dV, head_dim / 2 float32
+    registers each per thread, plus the 16 x block_m tiles P^T and dS^T. bwd_dq_mma: 16 queries per warp
+    hold dQ plus the 16 x block_n tiles P, dS. Measured (tools/tune.py, bench/NOTES.md), before
+    bwd_dkdv_mma existed:
     Atomic-dQ default (dkdv block_m x block_n), non-causal; causal:
       head_dim 64:  64 x 64 137 / 177, causal 115 / 173;  64 x 128 139 / 161;  32 x 64 119 / 146
       head_dim 128: 32 x 64 150 / 194, causal 127 / 190;  32 x 128 150 / 177;  64 x 64 spills 48 bytes
@@ -181,12 +194,27 @@ def _mma_backward_tiles(kernel: str, head_dim: int) -> tuple[int, int]:
       head_dim 256 (dK and dV in two launches): (16 x 64, 64 x 32) 86 / 95;  (32 x 64, 64 x 16) 80 / 91
     """
     if kernel == "bwd_dkdv_mma":
+        return (128, 128) if head_dim <= 64 else (64, 128)
+    if kernel == "bwd_dkdv_rows_mma":
         if head_dim > MMA_BACKWARD_FUSED_HEAD_DIM:
             return 16, 64
         # both modes: 64 query rows per step reuse each K/V fragment twice as often; at head_dim 128
         # they spill (the atomic kernel's dS^T store adds nothing to the tile choice)
         return (64, 64) if head_dim <= 64 else (32, 64)
     return (64, 64) if head_dim <= 128 else (64, 32)
+
+
+def _tiled_dkdv_spec(dtype, head_dim: int, causal: bool, device: DeviceProps, atomic_dq: bool) -> KernelSpec | None:
+    """bwd_dkdv_mma's spec, or None where it does not serve (head dim past 128, or too little shared
+    memory for its tiles: A100, RTX 4090)."""
+    if head_dim > MMA_BACKWARD_FUSED_HEAD_DIM:
+        return None
+    block_m, block_n = _mma_backward_tiles("bwd_dkdv_mma", head_dim)
+    smem = mma_smem_bytes("bwd_dkdv_mma", head_dim, block_m, block_n, dtype.itemsize)
+    if smem > device.max_smem_per_block:
+        return None
+    return KernelSpec("bwd_dkdv_mma", dtype, head_dim, causal, block_m, block_n, DKDV_TILED_THREADS, smem,
+                      atomic_dq=atomic_dq)
 
 
 def _mma_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DeviceProps, part: int = 0,
@@ -200,7 +228,7 @@ def _mma_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DevicePro
     def fits(bm, bn):
         return mma_smem_bytes(kernel, head_dim, bm, bn, dtype.itemsize, atomic_dq) <= device.max_smem_per_block
 
-    streamed_is_m = kernel == "bwd_dkdv_mma"
+    streamed_is_m = kernel == "bwd_dkdv_rows_mma"
     while not fits(block_m, block_n):
         streamed, resident = (block_m, block_n) if streamed_is_m else (block_n, block_m)
         if streamed > MMA_ROWS_PER_WARP:
@@ -216,7 +244,7 @@ def _mma_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DevicePro
     if kernel == "fwd_mma":
         warps = min(table_warps, block_m // MMA_ROWS_PER_WARP)
     else:
-        warps = (block_n if kernel == "bwd_dkdv_mma" else block_m) // MMA_ROWS_PER_WARP
+        warps = (block_n if kernel == "bwd_dkdv_rows_mma" else block_m) // MMA_ROWS_PER_WARP
     smem = mma_smem_bytes(kernel, head_dim, block_m, block_n, dtype.itemsize, atomic_dq)
     return KernelSpec(kernel, dtype, head_dim, causal, block_m, block_n, warps * 32, smem, part, atomic_dq)
 
@@ -244,6 +272,32 @@ def _mma_forward_tiles(head_dim: int, device: DeviceProps) -> tuple[int, int, in
             return 64, 32, 4
         return (128, 64, 4) if head_dim == 128 else (128, 32, 4)
     return 128, 32, 8
+
+
+#: Resident blocks per SM that a band of the block order is sized for: two for the tensor-core kernels
+#: (255 registers x 128 threads, or their shared memory, allow no more), at most that for the others
+BAND_BLOCKS_PER_SM = 2
+#: CUDA's limit on gridDim.y, which counts the bands
+MAX_GRID_Y = 65535
+
+
+@functools.lru_cache(maxsize=1024)
+def block_band(tiles_per_head: int, pairs: int, sm_count: int) -> int:
+    """(batch, kv head) pairs per band of the dK/dV kernels' banded grid (``KeyBlock``, kernels/common.cuh).
+
+    The smallest divisor of ``pairs`` whose band holds at least one wave of resident blocks, so the
+    blocks resident at once read the Q and dO of a few heads, which stay in L2, and no band is left
+    partial; ``pairs`` itself (one band: the pairs-fastest order) when none is smaller. Measured on the
+    H200 against pairs fastest and against one pair per band (bench/NOTES.md): the backward gains 8-24%
+    at seqlen 1k-4k, nothing at 16k, and one-pair bands are up to 9% slower under the causal mask.
+    """
+    wave = BAND_BLOCKS_PER_SM * sm_count
+    least = max(-(-wave // max(tiles_per_head, 1)), -(-pairs // MAX_GRID_Y), 1)
+    divisors = set()
+    for i in range(1, math.isqrt(pairs) + 1):
+        if pairs % i == 0:
+            divisors.update((i, pairs // i))
+    return min((d for d in divisors if d >= least), default=max(pairs, 1))
 
 
 def _simt_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DeviceProps) -> KernelSpec:
@@ -284,12 +338,17 @@ def choose_config(head_dim: int, dtype, causal: bool, device: DeviceProps) -> At
     half = dtype != np.float32  # float32 stays exact: CUDA cores, no tf32
     forward = _mma_spec("fwd_mma", dtype, d, causal, device) if half else _simt_spec("fwd_simt", dtype, d, causal, device)
     if half:
-        parts = (DKDV_BOTH,) if d <= MMA_BACKWARD_FUSED_HEAD_DIM else (DKDV_DV_ONLY, DKDV_DK_ONLY)
-        bwd_dkdv = tuple(_mma_spec("bwd_dkdv_mma", dtype, d, causal, device, part) for part in parts)
+        tiled = _tiled_dkdv_spec(dtype, d, causal, device, atomic_dq=False)
+        if tiled is not None:
+            bwd_dkdv = (tiled,)
+            bwd_dkdv_atomic = (dataclasses.replace(tiled, atomic_dq=True),)
+        else:
+            parts = (DKDV_BOTH,) if d <= MMA_BACKWARD_FUSED_HEAD_DIM else (DKDV_DV_ONLY, DKDV_DK_ONLY)
+            bwd_dkdv = tuple(_mma_spec("bwd_dkdv_rows_mma", dtype, d, causal, device, part) for part in parts)
+            # the atomic default adds dQ in the launch that computes dS (the one with dK)
+            bwd_dkdv_atomic = tuple(_mma_spec("bwd_dkdv_rows_mma", dtype, d, causal, device, part,
+                                              part != DKDV_DV_ONLY) for part in parts)
         bwd_dq = _mma_spec("bwd_dq_mma", dtype, d, causal, device)
-        # the atomic default adds dQ in the launch that computes dS (the one with dK)
-        bwd_dkdv_atomic = tuple(_mma_spec("bwd_dkdv_mma", dtype, d, causal, device, part, part != DKDV_DV_ONLY)
-                                for part in parts)
         bwd_dq_convert = KernelSpec("bwd_dq_convert", dtype, d)
     else:  # float32: CUDA cores, always the deterministic pair
         bwd_dkdv = (_simt_spec("bwd_dkdv_simt", dtype, d, causal, device),)

@@ -51,6 +51,12 @@ def _grid(blocks: int) -> tuple[int]:
     return (max(blocks, 1),)
 
 
+def _banded_grid(tiles_per_head: int, pairs: int, device_id: int) -> tuple[int, int]:
+    """(tiles of one band, bands): the grid of the kernels that decode KeyBlock (kernels/common.cuh)."""
+    band = _config.block_band(tiles_per_head, pairs, device_props(device_id).sm_count)
+    return _grid(tiles_per_head * band)[0], pairs // band
+
+
 def forward(q, k, v, p: Problem, spec: _config.KernelSpec | None = None):
     """out, lse; ``spec`` overrides the tile table's forward kernel (for tuning tools)."""
     import cupy
@@ -112,8 +118,8 @@ def backward(dout, q, k, v, out, lse, p: Problem, deterministic: bool = False,
                 np.int32(_vector_aligned(p.head_dim, q, k, v, dout)))
         for spec in cfg.bwd_dkdv_atomic if atomic_dq else cfg.bwd_dkdv:
             n_blocks = -(-p.seqlen_k // spec.block_n)
-            get_kernel(spec, device_id)(_grid(n_blocks * p.batch * p.heads_kv), (spec.threads,), args,
-                                        shared_mem=spec.smem_bytes)
+            grid = _banded_grid(n_blocks, p.batch * p.heads_kv, device_id)
+            get_kernel(spec, device_id)(grid, (spec.threads,), args, shared_mem=spec.smem_bytes)
         if atomic_dq:
             spec = cfg.bwd_dq_convert
             vectors = dq_accum.size // 4  # one thread per 4 columns

@@ -6,6 +6,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cuflash import _config
 from cuflash._config import BFLOAT16, choose_config, padded_head_dim
@@ -40,13 +42,23 @@ def test_every_config_fits_the_device(device, dtype, head_dim, causal):
         assert {s.kernel for s in cfg.specs} == {"fwd_simt", "bwd_preprocess", "bwd_dkdv_simt", "bwd_dq_simt"}
         assert cfg.bwd_dkdv_atomic == () and cfg.bwd_dq_convert is None  # always the deterministic pair
     else:
-        assert {s.kernel for s in cfg.specs} == {"fwd_mma", "bwd_preprocess", "bwd_dkdv_mma", "bwd_dq_mma",
+        dkdv_kernel = cfg.bwd_dkdv[0].kernel
+        assert {s.kernel for s in cfg.specs} == {"fwd_mma", "bwd_preprocess", dkdv_kernel, "bwd_dq_mma",
                                                  "bwd_dq_convert"}
         assert cfg.bwd_dq_convert.head_dim == padded_head_dim(head_dim)
         # whole 16-row mma atoms per warp
         fwd = cfg.forward
         assert fwd.block_n % 16 == 0 and fwd.block_m % (16 * (fwd.threads // 32)) == 0
         assert cfg.bwd_dq.block_n % 16 == 0 and cfg.bwd_dq.threads == cfg.bwd_dq.block_m // 16 * 32
+        assert not any(s.atomic_dq for s in cfg.bwd_dkdv)
+        if dkdv_kernel == "bwd_dkdv_mma":  # 8 warps, 2-D warp tiles of whole 16 x 16 blocks
+            assert padded_head_dim(head_dim) <= _config.MMA_BACKWARD_FUSED_HEAD_DIM
+            spec, = cfg.bwd_dkdv
+            assert cfg.bwd_dkdv_atomic == (dataclasses.replace(spec, atomic_dq=True),)
+            assert spec.threads == _config.DKDV_TILED_THREADS
+            assert spec.block_m % 64 == 0 and spec.block_n % 64 == 0 and spec.head_dim % 32 == 0
+            return
+        assert dkdv_kernel == "bwd_dkdv_rows_mma"
         for spec in (*cfg.bwd_dkdv, *cfg.bwd_dkdv_atomic):  # 16 keys per warp
             assert spec.threads == spec.block_n // 16 * 32 and spec.block_m % 16 == 0
         # one launch computes both gradients, or two launches one each; the atomic default adds dQ in
@@ -54,7 +66,6 @@ def test_every_config_fits_the_device(device, dtype, head_dim, causal):
         for launches in (cfg.bwd_dkdv, cfg.bwd_dkdv_atomic):
             assert sorted(s.part for s in launches) in ([_config.DKDV_BOTH],
                                                         [_config.DKDV_DV_ONLY, _config.DKDV_DK_ONLY])
-        assert not any(s.atomic_dq for s in cfg.bwd_dkdv)
         assert all(s.atomic_dq == (s.part != _config.DKDV_DV_ONLY) for s in cfg.bwd_dkdv_atomic)
         assert (len(cfg.bwd_dkdv) == 1) == (padded_head_dim(head_dim) <= _config.MMA_BACKWARD_FUSED_HEAD_DIM)
 
@@ -95,8 +106,11 @@ def test_spec_names_are_template_instances():
     cfg = choose_config(64, np.float16, True, _config.H100)
     assert cfg.forward.name == "cuflash::fwd_mma<__half, 64, true, 128, 64, 4>"
     assert cfg.bwd_preprocess.name == "cuflash::bwd_preprocess<__half>"
-    assert cfg.bwd_dkdv[0].name == "cuflash::bwd_dkdv_mma<__half, 64, true, 64, 64, 0, false>"
-    assert cfg.bwd_dkdv_atomic[0].name.endswith(", 0, true>")
+    assert cfg.bwd_dkdv[0].name == "cuflash::bwd_dkdv_mma<__half, 64, true, 128, 128, false>"
+    assert cfg.bwd_dkdv_atomic[0].name.endswith(", 128, 128, true>")
+    rows = choose_config(256, np.float16, True, _config.H100).bwd_dkdv_atomic
+    assert [s.name for s in rows] == ["cuflash::bwd_dkdv_rows_mma<__half, 256, true, 16, 64, 1, false>",
+                                      "cuflash::bwd_dkdv_rows_mma<__half, 256, true, 16, 64, 2, true>"]
     assert cfg.bwd_dq_convert.name == "cuflash::bwd_dq_convert<__half, 64>"
     simt = choose_config(64, np.float32, True, _config.H100).bwd_dq
     assert simt.name == f"cuflash::bwd_dq_simt<float, 64, true, 32, 32, {simt.smem_bytes}>"
@@ -115,3 +129,24 @@ def test_all_specs_are_distinct_and_cover_the_table():
     half = 2 * (2 * len(_config.HEAD_DIMS) + fused + 2 * split + atomic) + 1 + len(_config.HEAD_DIMS)
     single = 2 * 3 * len(_config.HEAD_DIMS) + 1
     assert len(specs) == 2 * half + single
+
+
+@given(tiles_per_head=st.integers(1, 4096), pairs=st.integers(1, 20_000), sm_count=st.sampled_from([108, 128, 132]))
+def test_block_band_is_the_smallest_divisor_holding_a_wave(tiles_per_head, pairs, sm_count):
+    band = _config.block_band(tiles_per_head, pairs, sm_count)
+    wave = _config.BAND_BLOCKS_PER_SM * sm_count
+    assert pairs % band == 0, "a band is never partial"
+    assert pairs // band <= _config.MAX_GRID_Y
+    assert band * tiles_per_head >= wave or band == pairs
+    smaller = [d for d in range(1, band) if pairs % d == 0]
+    assert all(d * tiles_per_head < wave or pairs // d > _config.MAX_GRID_Y for d in smaller)
+
+
+@pytest.mark.parametrize("tiles_per_head, pairs, expected", [
+    (32, 64, 16),     # seqlen 4k, 64-key blocks, batch 4 x 16 heads: 9 pairs fill a wave, 16 divides 64
+    (256, 16, 2),     # seqlen 16k: 2 pairs hold 512 blocks
+    (1, 7, 7),        # a prime count of pairs: one band, the pairs-fastest order
+    (1, 200_000, 320),  # gridDim.y stays within 65535
+])
+def test_block_band_examples(tiles_per_head, pairs, expected):
+    assert _config.block_band(tiles_per_head, pairs, 132) == expected

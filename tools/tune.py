@@ -26,15 +26,18 @@ FWD_CANDIDATES = {  # head_dim: (block_m, block_n, warps)
     128: [(128, 32, 4), (128, 64, 4), (64, 64, 4), (128, 64, 8), (64, 32, 2), (128, 32, 8)],
     256: [(64, 64, 4), (64, 32, 4), (32, 64, 2), (64, 32, 2), (128, 32, 8)],
 }
-ATOMIC_BWD_CANDIDATES = {  # head_dim: (dkdv block_m, block_n) of the atomic-dQ default
-    64: [(32, 64), (64, 64), (16, 64), (32, 128), (64, 128)],
-    128: [(32, 64), (64, 64), (16, 64), (32, 128), (16, 128)],
-    256: [(16, 64), (16, 32), (32, 64)],
+TILED, ROWS = "bwd_dkdv_mma", "bwd_dkdv_rows_mma"
+ATOMIC_BWD_CANDIDATES = {  # head_dim: (dkdv kernel, block_m, block_n) of the atomic-dQ default
+    64: [(TILED, 128, 128), (TILED, 64, 128), (TILED, 128, 64), (TILED, 64, 64), (ROWS, 64, 64)],
+    128: [(TILED, 64, 128), (TILED, 128, 64), (TILED, 64, 64), (ROWS, 32, 64)],
+    256: [(ROWS, 16, 64), (ROWS, 16, 32), (ROWS, 32, 64)],
 }
-DETERMINISTIC_BWD_CANDIDATES = {  # head_dim: ((dkdv block_m, block_n), (dq block_m, block_n))
-    64: [((64, 128), (128, 64)), ((32, 64), (64, 64)), ((64, 64), (128, 32)), ((32, 128), (64, 128))],
-    128: [((32, 64), (64, 64)), ((16, 64), (64, 32)), ((32, 128), (128, 32)), ((64, 64), (32, 64))],
-    256: [((16, 64), (64, 32)), ((16, 32), (32, 32)), ((32, 64), (64, 16))],
+DETERMINISTIC_BWD_CANDIDATES = {  # head_dim: ((dkdv kernel, block_m, block_n), (dq block_m, block_n))
+    64: [((TILED, 128, 128), (64, 64)), ((TILED, 128, 128), (128, 64)), ((TILED, 64, 128), (64, 64)),
+         ((ROWS, 64, 64), (64, 64))],
+    128: [((TILED, 64, 128), (64, 64)), ((TILED, 64, 128), (64, 32)), ((TILED, 128, 64), (64, 64)),
+          ((ROWS, 32, 64), (64, 64))],
+    256: [((ROWS, 16, 64), (64, 32)), ((ROWS, 16, 32), (32, 32)), ((ROWS, 32, 64), (64, 16))],
 }
 
 
@@ -44,6 +47,17 @@ def mma_spec(kernel, d, causal, bm, bn, warps, part=0, atomic_dq=False):
     return _config.KernelSpec(kernel, dtype, d, causal, bm, bn, warps * 32, smem, part, atomic_dq)
 
 
+def dkdv_specs(kernel, d, causal, bm, bn, atomic):
+    """The dK/dV launches of one candidate: the tiled kernel's one, or the rows kernel's (two past
+    head_dim 128, dQ in the dK launch)."""
+    if kernel == TILED:
+        return (mma_spec(kernel, d, causal, bm, bn, _config.DKDV_TILED_THREADS // 32, atomic_dq=atomic),)
+    parts = ((_config.DKDV_BOTH,) if d <= _config.MMA_BACKWARD_FUSED_HEAD_DIM
+             else (_config.DKDV_DV_ONLY, _config.DKDV_DK_ONLY))
+    return tuple(mma_spec(kernel, d, causal, bm, bn, bn // _config.MMA_ROWS_PER_WARP, part,
+                          atomic and part != _config.DKDV_DV_ONLY) for part in parts)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("pass_", choices=["fwd", "bwd"])
@@ -51,7 +65,7 @@ def main():
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--deterministic", action="store_true", help="bwd: the deterministic backward's tiles")
     args = parser.parse_args()
-    rows = _config.MMA_ROWS_PER_WARP  # the backward kernels have one warp per 16 rows of their resident tile
+    rows = _config.MMA_ROWS_PER_WARP  # bwd_dq_mma has one warp per 16 rows of its query tile
     bf16 = cp.dtype("bfloat16")
     limit = _cupy_path.device_props(0).max_smem_per_block
     for d in args.dims:
@@ -64,16 +78,15 @@ def main():
                     spec = mma_spec("fwd_mma", d, causal, *cand)
                     specs = [spec]
                 elif args.deterministic:
-                    (dkdv_m, dkdv_n), (dq_m, dq_n) = cand
-                    dkdv = tuple(mma_spec("bwd_dkdv_mma", d, causal, dkdv_m, dkdv_n, dkdv_n // rows, s.part)
-                                 for s in base.bwd_dkdv)
+                    dkdv_cand, (dq_m, dq_n) = cand
+                    kernel, dkdv_m, dkdv_n = dkdv_cand
+                    dkdv = dkdv_specs(kernel, d, causal, dkdv_m, dkdv_n, atomic=False)
                     dq = mma_spec("bwd_dq_mma", d, causal, dq_m, dq_n, dq_m // rows)
                     cfg = dataclasses.replace(base, bwd_dkdv=dkdv, bwd_dq=dq)
                     specs = [*dkdv, dq]
                 else:
-                    dkdv_m, dkdv_n = cand
-                    dkdv = tuple(mma_spec("bwd_dkdv_mma", d, causal, dkdv_m, dkdv_n, dkdv_n // rows, s.part,
-                                          s.atomic_dq) for s in base.bwd_dkdv_atomic)
+                    kernel, dkdv_m, dkdv_n = cand
+                    dkdv = dkdv_specs(kernel, d, causal, dkdv_m, dkdv_n, atomic=True)
                     cfg = dataclasses.replace(base, bwd_dkdv_atomic=dkdv)
                     specs = list(dkdv)
                 if any(s.smem_bytes > limit for s in specs):
@@ -95,7 +108,7 @@ def main():
                         ms = time_ms(lambda: _cupy_path.backward(do, q, k, v, out, lse, p, args.deterministic, cfg))
                         flops *= 2.5
                     cells.append(f"{flops / ms / 1e9:6.1f}")
-                print(f"{args.pass_} d={d:3d} causal={causal!s:5} {str(cand):28s} regs {regs:>9} local {spill:4d}  "
+                print(f"{args.pass_} d={d:3d} causal={causal!s:5} {str(cand).replace('bwd_dkdv_', ''):36s} regs {regs:>9} local {spill:4d}  "
                       + " ".join(cells), flush=True)
 
 

@@ -3,11 +3,12 @@
 //   delta = rowsum(dout * out)                                  (bwd_preprocess, simt.cu)
 //   P = exp2(S * scale * log2(e) - lse * log2(e)),  S = Q K^T   (recomputed per tile; lse is natural log)
 //   dP = dO V^T,  dS = P * (dP - delta)
-//   bwd_dkdv_mma: per key tile, walking the query tiles of every head of its kv group:
+//   bwd_dkdv_mma (head dims up to 128, where its tiles fit) or bwd_dkdv_rows_mma (the others): per key
+//                 tile, walking the query tiles of every head of its kv group:
 //                 dV += P^T dO,  dK += dS^T Q  (scale applied at the end)
 //   dQ += dS K, one of two ways:
-//     default (ATOMIC_DQ): inside bwd_dkdv_mma, dS goes through shared memory and every key block adds
-//       its share of dQ into a float32 buffer with atomics; bwd_dq_convert scales and casts it. Five
+//     default (ATOMIC_DQ): inside the dK/dV kernel, dS goes through shared memory and every key block
+//       adds its share of dQ into a float32 buffer with atomics; bwd_dq_convert scales and casts it. Five
 //       matrix products per tile, as in FlashAttention-2, but the order of the float32 sums varies.
 //     deterministic: bwd_dq_mma, per query tile, walks the key tiles it sees and recomputes S and dP:
 //       seven products per tile, every element summed in a fixed order by one thread.
@@ -45,7 +46,223 @@ __device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
 #endif
 }
 
-// Which gradients one launch of bwd_dkdv_mma accumulates. Each warp holds 16 x HEAD_DIM of every
+// Store a warp's (MA * 16) x (NB * 8) accumulator tile times `factor`: rows row0.. (first valid ones
+// below rows_valid), columns col0.. (below head_dim).
+template <typename T, int MA, int NB>
+__device__ __forceinline__ void store_tile(T* base, long long row_stride, int row0, int rows_valid, int col0,
+                                           int head_dim, const float (&acc)[MA][NB][4], float factor, int lane) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int ma = 0; ma < MA; ++ma) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + ma * 16 + g + 8 * r;
+            if (row >= rows_valid) continue;
+            T* out_row = base + row * row_stride;
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) {
+                const int col = col0 + nb * 8 + 2 * t;
+                if (col < head_dim) out_row[col] = from_float<T>(acc[ma][nb][2 * r] * factor);
+                if (col + 1 < head_dim) out_row[col + 1] = from_float<T>(acc[ma][nb][2 * r + 1] * factor);
+            }
+        }
+    }
+}
+
+// Store a warp's (MA * 16) x (NB * 8) accumulator tile, converted to T, into a row-major shared tile
+// (rows of row_elems elements, tile at the warp tile's first element).
+template <typename T, int MA, int NB>
+__device__ __forceinline__ void store_tile_smem(T* tile, int row_elems, const float (&acc)[MA][NB][4], int lane) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int ma = 0; ma < MA; ++ma) {
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+            T* at = tile + (ma * 16 + g) * row_elems + nb * 8 + 2 * t;
+            *reinterpret_cast<unsigned*>(at) = pack2<T>(acc[ma][nb][0], acc[ma][nb][1]);
+            *reinterpret_cast<unsigned*>(at + 8 * row_elems) = pack2<T>(acc[ma][nb][2], acc[ma][nb][3]);
+        }
+    }
+}
+
+// dK, dV (and, with ATOMIC_DQ, dQ through float32 atomics), FlashAttention-2's layout. Block: BLOCK_N
+// keys of one (batch, kv head), 8 warps; K and V stay in shared memory while the query tiles of every
+// head of the kv group (Q, dO, lse, delta; BLOCK_M rows) stream through two cp.async stages. Each of
+// the five products of a step spreads over all 8 warps as a 2-D grid of warp tiles, so every fragment
+// read from shared memory feeds several mma instructions:
+//   S = Q K^T, dP = dO V^T : warps 2 (queries) x 4 (keys), tiles (BLOCK_M / 2) x (BLOCK_N / 4)
+//   dV += P^T dO, dK += dS^T Q : warps 4 (keys) x 2 (head dim), tiles (BLOCK_N / 4) x (HEAD_DIM / 2),
+//                            the accumulators live in registers for the whole block
+//   dQ += dS K             : warps 4 (queries) x 2 (head dim), tiles (BLOCK_M / 4) x (HEAD_DIM / 2)
+// P and dS cross between the layouts through shared memory ([BLOCK_M][BLOCK_N], padded rows).
+template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N, bool ATOMIC_DQ>
+__global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
+    constexpr int kThreads = 256;
+    constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
+    constexpr int kPRow = PaddedRow<BLOCK_N>::kElems;
+    // warp tiles of the three layouts (rows x columns)
+    constexpr int kSM = BLOCK_M / 2, kSN = BLOCK_N / 4;         // S, dP
+    constexpr int kKvN = BLOCK_N / 4, kKvD = HEAD_DIM / 2;      // dK, dV
+    constexpr int kQM = BLOCK_M / 4, kQD = HEAD_DIM / 2;        // dQ
+    static_assert(kSM % 16 == 0 && kSN % 16 == 0 && kKvN % 16 == 0 && kKvD % 16 == 0 && kQM % 16 == 0,
+                  "every warp tile is made of 16 x 16 mma blocks");
+
+    // Shared memory: K, V [BLOCK_N][kRow]; Q, dO [2][BLOCK_M][kRow]; P, dS [BLOCK_M][kPRow];
+    // lse2, delta [2][BLOCK_M] float32.
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* k_s = reinterpret_cast<T*>(smem_raw);
+    T* v_s = k_s + BLOCK_N * kRow;
+    T* q_s = v_s + BLOCK_N * kRow;
+    T* do_s = q_s + 2 * BLOCK_M * kRow;
+    T* p_s = do_s + 2 * BLOCK_M * kRow;
+    T* ds_s = p_s + BLOCK_M * kPRow;
+    float* lse2_s = reinterpret_cast<float*>(ds_s + BLOCK_M * kPRow);
+    float* delta_s = lse2_s + 2 * BLOCK_M;
+
+    const KeyBlock blk(BLOCK_N, heads / group, seqlen_k);
+    const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
+    const int causal_offset = seqlen_k - seqlen_q;
+    const int m_begin = CAUSAL ? max(0, n0 - causal_offset) / BLOCK_M * BLOCK_M : 0;
+    const int m_tiles = m_begin < seqlen_q ? (seqlen_q - m_begin + BLOCK_M - 1) / BLOCK_M : 0;
+    const int steps = m_tiles * group;   // (head in group, query tile), query tile fastest
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int s_row0 = (warp / 4) * kSM, s_col0 = (warp % 4) * kSN;     // S / dP tile
+    const int kv_row0 = (warp / 2) * kKvN, kv_col0 = (warp % 2) * kKvD;  // dK / dV tile
+    const int q_row0 = (warp / 2) * kQM, q_col0 = (warp % 2) * kQD;      // dQ tile
+
+    auto load_step = [&](int s) {
+        const int h = h_kv * group + s / m_tiles;
+        const int m0 = m_begin + (s % m_tiles) * BLOCK_M;
+        const int stage = s & 1;
+        load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(q_s + stage * BLOCK_M * kRow, q + b * q_sb + h * q_sh, q_ss,
+                                                         m0, seqlen_q, head_dim, vec_ok, tid);
+        load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(do_s + stage * BLOCK_M * kRow, dout + b * do_sb + h * do_sh,
+                                                         do_ss, m0, seqlen_q, head_dim, vec_ok, tid);
+        const long long row_base = (static_cast<long long>(b) * heads + h) * seqlen_q;
+        for (int r = tid; r < BLOCK_M; r += kThreads) {
+            const bool ok = m0 + r < seqlen_q;
+            lse2_s[stage * BLOCK_M + r] = ok ? lse[row_base + m0 + r] * kLog2e : 0.f;
+            delta_s[stage * BLOCK_M + r] = ok ? delta[row_base + m0 + r] : 0.f;
+        }
+    };
+
+    load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(k_s, k + b * k_sb + h_kv * k_sh, k_ss, n0, seqlen_k, head_dim,
+                                                     vec_ok, tid);
+    load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(v_s, v + b * v_sb + h_kv * v_sh, v_ss, n0, seqlen_k, head_dim,
+                                                     vec_ok, tid);
+    if (steps > 0) load_step(0);
+    cp_async_commit();
+
+    float dk_acc[kKvN / 16][kKvD / 8][4], dv_acc[kKvN / 16][kKvD / 8][4];
+#pragma unroll
+    for (int i = 0; i < kKvN / 16; ++i) {
+        zero(dk_acc[i]);
+        zero(dv_acc[i]);
+    }
+
+    for (int s = 0; s < steps; ++s) {
+        cp_async_wait<0>();
+        __syncthreads();   // stage s has landed; every warp is done with step s - 1's P, dS and stage
+        if (s + 1 < steps) load_step(s + 1);
+        cp_async_commit();
+        const int stage = s & 1;
+        const int m0 = m_begin + (s % m_tiles) * BLOCK_M;
+        const T* q_tile = q_s + stage * BLOCK_M * kRow;
+        const T* do_tile = do_s + stage * BLOCK_M * kRow;
+        const float* lse2_tile = lse2_s + stage * BLOCK_M;
+        const float* delta_tile = delta_s + stage * BLOCK_M;
+
+        // S = Q K^T, then P into shared memory; dP = dO V^T, then dS into shared memory: this warp's
+        // (queries x keys) tile of each.
+        {
+            const bool need_mask = m0 + BLOCK_M > seqlen_q || n0 + BLOCK_N > seqlen_k ||
+                                   (CAUSAL && n0 + BLOCK_N - 1 > m0 + causal_offset);
+            float p[kSM / 16][kSN / 8][4];
+#pragma unroll
+            for (int i = 0; i < kSM / 16; ++i) zero(p[i]);
+            warp_mma<T, kSM / 16, kSN / 8, HEAD_DIM / 16>(
+                p, [&](unsigned (&a)[4], int ma, int ks) { load_a(a, q_tile + (s_row0 + ma * 16) * kRow + ks * 16, kRow, lane); },
+                [&](unsigned (&bf)[4], int nb, int ks) { load_b(bf, k_s + (s_col0 + nb * 8) * kRow + ks * 16, kRow, lane); });
+#pragma unroll
+            for (int ma = 0; ma < kSM / 16; ++ma) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = s_row0 + ma * 16 + g + 8 * (e / 2);   // in the query tile
+                    const float row_lse2 = lse2_tile[row];
+#pragma unroll
+                    for (int nb = 0; nb < kSN / 8; ++nb) {
+                        const int col = s_col0 + nb * 8 + 2 * t + (e % 2);   // in the key block
+                        float x = exp2f(p[ma][nb][e] * scale_log2 - row_lse2);
+                        if (need_mask && (m0 + row >= seqlen_q ||
+                                          !key_visible(CAUSAL, m0 + row, n0 + col, seqlen_k, causal_offset)))
+                            x = 0.f;
+                        p[ma][nb][e] = x;
+                    }
+                }
+            }
+            store_tile_smem<T>(p_s + s_row0 * kPRow + s_col0, kPRow, p, lane);
+            float dp[kSM / 16][kSN / 8][4];
+#pragma unroll
+            for (int i = 0; i < kSM / 16; ++i) zero(dp[i]);
+            warp_mma<T, kSM / 16, kSN / 8, HEAD_DIM / 16>(
+                dp, [&](unsigned (&a)[4], int ma, int ks) { load_a(a, do_tile + (s_row0 + ma * 16) * kRow + ks * 16, kRow, lane); },
+                [&](unsigned (&bf)[4], int nb, int ks) { load_b(bf, v_s + (s_col0 + nb * 8) * kRow + ks * 16, kRow, lane); });
+#pragma unroll
+            for (int ma = 0; ma < kSM / 16; ++ma) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float row_delta = delta_tile[s_row0 + ma * 16 + g + 8 * (e / 2)];
+#pragma unroll
+                    for (int nb = 0; nb < kSN / 8; ++nb) dp[ma][nb][e] = p[ma][nb][e] * (dp[ma][nb][e] - row_delta);
+                }
+            }
+            store_tile_smem<T>(ds_s + s_row0 * kPRow + s_col0, kPRow, dp, lane);
+        }
+        __syncthreads();   // P and dS complete
+
+        // dV += P^T dO and dK += dS^T Q on this warp's (keys x head dim) tile; A is P^T (dS^T), read
+        // transposed out of P (dS): the query rows are the k of the products.
+        warp_mma<T, kKvN / 16, kKvD / 8, BLOCK_M / 16>(
+            dv_acc, [&](unsigned (&a)[4], int ma, int ks) { load_a_transposed(a, p_s + ks * 16 * kPRow + kv_row0 + ma * 16, kPRow, lane); },
+            [&](unsigned (&bf)[4], int nb, int ks) { load_b_trans(bf, do_tile + ks * 16 * kRow + kv_col0 + nb * 8, kRow, lane); });
+        warp_mma<T, kKvN / 16, kKvD / 8, BLOCK_M / 16>(
+            dk_acc, [&](unsigned (&a)[4], int ma, int ks) { load_a_transposed(a, ds_s + ks * 16 * kPRow + kv_row0 + ma * 16, kPRow, lane); },
+            [&](unsigned (&bf)[4], int nb, int ks) { load_b_trans(bf, q_tile + ks * 16 * kRow + kv_col0 + nb * 8, kRow, lane); });
+
+        if constexpr (ATOMIC_DQ) {
+            // dQ[query tile] += dS K over this block's keys, added into dq_accum (float32).
+            float dq_part[kQM / 16][kQD / 8][4];
+#pragma unroll
+            for (int i = 0; i < kQM / 16; ++i) zero(dq_part[i]);
+            warp_mma<T, kQM / 16, kQD / 8, BLOCK_N / 16>(
+                dq_part, [&](unsigned (&a)[4], int ma, int ks) { load_a(a, ds_s + (q_row0 + ma * 16) * kPRow + ks * 16, kPRow, lane); },
+                [&](unsigned (&bf)[4], int nb, int ks) { load_b_trans(bf, k_s + ks * 16 * kRow + q_col0 + nb * 8, kRow, lane); });
+            const int h = h_kv * group + s / m_tiles;
+            float* dq_tile = dq_accum + ((static_cast<long long>(b) * heads + h) * seqlen_q + m0) * HEAD_DIM;
+#pragma unroll
+            for (int ma = 0; ma < kQM / 16; ++ma) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = q_row0 + ma * 16 + g + 8 * r;
+                    if (m0 + row >= seqlen_q) continue;
+#pragma unroll
+                    for (int nb = 0; nb < kQD / 8; ++nb)
+                        atomic_add2(dq_tile + row * HEAD_DIM + q_col0 + nb * 8 + 2 * t, dq_part[ma][nb][2 * r],
+                                    dq_part[ma][nb][2 * r + 1]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    const long long kv_head = b * dk_sb + h_kv * dk_sh;
+    store_tile<T>(dk + kv_head, dk_ss, n0 + kv_row0, seqlen_k, kv_col0, head_dim, dk_acc, scale, lane);
+    store_tile<T>(dv + kv_head, dk_ss, n0 + kv_row0, seqlen_k, kv_col0, head_dim, dv_acc, 1.f, lane);
+}
+
+// Which gradients one launch of bwd_dkdv_rows_mma accumulates. Each warp holds 16 x HEAD_DIM of every
 // gradient it accumulates; past HEAD_DIM 128 both would not fit in registers, so the host launches the
 // kernel twice, once per gradient (P is recomputed; dP^T is needed for dK only).
 enum DkdvPart { kDkAndDv = 0, kDvOnly = 1, kDkOnly = 2 };
@@ -58,7 +275,7 @@ enum DkdvPart { kDkAndDv = 0, kDvOnly = 1, kDkOnly = 2 };
 // the block then computes dQ[query tile] += dS K over its BLOCK_N keys as items of (16 query rows,
 // kDqCols columns) spread over the warps, and adds them into dq_accum.
 template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N, int PART, bool ATOMIC_DQ>
-__global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
+__global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLASH_BWD_PARAMS) {
     constexpr bool kDk = PART != kDvOnly, kDv = PART != kDkOnly;
     static_assert(!ATOMIC_DQ || kDk, "dQ needs dS, which only a launch computing dK has");
     constexpr int kWarps = BLOCK_N / 16;
@@ -82,7 +299,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_mma(CUFLASH_BWD
     float* delta_s = lse2_s + 2 * BLOCK_M;
     T* ds_s = reinterpret_cast<T*>(delta_s + 2 * BLOCK_M);
 
-    const KeyBlock blk(BLOCK_N, batch, heads / group);
+    const KeyBlock blk(BLOCK_N, heads / group, seqlen_k);
     const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
     const int causal_offset = seqlen_k - seqlen_q;
     const int m_begin = CAUSAL ? max(0, n0 - causal_offset) / BLOCK_M * BLOCK_M : 0;

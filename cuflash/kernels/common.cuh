@@ -72,7 +72,7 @@ __device__ __forceinline__ bool key_visible(bool causal, int row, int key, int s
 // Grid: one block per (query block, batch, head), batch * heads fastest, the highest query blocks of
 // every head first: under the causal mask they have the most key tiles to walk, and starting all the
 // long blocks first balances the SMs. (Query blocks fastest, for K/V reuse in L2, measured no faster
-// without the mask and 5-10% slower with it: bench/NOTES.md.)
+// without the mask and 5-10% slower with it; so did bands of heads as KeyBlock's: bench/NOTES.md.)
 struct QueryBlock {
     int bh, b, h, h_kv, m0;
     __device__ __forceinline__ QueryBlock(int block_m, int batch, int heads, int group, int seqlen_q) {
@@ -87,17 +87,22 @@ struct QueryBlock {
     }
 };
 
-// The key block of a thread block in the dK/dV kernels: one block per (key block, batch, kv head),
-// batch * heads_kv fastest, the lowest key blocks (which the most query rows see under the causal mask)
-// of every head first.
+// The key block of a thread block in the dK/dV kernels, one per (key block, batch, kv head). The grid is
+// banded: blockIdx.y picks a band of `band` (batch, kv head) pairs, band = gridDim.x / (key blocks per
+// head), and blockIdx.x walks the band's key blocks, pairs fastest, the lowest key blocks (which the
+// most query rows see under the causal mask) first. The host sizes a band to about one wave of
+// resident blocks (_config.block_band), so the blocks resident at once stream the Q and dO of a few
+// heads, which stay in L2, instead of every head's from DRAM (8-24% faster at seqlen 1k-4k than pairs
+// fastest: bench/NOTES.md).
 struct KeyBlock {
     int b, h_kv, n0;
-    __device__ __forceinline__ KeyBlock(int block_n, int batch, int heads_kv) {
-        const int bhk_count = batch * heads_kv;
-        const int bhk = blockIdx.x % bhk_count;
+    __device__ __forceinline__ KeyBlock(int block_n, int heads_kv, int seqlen_k) {
+        const int num_n_blocks = (seqlen_k + block_n - 1) / block_n;
+        const int band = gridDim.x / num_n_blocks;
+        const int bhk = blockIdx.y * band + blockIdx.x % band;
         b = bhk / heads_kv;
         h_kv = bhk % heads_kv;
-        n0 = static_cast<int>(blockIdx.x / bhk_count) * block_n;
+        n0 = static_cast<int>(blockIdx.x / band) * block_n;
     }
 };
 

@@ -177,6 +177,49 @@ __device__ __forceinline__ void load_a_transposed(unsigned (&a)[4], const T* m, 
     ldmatrix_x4_trans(a, m + ((lane % 8) + 8 * (lane / 16)) * row_elems + 8 * ((lane / 8) % 2));
 }
 
+// Fragments of one 16 x 16 block of a row-major shared tile (rows of row_elems elements, p at the
+// block's first element), for the block-tiled kernels:
+//   load_a       : A, the block's rows are the fragment's m, its columns k
+//   load_b       : two n8 B fragments (b[0..1] columns n 0..7, b[2..3] n 8..15), the block's rows are n
+//   load_b_trans : the same, the block's rows are k (ldmatrix.trans)
+// (load_a_transposed above: A of the block's transpose, the block's rows are k.)
+template <typename T>
+__device__ __forceinline__ void load_a(unsigned (&a)[4], const T* p, int row_elems, int lane) {
+    ldmatrix_x4(a, p + ((lane % 8) + 8 * ((lane / 8) % 2)) * row_elems + 8 * (lane / 16));
+}
+template <typename T>
+__device__ __forceinline__ void load_b(unsigned (&b)[4], const T* p, int row_elems, int lane) {
+    ldmatrix_x4(b, p + ((lane % 8) + 8 * (lane / 16)) * row_elems + 8 * ((lane / 8) % 2));
+}
+template <typename T>
+__device__ __forceinline__ void load_b_trans(unsigned (&b)[4], const T* p, int row_elems, int lane) {
+    ldmatrix_x4_trans(b, p + ((lane % 8) + 8 * ((lane / 8) % 2)) * row_elems + 8 * (lane / 16));
+}
+
+// acc[MA][NB][4] += A . B over KSTEPS k16 steps, a warp tile of MA 16-row atoms by NB 8-column tiles.
+// load_a_frag(a, ma, ks) and load_b_frag(b, nb, ks) fetch the fragments (load_b_frag: the two n8 tiles
+// nb, nb + 1); each A fragment feeds NB mma instructions and each B fragment 2 * MA.
+template <typename T, int MA, int NB, int KSTEPS, typename LoadA, typename LoadB>
+__device__ __forceinline__ void warp_mma(float (&acc)[MA][NB][4], LoadA load_a_frag, LoadB load_b_frag) {
+    static_assert(NB % 2 == 0, "B is read 16 columns per ldmatrix.x4");
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+        unsigned a[MA][4];
+#pragma unroll
+        for (int ma = 0; ma < MA; ++ma) load_a_frag(a[ma], ma, ks);
+#pragma unroll
+        for (int nb = 0; nb < NB; nb += 2) {
+            unsigned b[4];
+            load_b_frag(b, nb, ks);
+#pragma unroll
+            for (int ma = 0; ma < MA; ++ma) {
+                mma_16816<T>(acc[ma][nb], a[ma], b[0], b[1]);
+                mma_16816<T>(acc[ma][nb + 1], a[ma], b[2], b[3]);
+            }
+        }
+    }
+}
+
 // Two adjacent 16 x 8 accumulator tiles are one 16 x 16 A fragment (layouts at the top of this file).
 template <typename T, int NB>
 __device__ __forceinline__ void pack_a_fragments(unsigned (&a)[NB / 2][4], const float (&c)[NB][4]) {

@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_BWD_PAR
     float* lse2_s = ds_s + BLOCK_M * kScoreRow;        // [BLOCK_M]
     float* delta_s = lse2_s + BLOCK_M;                 // [BLOCK_M]
 
-    const KeyBlock blk(BLOCK_N, batch, heads / group);
+    const KeyBlock blk(BLOCK_N, heads / group, seqlen_k);
     const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
     const int causal_offset = seqlen_k - seqlen_q;
     // first query row that sees key n0 under the causal mask: row >= n0 - causal_offset

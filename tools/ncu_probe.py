@@ -1,0 +1,49 @@
+"""One bench cell under Nsight Compute: warm up outside the profiled range, then profile one call.
+
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \\
+        python3 tools/ncu_probe.py --impl cuflash --pass fwd --head-dim 128 --seqlen 4096 [--causal]
+
+Shapes follow FlashAttention's grid (batch * seqlen = 16k tokens, heads * head_dim = 2048), as in
+``python -m bench``. The profiled range holds exactly one call of the implementation, so ncu reports its
+kernels and nothing of the warm-up or the input generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import cupy
+
+from bench.impls import make_impls, make_inputs
+from bench.records import Shape
+
+TOKENS, WIDTH = 16384, 2048
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", default="cuflash")
+    parser.add_argument("--pass", dest="pass_", default="fwd", choices=["fwd", "bwd", "fwd+bwd"])
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--seqlen", type=int, default=4096)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+
+    heads = WIDTH // args.head_dim
+    shape = Shape.square(TOKENS // args.seqlen, args.seqlen, heads, args.head_dim)
+    impl, = make_impls([args.impl])
+    inputs = make_inputs(shape, args.dtype)
+    with impl.context():
+        call = impl.make_call(args.pass_, inputs, args.causal)
+        for _ in range(3):
+            call()
+        cupy.cuda.runtime.deviceSynchronize()
+        cupy.cuda.profiler.start()
+        call()
+        cupy.cuda.runtime.deviceSynchronize()
+        cupy.cuda.profiler.stop()
+
+
+if __name__ == "__main__":
+    main()
