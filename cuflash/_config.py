@@ -103,7 +103,7 @@ class KernelSpec:
             args = [ctype, str(self.head_dim), "true" if self.causal else "false", str(self.block_m), str(self.block_n)]
             if self.kernel not in MMA_KERNELS:
                 args.append(str(self.smem_bytes))
-            if self.kernel == "fwd_mma":
+            if self.kernel in ("fwd_mma", "bwd_dq_mma"):
                 args.append(str(self.threads // 32))
             if self.kernel == "bwd_dkdv_rows_mma":
                 args.append(str(self.part))
@@ -177,13 +177,17 @@ def _mma_backward_tiles(kernel: str, head_dim: int) -> tuple[int, int]:
     """(block_m, block_n) of the tensor-core backward kernels, before fitting shared memory.
 
     bwd_dkdv_mma: block_n keys, 8 warps tiling each product in 2-D (kernels/bwd_mma.cu); its tiles are
-    fixed (no fitting): where they do not fit, bwd_dkdv_rows_mma serves. TFLOP/s of the whole backward
-    measured on the H200, bfloat16, FlashAttention's grid at seqlen 1k / 4k: see bench/NOTES.md
-    (backward v3), recorded here after the tuning run.
-    bwd_dkdv_rows_mma: 16 keys per warp (block_n / 16 warps) hold dK and dV, head_dim / 2 float32
-    registers each per thread, plus the 16 x block_m tiles P^T and dS^T. bwd_dq_mma: 16 queries per warp
-    hold dQ plus the 16 x block_n tiles P, dS. Measured (tools/tune.py, bench/NOTES.md), before
-    bwd_dkdv_mma existed:
+    fixed (no fitting): where they do not fit, bwd_dkdv_rows_mma serves. TFLOP/s of the atomic-dQ
+    backward measured on the H200, bfloat16, FlashAttention's grid at seqlen 1k / 4k / 16k, non-causal;
+    causal (tools/tune.py bwd, bench/NOTES.md backward v4):
+      head_dim 64:  128 x 128 182 / 224 / 244, causal 132 / 208 / 246;  64 x 128 169 / 206 / 219;
+                    128 x 64 138 / 162 / 171;  64 x 64 125 / 145 / 151;  rows kernel 64 x 64 161 / 197 / 207
+      head_dim 128: 64 x 128 201 / 251 / 267, causal 154 / 236 / 268;  128 x 64 157 / 181 / 189;
+                    64 x 64 145 / 166 / 173;  rows kernel 32 x 64 174 / 204 / 210
+    bwd_dkdv_rows_mma (head dims past 128; GPUs with less shared memory): 16 keys per warp (block_n / 16
+    warps) hold dK and dV, head_dim / 2 float32 registers each per thread, plus the 16 x block_m tiles
+    P^T and dS^T. Measured before bwd_dkdv_mma existed, with one 16-row atom per warp in bwd_dq_mma
+    (tools/tune.py, bench/NOTES.md backward v3):
     Atomic-dQ default (dkdv block_m x block_n), non-causal; causal:
       head_dim 64:  64 x 64 137 / 177, causal 115 / 173;  64 x 128 139 / 161;  32 x 64 119 / 146
       head_dim 128: 32 x 64 150 / 194, causal 127 / 190;  32 x 128 150 / 177;  64 x 64 spills 48 bytes
@@ -201,10 +205,27 @@ def _mma_backward_tiles(kernel: str, head_dim: int) -> tuple[int, int]:
         # both modes: 64 query rows per step reuse each K/V fragment twice as often; at head_dim 128
         # they spill (the atomic kernel's dS^T store adds nothing to the tile choice)
         return (64, 64) if head_dim <= 64 else (32, 64)
-    return (64, 64) if head_dim <= 128 else (64, 32)
+    raise ValueError(f"not a dK/dV kernel: {kernel}")
 
 
-def _tiled_dkdv_spec(dtype, head_dim: int, causal: bool, device: DeviceProps, atomic_dq: bool) -> KernelSpec | None:
+def _mma_dq_tiles(head_dim: int) -> tuple[int, int, int]:
+    """(block_m, block_n, warps) of bwd_dq_mma (the deterministic backward's dQ), before fitting shared
+    memory. A warp owns block_m / warps query rows, 16 per mma atom, and holds their dQ, S and dP.
+    TFLOP/s of the deterministic backward (with bwd_dkdv_mma) measured on the H200, bfloat16,
+    FlashAttention's grid at seqlen 1k / 4k / 16k, non-causal; causal (tools/tune.py --deterministic):
+      head_dim 64:  128 x 64, 4 warps 168 / 204 / 217, causal 126 / 192 / 220;
+                    128 x 32, 4 warps 162 / 194 / 205;  64 x 64, 2 warps 156 / 193 / 208;
+                    64 x 64, 4 warps (one atom per warp) 155 / 186 / 197
+      head_dim 128: 64 x 64, 4 warps 173 / 211 / 222, causal 129 / 200 / 224;  128 x 16, 4 warps 172 / 208 / 219;
+                    64 x 32, 4 warps 164 / 198 / 207;  two atoms per warp at 32 or more keys spill
+    """
+    if head_dim <= 64:
+        return 128, 32, 4  # 128 x 64 spills 8 bytes (sm_80; sm_90 under the causal mask)
+    return (64, 64, 4) if head_dim <= 128 else (64, 32, 4)
+
+
+def _tiled_dkdv_spec(dtype, head_dim: int, causal: bool, device: DeviceProps,
+                     atomic_dq: bool) -> KernelSpec | None:
     """bwd_dkdv_mma's spec, or None where it does not serve (head dim past 128, or too little shared
     memory for its tiles: A100, RTX 4090)."""
     if head_dim > MMA_BACKWARD_FUSED_HEAD_DIM:
@@ -221,6 +242,8 @@ def _mma_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DevicePro
               atomic_dq: bool = False) -> KernelSpec:
     if kernel == "fwd_mma":
         block_m, block_n, table_warps = _mma_forward_tiles(head_dim, device)
+    elif kernel == "bwd_dq_mma":
+        block_m, block_n, table_warps = _mma_dq_tiles(head_dim)
     else:
         block_m, block_n = _mma_backward_tiles(kernel, head_dim)
     # Halve the streamed tile, then the resident one, until everything fits (head_dim 256 forward on
@@ -239,12 +262,12 @@ def _mma_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DevicePro
             raise ValueError(f"no {kernel} tile for head_dim {head_dim} fits in {device.max_smem_per_block} "
                              "bytes of shared memory")
         block_m, block_n = (streamed, resident) if streamed_is_m else (resident, streamed)
-    # Warps follow the fitted tile: the forward keeps its table's count while whole 16-row atoms remain;
-    # the backward kernels have one warp per 16 rows of their resident tile.
-    if kernel == "fwd_mma":
+    # Warps follow the fitted tile: the forward and dQ kernels keep their table's count while whole 16-row
+    # atoms remain; bwd_dkdv_rows_mma has one warp per 16 keys.
+    if kernel in ("fwd_mma", "bwd_dq_mma"):
         warps = min(table_warps, block_m // MMA_ROWS_PER_WARP)
     else:
-        warps = (block_n if kernel == "bwd_dkdv_rows_mma" else block_m) // MMA_ROWS_PER_WARP
+        warps = block_n // MMA_ROWS_PER_WARP
     smem = mma_smem_bytes(kernel, head_dim, block_m, block_n, dtype.itemsize, atomic_dq)
     return KernelSpec(kernel, dtype, head_dim, causal, block_m, block_n, warps * 32, smem, part, atomic_dq)
 
@@ -288,8 +311,8 @@ def block_band(tiles_per_head: int, pairs: int, sm_count: int) -> int:
     The smallest divisor of ``pairs`` whose band holds at least one wave of resident blocks, so the
     blocks resident at once read the Q and dO of a few heads, which stay in L2, and no band is left
     partial; ``pairs`` itself (one band: the pairs-fastest order) when none is smaller. Measured on the
-    H200 against pairs fastest and against one pair per band (bench/NOTES.md): the backward gains 8-24%
-    at seqlen 1k-4k, nothing at 16k, and one-pair bands are up to 9% slower under the causal mask.
+    H200 against pairs fastest and against one pair per band (bench/NOTES.md): the backward gains 5-24%
+    at seqlen 1k-4k, nothing at 16k, and one-pair bands are up to 10% slower under the causal mask.
     """
     wave = BAND_BLOCKS_PER_SM * sm_count
     least = max(-(-wave // max(tiles_per_head, 1)), -(-pairs // MAX_GRID_Y), 1)

@@ -49,7 +49,8 @@ def test_every_config_fits_the_device(device, dtype, head_dim, causal):
         # whole 16-row mma atoms per warp
         fwd = cfg.forward
         assert fwd.block_n % 16 == 0 and fwd.block_m % (16 * (fwd.threads // 32)) == 0
-        assert cfg.bwd_dq.block_n % 16 == 0 and cfg.bwd_dq.threads == cfg.bwd_dq.block_m // 16 * 32
+        dq = cfg.bwd_dq
+        assert dq.block_n % 16 == 0 and dq.block_m % (16 * (dq.threads // 32)) == 0
         assert not any(s.atomic_dq for s in cfg.bwd_dkdv)
         if dkdv_kernel == "bwd_dkdv_mma":  # 8 warps, 2-D warp tiles of whole 16 x 16 blocks
             assert padded_head_dim(head_dim) <= _config.MMA_BACKWARD_FUSED_HEAD_DIM

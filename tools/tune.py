@@ -32,12 +32,11 @@ ATOMIC_BWD_CANDIDATES = {  # head_dim: (dkdv kernel, block_m, block_n) of the at
     128: [(TILED, 64, 128), (TILED, 128, 64), (TILED, 64, 64), (ROWS, 32, 64)],
     256: [(ROWS, 16, 64), (ROWS, 16, 32), (ROWS, 32, 64)],
 }
-DETERMINISTIC_BWD_CANDIDATES = {  # head_dim: ((dkdv kernel, block_m, block_n), (dq block_m, block_n))
-    64: [((TILED, 128, 128), (64, 64)), ((TILED, 128, 128), (128, 64)), ((TILED, 64, 128), (64, 64)),
-         ((ROWS, 64, 64), (64, 64))],
-    128: [((TILED, 64, 128), (64, 64)), ((TILED, 64, 128), (64, 32)), ((TILED, 128, 64), (64, 64)),
-          ((ROWS, 32, 64), (64, 64))],
-    256: [((ROWS, 16, 64), (64, 32)), ((ROWS, 16, 32), (32, 32)), ((ROWS, 32, 64), (64, 16))],
+DETERMINISTIC_BWD_CANDIDATES = {  # head_dim: ((dkdv kernel, block_m, block_n), (dq block_m, block_n, warps))
+    64: [((TILED, 128, 128), (128, 64, 4)), ((TILED, 128, 128), (128, 32, 4)), ((TILED, 128, 128), (64, 64, 2)),
+         ((TILED, 128, 128), (64, 64, 4))],
+    128: [((TILED, 64, 128), (64, 64, 4)), ((TILED, 64, 128), (128, 16, 4)), ((TILED, 64, 128), (64, 32, 4))],
+    256: [((ROWS, 16, 64), (64, 32, 4)), ((ROWS, 16, 32), (32, 32, 2)), ((ROWS, 32, 64), (64, 16, 4))],
 }
 
 
@@ -65,7 +64,6 @@ def main():
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--deterministic", action="store_true", help="bwd: the deterministic backward's tiles")
     args = parser.parse_args()
-    rows = _config.MMA_ROWS_PER_WARP  # bwd_dq_mma has one warp per 16 rows of its query tile
     bf16 = cp.dtype("bfloat16")
     limit = _cupy_path.device_props(0).max_smem_per_block
     for d in args.dims:
@@ -78,10 +76,10 @@ def main():
                     spec = mma_spec("fwd_mma", d, causal, *cand)
                     specs = [spec]
                 elif args.deterministic:
-                    dkdv_cand, (dq_m, dq_n) = cand
+                    dkdv_cand, (dq_m, dq_n, dq_warps) = cand
                     kernel, dkdv_m, dkdv_n = dkdv_cand
                     dkdv = dkdv_specs(kernel, d, causal, dkdv_m, dkdv_n, atomic=False)
-                    dq = mma_spec("bwd_dq_mma", d, causal, dq_m, dq_n, dq_m // rows)
+                    dq = mma_spec("bwd_dq_mma", d, causal, dq_m, dq_n, dq_warps)
                     cfg = dataclasses.replace(base, bwd_dkdv=dkdv, bwd_dq=dq)
                     specs = [*dkdv, dq]
                 else:

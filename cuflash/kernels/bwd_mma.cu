@@ -17,25 +17,6 @@
 
 namespace cuflash {
 
-// Store a warp's 16 x HEAD_DIM accumulator (rows row0 + g and row0 + g + 8) times `factor`.
-template <typename T, int HEAD_DIM>
-__device__ __forceinline__ void store_rows(T* base, long long row_stride, int row0, int rows_valid, int head_dim,
-                                           const float (&acc)[HEAD_DIM / 8][4], float factor, int lane) {
-    const int g = lane / 4, t = lane % 4;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + g + 8 * r;
-        if (row >= rows_valid) continue;
-        T* out_row = base + row * row_stride;
-#pragma unroll
-        for (int db = 0; db < HEAD_DIM / 8; ++db) {
-            const int col = db * 8 + 2 * t;
-            if (col < head_dim) out_row[col] = from_float<T>(acc[db][2 * r] * factor);
-            if (col + 1 < head_dim) out_row[col + 1] = from_float<T>(acc[db][2 * r + 1] * factor);
-        }
-    }
-}
-
 // dst[0..1] += (x, y) in global memory (16-byte vector atomics on sm_90, two scalar ones before).
 __device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
 #if __CUDA_ARCH__ >= 900
@@ -183,8 +164,13 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
 #pragma unroll
             for (int i = 0; i < kSM / 16; ++i) zero(p[i]);
             warp_mma<T, kSM / 16, kSN / 8, HEAD_DIM / 16>(
-                p, [&](unsigned (&a)[4], int ma, int ks) { load_a(a, q_tile + (s_row0 + ma * 16) * kRow + ks * 16, kRow, lane); },
-                [&](unsigned (&bf)[4], int nb, int ks) { load_b(bf, k_s + (s_col0 + nb * 8) * kRow + ks * 16, kRow, lane); });
+                p,
+                [&](unsigned (&a)[4], int ma, int ks) {
+                    load_a(a, q_tile + (s_row0 + ma * 16) * kRow + ks * 16, kRow, lane);
+                },
+                [&](unsigned (&bf)[4], int nb, int ks) {
+                    load_b(bf, k_s + (s_col0 + nb * 8) * kRow + ks * 16, kRow, lane);
+                });
 #pragma unroll
             for (int ma = 0; ma < kSM / 16; ++ma) {
 #pragma unroll
@@ -207,8 +193,13 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
 #pragma unroll
             for (int i = 0; i < kSM / 16; ++i) zero(dp[i]);
             warp_mma<T, kSM / 16, kSN / 8, HEAD_DIM / 16>(
-                dp, [&](unsigned (&a)[4], int ma, int ks) { load_a(a, do_tile + (s_row0 + ma * 16) * kRow + ks * 16, kRow, lane); },
-                [&](unsigned (&bf)[4], int nb, int ks) { load_b(bf, v_s + (s_col0 + nb * 8) * kRow + ks * 16, kRow, lane); });
+                dp,
+                [&](unsigned (&a)[4], int ma, int ks) {
+                    load_a(a, do_tile + (s_row0 + ma * 16) * kRow + ks * 16, kRow, lane);
+                },
+                [&](unsigned (&bf)[4], int nb, int ks) {
+                    load_b(bf, v_s + (s_col0 + nb * 8) * kRow + ks * 16, kRow, lane);
+                });
 #pragma unroll
             for (int ma = 0; ma < kSM / 16; ++ma) {
 #pragma unroll
@@ -225,11 +216,21 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
         // dV += P^T dO and dK += dS^T Q on this warp's (keys x head dim) tile; A is P^T (dS^T), read
         // transposed out of P (dS): the query rows are the k of the products.
         warp_mma<T, kKvN / 16, kKvD / 8, BLOCK_M / 16>(
-            dv_acc, [&](unsigned (&a)[4], int ma, int ks) { load_a_transposed(a, p_s + ks * 16 * kPRow + kv_row0 + ma * 16, kPRow, lane); },
-            [&](unsigned (&bf)[4], int nb, int ks) { load_b_trans(bf, do_tile + ks * 16 * kRow + kv_col0 + nb * 8, kRow, lane); });
+            dv_acc,
+            [&](unsigned (&a)[4], int ma, int ks) {
+                load_a_transposed(a, p_s + ks * 16 * kPRow + kv_row0 + ma * 16, kPRow, lane);
+            },
+            [&](unsigned (&bf)[4], int nb, int ks) {
+                load_b_trans(bf, do_tile + ks * 16 * kRow + kv_col0 + nb * 8, kRow, lane);
+            });
         warp_mma<T, kKvN / 16, kKvD / 8, BLOCK_M / 16>(
-            dk_acc, [&](unsigned (&a)[4], int ma, int ks) { load_a_transposed(a, ds_s + ks * 16 * kPRow + kv_row0 + ma * 16, kPRow, lane); },
-            [&](unsigned (&bf)[4], int nb, int ks) { load_b_trans(bf, q_tile + ks * 16 * kRow + kv_col0 + nb * 8, kRow, lane); });
+            dk_acc,
+            [&](unsigned (&a)[4], int ma, int ks) {
+                load_a_transposed(a, ds_s + ks * 16 * kPRow + kv_row0 + ma * 16, kPRow, lane);
+            },
+            [&](unsigned (&bf)[4], int nb, int ks) {
+                load_b_trans(bf, q_tile + ks * 16 * kRow + kv_col0 + nb * 8, kRow, lane);
+            });
 
         if constexpr (ATOMIC_DQ) {
             // dQ[query tile] += dS K over this block's keys, added into dq_accum (float32).
@@ -237,8 +238,13 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
 #pragma unroll
             for (int i = 0; i < kQM / 16; ++i) zero(dq_part[i]);
             warp_mma<T, kQM / 16, kQD / 8, BLOCK_N / 16>(
-                dq_part, [&](unsigned (&a)[4], int ma, int ks) { load_a(a, ds_s + (q_row0 + ma * 16) * kPRow + ks * 16, kPRow, lane); },
-                [&](unsigned (&bf)[4], int nb, int ks) { load_b_trans(bf, k_s + ks * 16 * kRow + q_col0 + nb * 8, kRow, lane); });
+                dq_part,
+                [&](unsigned (&a)[4], int ma, int ks) {
+                    load_a(a, ds_s + (q_row0 + ma * 16) * kPRow + ks * 16, kPRow, lane);
+                },
+                [&](unsigned (&bf)[4], int nb, int ks) {
+                    load_b_trans(bf, k_s + ks * 16 * kRow + q_col0 + nb * 8, kRow, lane);
+                });
             const int h = h_kv * group + s / m_tiles;
             float* dq_tile = dq_accum + ((static_cast<long long>(b) * heads + h) * seqlen_q + m0) * HEAD_DIM;
 #pragma unroll
@@ -426,20 +432,27 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
     cp_async_wait<0>();
 
     const long long kv_head = b * dk_sb + h_kv * dk_sh;
-    if constexpr (kDk) store_rows<T, HEAD_DIM>(dk + kv_head, dk_ss, n0 + warp * 16, seqlen_k, head_dim, dk_acc, scale, lane);
-    if constexpr (kDv) store_rows<T, HEAD_DIM>(dv + kv_head, dk_ss, n0 + warp * 16, seqlen_k, head_dim, dv_acc, 1.f, lane);
+    using WarpRows = const float(&)[1][kDTiles][4];   // the store_tile view of a 16-row accumulator
+    const int key0 = n0 + warp * 16;
+    if constexpr (kDk)
+        store_tile<T>(dk + kv_head, dk_ss, key0, seqlen_k, 0, head_dim, reinterpret_cast<WarpRows>(dk_acc), scale, lane);
+    if constexpr (kDv)
+        store_tile<T>(dv + kv_head, dk_ss, key0, seqlen_k, 0, head_dim, reinterpret_cast<WarpRows>(dv_acc), 1.f, lane);
 }
 
-// dQ. Block: BLOCK_M queries of one (batch, head), 16 per warp; Q and dO stay in shared memory while K and
-// V tiles of BLOCK_N keys stream through two cp.async stages (the forward's structure). dS stays in
-// registers as the A operand of dS K.
-template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N>
-__global__ void __launch_bounds__(BLOCK_M / 16 * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) {
-    constexpr int kThreads = BLOCK_M / 16 * 32;
+// dQ. Block: BLOCK_M queries of one (batch, head) over WARPS warps, BLOCK_M / WARPS rows (kMAtoms
+// stacked 16-row atoms) per warp, so every K and V fragment read from shared memory feeds kMAtoms mma
+// instructions. Q and dO stay in shared memory while K and V tiles of BLOCK_N keys stream through two
+// cp.async stages (the forward's structure). dS stays in registers as the A operand of dS K.
+template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) {
+    constexpr int kThreads = WARPS * 32;
+    constexpr int kRowsPerWarp = BLOCK_M / WARPS;
+    constexpr int kMAtoms = kRowsPerWarp / 16;
     constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
     constexpr int kNTiles = BLOCK_N / 8;
     constexpr int kDTiles = HEAD_DIM / 8;
-    static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0, "tiles are made of 16 x 16 mma blocks");
+    static_assert(BLOCK_M % (16 * WARPS) == 0 && BLOCK_N % 16 == 0, "tiles are made of 16 x 16 mma blocks");
 
     // Shared memory: Q, dO [BLOCK_M][kRow]; K, V [2][BLOCK_N][kRow].
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -458,15 +471,18 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 32, 1) bwd_dq_mma(CUFLASH_BWD_P
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
-    const int row_a = m0 + warp * 16 + g, row_b = row_a + 8;
+    const int warp_row0 = warp * kRowsPerWarp;
     const long long row_base = static_cast<long long>(bh) * seqlen_q;
-    // lse (base 2) and delta of this thread's two rows; rows past the end see nothing
-    float lse2[2], dlt[2];
+    // lse (base 2) and delta of this thread's rows (g and g + 8 of each atom); rows past the end see nothing
+    float lse2[kMAtoms][2], dlt[kMAtoms][2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = r ? row_b : row_a;
-        lse2[r] = row < seqlen_q ? lse[row_base + row] * kLog2e : 0.f;
-        dlt[r] = row < seqlen_q ? delta[row_base + row] : 0.f;
+    for (int ma = 0; ma < kMAtoms; ++ma) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = m0 + warp_row0 + ma * 16 + g + 8 * r;
+            lse2[ma][r] = row < seqlen_q ? lse[row_base + row] * kLog2e : 0.f;
+            dlt[ma][r] = row < seqlen_q ? delta[row_base + row] : 0.f;
+        }
     }
 
     load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(q_s, q + b * q_sb + h * q_sh, q_ss, m0, seqlen_q, head_dim, vec_ok, tid);
@@ -478,8 +494,9 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 32, 1) bwd_dq_mma(CUFLASH_BWD_P
     }
     cp_async_commit();
 
-    float dq_acc[kDTiles][4];
-    zero(dq_acc);
+    float dq_acc[kMAtoms][kDTiles][4];
+#pragma unroll
+    for (int ma = 0; ma < kMAtoms; ++ma) zero(dq_acc[ma]);
     for (int j = 0; j < n_tiles; ++j) {
         const int stage = j & 1;
         if (j + 1 < n_tiles) {
@@ -495,40 +512,69 @@ __global__ void __launch_bounds__(BLOCK_M / 16 * 32, 1) bwd_dq_mma(CUFLASH_BWD_P
         const T* k_tile = k_s + stage * BLOCK_N * kRow;
         const T* v_tile = v_s + stage * BLOCK_N * kRow;
         const int n0 = j * BLOCK_N;
-
-        float p[kNTiles][4];
-        zero(p);
-        warp_gemm_rows_rows<T, HEAD_DIM, kNTiles>(p, q_s + warp * 16 * kRow, k_tile, lane);   // S = Q K^T
         const bool need_mask = m0 + BLOCK_M > seqlen_q || n0 + BLOCK_N > seqlen_k ||
                                (CAUSAL && n0 + BLOCK_N - 1 > m0 + causal_offset);
+
+        // P = exp2(S * scale_log2 - lse2), S = Q K^T
+        float p[kMAtoms][kNTiles][4];
 #pragma unroll
-        for (int nb = 0; nb < kNTiles; ++nb) {
+        for (int ma = 0; ma < kMAtoms; ++ma) zero(p[ma]);
+        warp_mma<T, kMAtoms, kNTiles, HEAD_DIM / 16>(
+            p,
+            [&](unsigned (&a)[4], int ma, int ks) {
+                load_a(a, q_s + (warp_row0 + ma * 16) * kRow + ks * 16, kRow, lane);
+            },
+            [&](unsigned (&bf)[4], int nb, int ks) { load_b(bf, k_tile + nb * 8 * kRow + ks * 16, kRow, lane); });
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = exp2f(p[nb][e] * scale_log2 - lse2[e / 2]);
-                if (need_mask) {
-                    const int row = e < 2 ? row_a : row_b;
-                    const int key = n0 + nb * 8 + 2 * t + (e & 1);
-                    if (row >= seqlen_q || !key_visible(CAUSAL, row, key, seqlen_k, causal_offset)) x = 0.f;
+        for (int ma = 0; ma < kMAtoms; ++ma) {
+#pragma unroll
+            for (int nb = 0; nb < kNTiles; ++nb) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float x = exp2f(p[ma][nb][e] * scale_log2 - lse2[ma][e / 2]);
+                    if (need_mask) {
+                        const int row = m0 + warp_row0 + ma * 16 + g + 8 * (e / 2);
+                        const int key = n0 + nb * 8 + 2 * t + (e & 1);
+                        if (row >= seqlen_q || !key_visible(CAUSAL, row, key, seqlen_k, causal_offset)) x = 0.f;
+                    }
+                    p[ma][nb][e] = x;
                 }
-                p[nb][e] = x;
             }
         }
-        float ds[kNTiles][4];
-        zero(ds);
-        warp_gemm_rows_rows<T, HEAD_DIM, kNTiles>(ds, do_s + warp * 16 * kRow, v_tile, lane);   // dP = dO V^T
+        // dS = P * (dP - delta), dP = dO V^T; packed into A fragments of dS K
+        unsigned ds_frag[kMAtoms][BLOCK_N / 16][4];
+        {
+            float dp[kMAtoms][kNTiles][4];
 #pragma unroll
-        for (int nb = 0; nb < kNTiles; ++nb) {
+            for (int ma = 0; ma < kMAtoms; ++ma) zero(dp[ma]);
+            warp_mma<T, kMAtoms, kNTiles, HEAD_DIM / 16>(
+                dp,
+                [&](unsigned (&a)[4], int ma, int ks) {
+                    load_a(a, do_s + (warp_row0 + ma * 16) * kRow + ks * 16, kRow, lane);
+                },
+                [&](unsigned (&bf)[4], int nb, int ks) { load_b(bf, v_tile + nb * 8 * kRow + ks * 16, kRow, lane); });
 #pragma unroll
-            for (int e = 0; e < 4; ++e) ds[nb][e] = p[nb][e] * (ds[nb][e] - dlt[e / 2]);
+            for (int ma = 0; ma < kMAtoms; ++ma) {
+#pragma unroll
+                for (int nb = 0; nb < kNTiles; ++nb) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) dp[ma][nb][e] = p[ma][nb][e] * (dp[ma][nb][e] - dlt[ma][e / 2]);
+                }
+                pack_a_fragments<T, kNTiles>(ds_frag[ma], dp[ma]);
+            }
         }
-        unsigned a[BLOCK_N / 16][4];
-        pack_a_fragments<T, kNTiles>(a, ds);
-        warp_gemm_frag_rows<T, HEAD_DIM, BLOCK_N / 16>(dq_acc, a, k_tile, lane);   // dQ += dS K
+        // dQ += dS K
+        warp_mma<T, kMAtoms, kDTiles, BLOCK_N / 16>(
+            dq_acc,
+            [&](unsigned (&a)[4], int ma, int ks) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) a[i] = ds_frag[ma][ks][i];
+            },
+            [&](unsigned (&bf)[4], int nb, int ks) { load_b_trans(bf, k_tile + ks * 16 * kRow + nb * 8, kRow, lane); });
         __syncthreads();
     }
     cp_async_wait<0>();
-    store_rows<T, HEAD_DIM>(dq + b * dq_sb + h * dq_sh, dq_ss, m0 + warp * 16, seqlen_q, head_dim, dq_acc, scale, lane);
+    store_tile<T>(dq + b * dq_sb + h * dq_sh, dq_ss, m0 + warp_row0, seqlen_q, 0, head_dim, dq_acc, scale, lane);
 }
 
 // dq = dq_accum * scale, cast to T: the last step of the atomic-dQ backward. One thread per 4 columns.

@@ -92,8 +92,8 @@ struct QueryBlock {
 // head), and blockIdx.x walks the band's key blocks, pairs fastest, the lowest key blocks (which the
 // most query rows see under the causal mask) first. The host sizes a band to about one wave of
 // resident blocks (_config.block_band), so the blocks resident at once stream the Q and dO of a few
-// heads, which stay in L2, instead of every head's from DRAM (8-24% faster at seqlen 1k-4k than pairs
-// fastest: bench/NOTES.md).
+// heads, which stay in L2, instead of every head's from DRAM (5-24% faster at seqlen 1k-4k than pairs
+// fastest, the same at 16k: bench/NOTES.md).
 struct KeyBlock {
     int b, h_kv, n0;
     __device__ __forceinline__ KeyBlock(int block_n, int heads_kv, int seqlen_k) {

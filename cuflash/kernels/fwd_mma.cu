@@ -197,10 +197,12 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         }
         __syncthreads();   // this stage is refilled by the loads issued at the top of iteration j + 1
     }
+    // Epilogue: normalize, stage each warp's rows in its own rows of the Q tile (no longer read: the
+    // barrier also lands Q's copies where no key tile was walked), and store them as 16-byte chunks,
+    // consecutive lanes on consecutive chunks of a row. A row that saw no key has l = 0: output 0,
+    // lse = -inf.
     cp_async_wait<0>();
-
-    // Epilogue: normalize and store. A row that saw no key has l = 0: output 0, lse = -inf.
-    T* out_head = out + b * o_sb + h * o_sh;
+    __syncthreads();
     float* lse_head = lse + static_cast<long long>(bh) * seqlen_q;
 #pragma unroll
     for (int ma = 0; ma < kMAtoms; ++ma) {
@@ -208,16 +210,28 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         for (int r = 0; r < 2; ++r) {
             const float l = quad_sum(l_i[ma][r]);
             const float inv_l = l == 0.f ? 0.f : 1.f / l;
-            const int row = m0 + warp_row0 + ma * 16 + g + 8 * r;
-            if (row >= seqlen_q) continue;
-            if (t == 0) lse_head[row] = l == 0.f ? -CUFLASH_INF : (m_i[ma][r] + log2f(l)) * kLn2;
-            T* out_row = out_head + row * o_ss;
+            const int tile_row = warp_row0 + ma * 16 + g + 8 * r;
+            if (t == 0 && m0 + tile_row < seqlen_q)
+                lse_head[m0 + tile_row] = l == 0.f ? -CUFLASH_INF : (m_i[ma][r] + log2f(l)) * kLn2;
 #pragma unroll
-            for (int db = 0; db < kDTiles; ++db) {
-                const int col = db * 8 + 2 * t;
-                if (col < head_dim) out_row[col] = from_float<T>(acc[ma][db][2 * r] * inv_l);
-                if (col + 1 < head_dim) out_row[col + 1] = from_float<T>(acc[ma][db][2 * r + 1] * inv_l);
-            }
+            for (int db = 0; db < kDTiles; ++db)
+                *reinterpret_cast<unsigned*>(q_s + tile_row * kRow + db * 8 + 2 * t) =
+                    pack2<T>(acc[ma][db][2 * r] * inv_l, acc[ma][db][2 * r + 1] * inv_l);
+        }
+    }
+    __syncwarp();
+    T* out_head = out + b * o_sb + h * o_sh;
+    constexpr int kChunks = HEAD_DIM / 8;
+#pragma unroll 1   // unrolled, this loop makes ptxas spill at head_dim 128
+    for (int i = lane; i < kRowsPerWarp * kChunks; i += 32) {
+        const int tile_row = warp_row0 + i / kChunks, col = (i % kChunks) * 8;
+        if (m0 + tile_row >= seqlen_q || col >= head_dim) continue;
+        const T* src = q_s + tile_row * kRow + col;
+        T* dst = out_head + (m0 + tile_row) * o_ss + col;
+        if (col + 8 <= head_dim && reinterpret_cast<unsigned long long>(dst) % 16 == 0) {
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+            for (int e = 0; e < 8 && col + e < head_dim; ++e) dst[e] = src[e];
         }
     }
 }
