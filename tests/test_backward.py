@@ -26,6 +26,9 @@ BACKWARD_SHAPES = [
     (1, 70, 90, 2, 1, 192, False),
     (1, 33, 66, 2, 2, 256, True),
     (1, 17, 19, 2, 2, 3, True),
+    # 1024 (batch, kv head) pairs of one key block each: the dK/dV grid has two or more bands of pairs
+    # on any GPU of up to 256 SMs (_config.block_band), with GQA groups of 2
+    (4, 9, 65, 512, 256, 32, True),
 ]
 
 
