@@ -137,11 +137,8 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
     cp_async_commit();
 
     float dk_acc[kKvN / 16][kKvD / 8][4], dv_acc[kKvN / 16][kKvD / 8][4];
-#pragma unroll
-    for (int i = 0; i < kKvN / 16; ++i) {
-        zero(dk_acc[i]);
-        zero(dv_acc[i]);
-    }
+    zero(dk_acc);
+    zero(dv_acc);
 
     for (int s = 0; s < steps; ++s) {
         cp_async_wait<0>();
@@ -161,8 +158,7 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
             const bool need_mask = m0 + BLOCK_M > seqlen_q || n0 + BLOCK_N > seqlen_k ||
                                    (CAUSAL && n0 + BLOCK_N - 1 > m0 + causal_offset);
             float p[kSM / 16][kSN / 8][4];
-#pragma unroll
-            for (int i = 0; i < kSM / 16; ++i) zero(p[i]);
+            zero(p);
             warp_mma<T, kSM / 16, kSN / 8, HEAD_DIM / 16>(
                 p,
                 [&](unsigned (&a)[4], int ma, int ks) {
@@ -190,8 +186,7 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
             }
             store_tile_smem<T>(p_s + s_row0 * kPRow + s_col0, kPRow, p, lane);
             float dp[kSM / 16][kSN / 8][4];
-#pragma unroll
-            for (int i = 0; i < kSM / 16; ++i) zero(dp[i]);
+            zero(dp);
             warp_mma<T, kSM / 16, kSN / 8, HEAD_DIM / 16>(
                 dp,
                 [&](unsigned (&a)[4], int ma, int ks) {
@@ -235,8 +230,7 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
         if constexpr (ATOMIC_DQ) {
             // dQ[query tile] += dS K over this block's keys, added into dq_accum (float32).
             float dq_part[kQM / 16][kQD / 8][4];
-#pragma unroll
-            for (int i = 0; i < kQM / 16; ++i) zero(dq_part[i]);
+            zero(dq_part);
             warp_mma<T, kQM / 16, kQD / 8, BLOCK_N / 16>(
                 dq_part,
                 [&](unsigned (&a)[4], int ma, int ks) {
@@ -495,8 +489,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) 
     cp_async_commit();
 
     float dq_acc[kMAtoms][kDTiles][4];
-#pragma unroll
-    for (int ma = 0; ma < kMAtoms; ++ma) zero(dq_acc[ma]);
+    zero(dq_acc);
     for (int j = 0; j < n_tiles; ++j) {
         const int stage = j & 1;
         if (j + 1 < n_tiles) {
@@ -517,8 +510,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) 
 
         // P = exp2(S * scale_log2 - lse2), S = Q K^T
         float p[kMAtoms][kNTiles][4];
-#pragma unroll
-        for (int ma = 0; ma < kMAtoms; ++ma) zero(p[ma]);
+        zero(p);
         warp_mma<T, kMAtoms, kNTiles, HEAD_DIM / 16>(
             p,
             [&](unsigned (&a)[4], int ma, int ks) {
@@ -545,8 +537,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) 
         unsigned ds_frag[kMAtoms][BLOCK_N / 16][4];
         {
             float dp[kMAtoms][kNTiles][4];
-#pragma unroll
-            for (int ma = 0; ma < kMAtoms; ++ma) zero(dp[ma]);
+            zero(dp);
             warp_mma<T, kMAtoms, kNTiles, HEAD_DIM / 16>(
                 dp,
                 [&](unsigned (&a)[4], int ma, int ks) {

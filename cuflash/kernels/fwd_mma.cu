@@ -104,8 +104,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 
         // S = Q K^T for this warp's rows and BLOCK_N keys (raw, unscaled).
         float s[kMAtoms][kNTiles][4];
-#pragma unroll
-        for (int ma = 0; ma < kMAtoms; ++ma) zero(s[ma]);
+        zero(s);
 #pragma unroll
         for (int ks = 0; ks < kKSteps; ++ks) {
             unsigned a[kMAtoms][4];

@@ -234,5 +234,9 @@ template <int N> __device__ __forceinline__ void zero(float (&c)[N][4]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
 }
+template <int M, int N> __device__ __forceinline__ void zero(float (&c)[M][N][4]) {
+#pragma unroll
+    for (int i = 0; i < M; ++i) zero(c[i]);
+}
 
 }  // namespace cuflash
