@@ -53,6 +53,14 @@ MMA_BACKWARD_FUSED_HEAD_DIM = 128
 DKDV_BOTH, DKDV_DV_ONLY, DKDV_DK_ONLY = 0, 1, 2
 
 
+def rows_dkdv_launches(head_dim: int, atomic_dq: bool) -> tuple[tuple[int, bool], ...]:
+    """(part, adds dQ) of each bwd_dkdv_rows_mma launch: one for both gradients up to
+    MMA_BACKWARD_FUSED_HEAD_DIM, else dV then dK. The atomic default adds dQ in the launch that computes
+    dS (the one with dK), and only there."""
+    parts = (DKDV_BOTH,) if head_dim <= MMA_BACKWARD_FUSED_HEAD_DIM else (DKDV_DV_ONLY, DKDV_DK_ONLY)
+    return tuple((part, atomic_dq and part != DKDV_DV_ONLY) for part in parts)
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceProps:
     """What the tile table needs to know about a GPU."""
@@ -366,11 +374,10 @@ def choose_config(head_dim: int, dtype, causal: bool, device: DeviceProps) -> At
             bwd_dkdv = (tiled,)
             bwd_dkdv_atomic = (dataclasses.replace(tiled, atomic_dq=True),)
         else:
-            parts = (DKDV_BOTH,) if d <= MMA_BACKWARD_FUSED_HEAD_DIM else (DKDV_DV_ONLY, DKDV_DK_ONLY)
-            bwd_dkdv = tuple(_mma_spec("bwd_dkdv_rows_mma", dtype, d, causal, device, part) for part in parts)
-            # the atomic default adds dQ in the launch that computes dS (the one with dK)
-            bwd_dkdv_atomic = tuple(_mma_spec("bwd_dkdv_rows_mma", dtype, d, causal, device, part,
-                                              part != DKDV_DV_ONLY) for part in parts)
+            bwd_dkdv = tuple(_mma_spec("bwd_dkdv_rows_mma", dtype, d, causal, device, part, adds_dq)
+                             for part, adds_dq in rows_dkdv_launches(d, atomic_dq=False))
+            bwd_dkdv_atomic = tuple(_mma_spec("bwd_dkdv_rows_mma", dtype, d, causal, device, part, adds_dq)
+                                    for part, adds_dq in rows_dkdv_launches(d, atomic_dq=True))
         bwd_dq = _mma_spec("bwd_dq_mma", dtype, d, causal, device)
         bwd_dq_convert = KernelSpec("bwd_dq_convert", dtype, d)
     else:  # float32: CUDA cores, always the deterministic pair

@@ -3,7 +3,7 @@
 # goes (speed of light, pipes, shared-memory wavefronts and conflicts, warp stalls, issue slots).
 #   bash tools/ncu_compare.sh HEAD_DIM SEQLEN [--causal] -- IMPL:PASS ...
 # e.g. bash tools/ncu_compare.sh 128 4096 -- cuflash:fwd torch-flash:fwd cuflash:bwd torch-flash:bwd
-# Writes $OUT/ncu-<impl>-<pass>.txt (clocks left alone: METHOD.md).
+# Writes $OUT/ncu-<impl>-<pass>-d<head_dim>-<seqlen>[-causal].txt (clocks left alone: METHOD.md).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/cuflash-out}
 mkdir -p "$OUT"

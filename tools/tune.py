@@ -2,9 +2,9 @@
 
 ``python tools/tune.py fwd|bwd [--seqlens 1024 4096] [--dims 64 128 256] [--deterministic]``: for each
 head dim, mask and candidate, the kernel's registers and local memory (spills) as loaded, and its TFLOP/s
-on FlashAttention's grid (bfloat16). ``bwd`` sweeps the dK/dV tile of the atomic-dQ default, or with
-``--deterministic`` the (dK/dV, dQ) tile pair of the deterministic backward. The chosen entries and their numbers go into cuflash/_config.py and
-bench/NOTES.md.
+on FlashAttention's grid (bfloat16). ``bwd`` sweeps the dK/dV kernel and tile of the atomic-dQ default,
+or with ``--deterministic`` the (dK/dV, dQ) tile pair of the deterministic backward. The chosen entries
+and their numbers go into cuflash/_config.py and bench/NOTES.md.
 """
 
 from __future__ import annotations
@@ -51,10 +51,8 @@ def dkdv_specs(kernel, d, causal, bm, bn, atomic):
     head_dim 128, dQ in the dK launch)."""
     if kernel == TILED:
         return (mma_spec(kernel, d, causal, bm, bn, _config.DKDV_TILED_THREADS // 32, atomic_dq=atomic),)
-    parts = ((_config.DKDV_BOTH,) if d <= _config.MMA_BACKWARD_FUSED_HEAD_DIM
-             else (_config.DKDV_DV_ONLY, _config.DKDV_DK_ONLY))
-    return tuple(mma_spec(kernel, d, causal, bm, bn, bn // _config.MMA_ROWS_PER_WARP, part,
-                          atomic and part != _config.DKDV_DV_ONLY) for part in parts)
+    return tuple(mma_spec(kernel, d, causal, bm, bn, bn // _config.MMA_ROWS_PER_WARP, part, adds_dq)
+                 for part, adds_dq in _config.rows_dkdv_launches(d, atomic))
 
 
 def main():
