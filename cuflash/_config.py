@@ -305,8 +305,9 @@ def _mma_forward_tiles(head_dim: int, device: DeviceProps) -> tuple[int, int, in
     return 128, 32, 8
 
 
-#: Resident blocks per SM that a band of the block order is sized for: two for the tensor-core kernels
-#: (255 registers x 128 threads, or their shared memory, allow no more), at most that for the others
+#: Resident blocks per SM that a band of the dK/dV grid is sized for: two, bwd_dkdv_rows_mma's occupancy
+#: (255 registers x 128 threads), with which the bands were measured. bwd_dkdv_mma holds one block of
+#: 256 threads per SM, so its bands span two waves; the bench grid was measured that way.
 BAND_BLOCKS_PER_SM = 2
 #: CUDA's limit on gridDim.y, which counts the bands
 MAX_GRID_Y = 65535
