@@ -27,6 +27,35 @@ __device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
 #endif
 }
 
+// Add a warp's (MA * 16) x (NB * 8) float32 accumulator tile into global memory with atomics: `rows`
+// points at this thread's first element (row g, column 2t of the tile, rows row_elems apart), and only
+// rows below rows_left (counted from the thread's first) exist. The element offsets are compile-time
+// constants that fold into the reductions' immediates, and a tile whose rows all exist takes a path
+// without branches: a branch per row made ptxas recompute the address into the register the previous
+// row's reductions were still reading, and the warp waited for them (bench/NOTES.md backward v5).
+template <int MA, int NB, int ROW_ELEMS>
+__device__ __forceinline__ void atomic_add_tile(float* rows, int rows_left, const float (&acc)[MA][NB][4]) {
+    if (rows_left >= MA * 16) {
+#pragma unroll
+        for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int nb = 0; nb < NB; ++nb)
+                    atomic_add2(rows + (ma * 16 + 8 * r) * ROW_ELEMS + nb * 8, acc[ma][nb][2 * r], acc[ma][nb][2 * r + 1]);
+        return;
+    }
+#pragma unroll
+    for (int ma = 0; ma < MA; ++ma)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            if (ma * 16 + 8 * r >= rows_left) continue;
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb)
+                atomic_add2(rows + (ma * 16 + 8 * r) * ROW_ELEMS + nb * 8, acc[ma][nb][2 * r], acc[ma][nb][2 * r + 1]);
+        }
+}
+
 // Store a warp's (MA * 16) x (NB * 8) accumulator tile times `factor`: rows row0.. (first valid ones
 // below rows_valid), columns col0.. (below head_dim).
 template <typename T, int MA, int NB>
@@ -53,15 +82,16 @@ __device__ __forceinline__ void store_tile(T* base, long long row_stride, int ro
 // Store a warp's (MA * 16) x (NB * 8) accumulator tile, converted to T, into a row-major shared tile
 // (rows of row_elems elements, tile at the warp tile's first element).
 template <typename T, int MA, int NB>
-__device__ __forceinline__ void store_tile_smem(T* tile, int row_elems, const float (&acc)[MA][NB][4], int lane) {
+__device__ __forceinline__ void store_tile_smem(T* tile, int row_elems, const float (&acc)[MA][NB][4], int lane,
+                                                float factor = 1.f) {
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int ma = 0; ma < MA; ++ma) {
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
             T* at = tile + (ma * 16 + g) * row_elems + nb * 8 + 2 * t;
-            *reinterpret_cast<unsigned*>(at) = pack2<T>(acc[ma][nb][0], acc[ma][nb][1]);
-            *reinterpret_cast<unsigned*>(at + 8 * row_elems) = pack2<T>(acc[ma][nb][2], acc[ma][nb][3]);
+            *reinterpret_cast<unsigned*>(at) = pack2<T>(acc[ma][nb][0] * factor, acc[ma][nb][1] * factor);
+            *reinterpret_cast<unsigned*>(at + 8 * row_elems) = pack2<T>(acc[ma][nb][2] * factor, acc[ma][nb][3] * factor);
         }
     }
 }
@@ -240,26 +270,27 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
                     load_b_trans(bf, k_s + ks * 16 * kRow + q_col0 + nb * 8, kRow, lane);
                 });
             const int h = h_kv * group + s / m_tiles;
-            float* dq_tile = dq_accum + ((static_cast<long long>(b) * heads + h) * seqlen_q + m0) * HEAD_DIM;
-#pragma unroll
-            for (int ma = 0; ma < kQM / 16; ++ma) {
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int row = q_row0 + ma * 16 + g + 8 * r;
-                    if (m0 + row >= seqlen_q) continue;
-#pragma unroll
-                    for (int nb = 0; nb < kQD / 8; ++nb)
-                        atomic_add2(dq_tile + row * HEAD_DIM + q_col0 + nb * 8 + 2 * t, dq_part[ma][nb][2 * r],
-                                    dq_part[ma][nb][2 * r + 1]);
-                }
-            }
+            const int row0 = m0 + q_row0 + g;   // this thread's first row of dQ
+            atomic_add_tile<kQM / 16, kQD / 8, HEAD_DIM>(
+                dq_accum + ((static_cast<long long>(b) * heads + h) * seqlen_q + row0) * HEAD_DIM + q_col0 + 2 * t,
+                seqlen_q - row0, dq_part);
         }
     }
+    // Epilogue: dK (scaled) and dV staged as T in the Q/dO stages, then stored as 16-byte chunks.
+    static_assert(2 * BLOCK_N <= 4 * BLOCK_M, "dK and dV are staged where the Q and dO stages were");
     cp_async_wait<0>();
-
+    __syncthreads();   // every warp is done with the stages
+    T* dk_stage = q_s;
+    T* dv_stage = q_s + BLOCK_N * kRow;
+    // This warp's tile at (kv_row0, kv_col0), recomputed from threadIdx.x: keeping kv_row0 and
+    // kv_col0 live across the loop for the epilogue made ptxas spill at head_dim 128.
+    const int stage_at = (threadIdx.x / 64) * kKvN * kRow + (threadIdx.x / 32 % 2) * kKvD;
+    store_tile_smem<T>(dk_stage + stage_at, kRow, dk_acc, threadIdx.x % 32, scale);
+    store_tile_smem<T>(dv_stage + stage_at, kRow, dv_acc, threadIdx.x % 32);
+    __syncthreads();
     const long long kv_head = b * dk_sb + h_kv * dk_sh;
-    store_tile<T>(dk + kv_head, dk_ss, n0 + kv_row0, seqlen_k, kv_col0, head_dim, dk_acc, scale, lane);
-    store_tile<T>(dv + kv_head, dk_ss, n0 + kv_row0, seqlen_k, kv_col0, head_dim, dv_acc, 1.f, lane);
+    store_rows<T, BLOCK_N, HEAD_DIM, kThreads>(dk + kv_head, dk_ss, n0, seqlen_k, head_dim, dk_stage, threadIdx.x);
+    store_rows<T, BLOCK_N, HEAD_DIM, kThreads>(dv + kv_head, dk_ss, n0, seqlen_k, head_dim, dv_stage, threadIdx.x);
 }
 
 // Which gradients one launch of bwd_dkdv_rows_mma accumulates. Each warp holds 16 x HEAD_DIM of every
@@ -409,15 +440,10 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
                     float dq_part[kDqCols / 8][4];
                     zero(dq_part);
                     warp_gemm_frag_rows<T, HEAD_DIM, BLOCK_N / 16, kDqCols>(dq_part, ds_frag, k_s + col0, lane);
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int row = row0 + g + 8 * r;
-                        if (m0 + row >= seqlen_q) continue;
-#pragma unroll
-                        for (int db = 0; db < kDqCols / 8; ++db)
-                            atomic_add2(dq_tile + row * HEAD_DIM + col0 + db * 8 + 2 * t, dq_part[db][2 * r],
-                                        dq_part[db][2 * r + 1]);
-                    }
+                    using AtomRows = const float(&)[1][kDqCols / 8][4];   // the one-atom view of dq_part
+                    atomic_add_tile<1, kDqCols / 8, HEAD_DIM>(dq_tile + (row0 + g) * HEAD_DIM + col0 + 2 * t,
+                                                            seqlen_q - (m0 + row0 + g),
+                                                            reinterpret_cast<AtomRows>(dq_part));
                 }
             }
         }

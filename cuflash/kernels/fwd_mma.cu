@@ -15,10 +15,17 @@
 
 namespace cuflash {
 
-// Without a minimum of one block per SM, ptxas aims 256-thread blocks at two per SM (128 registers)
-// and spills at head_dim 160; with it, 128-thread blocks at head_dim 128 reach 255 registers and spill.
+// How far (base 2) a row's max may exceed the reference its exponents are taken against before the
+// warp rescales: P stays below 2^8, well inside bf16/fp16 and the float32 sums (see the kernel).
+constexpr float kRescaleSlack = 8.f;
+
+// Minimum blocks per SM, found by reading ptxas's report: without a minimum of one, ptxas aims
+// 256-thread blocks at two per SM (128 registers) and spills at head_dim 160; with it, 128-thread
+// blocks of two atoms per warp at head_dim 128 reach 255 registers and spill; with none, one-atom
+// 128-thread blocks (sm_8x, head_dim 128) stop at 168 registers and spill 24 bytes, and a minimum of
+// two lets them keep everything in registers.
 template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32, WARPS >= 8 ? 1 : 0)
+__global__ void __launch_bounds__(WARPS * 32, WARPS >= 8 ? 1 : BLOCK_M / WARPS == 16 ? 2 : 0)
 fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
         float* __restrict__ lse, long long q_sb, long long q_ss, long long q_sh, long long k_sb,
         long long k_ss, long long k_sh, long long v_sb, long long v_ss, long long v_sh, long long o_sb,
@@ -32,7 +39,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     constexpr int kNTiles = BLOCK_N / 8;     // n8 accumulator tiles of S per atom
     constexpr int kDTiles = HEAD_DIM / 8;    // n8 accumulator tiles of acc per atom
     // Q fragments take kMAtoms * HEAD_DIM / 4 registers; past 32 they crowd out acc and S.
-    constexpr bool kQInRegisters = kMAtoms * HEAD_DIM <= 128;
+    constexpr bool kQInRegisters = kMAtoms * HEAD_DIM <= 128 && BLOCK_N <= 64;
     static_assert(BLOCK_M % (16 * WARPS) == 0 && BLOCK_N % 16 == 0, "tiles are made of 16 x 16 mma blocks");
 
     // Shared memory: Q [BLOCK_M][kRow], then K and V, two stages each [2][BLOCK_N][kRow].
@@ -137,36 +144,49 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         unsigned p_frag[kMAtoms][BLOCK_N / 16][4];
 #pragma unroll
         for (int ma = 0; ma < kMAtoms; ++ma) {
-            const int row0 = m0 + warp_row0 + ma * 16 + g;
+            if (need_mask) {
+                const int row0 = m0 + warp_row0 + ma * 16 + g;
+#pragma unroll
+                for (int nb = 0; nb < kNTiles; ++nb) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = n0 + nb * 8 + 2 * t + (e & 1);
+                        if (!key_visible(CAUSAL, row0 + 8 * (e / 2), key, seqlen_k, causal_offset)) s[ma][nb][e] = -CUFLASH_INF;
+                    }
+                }
+            }
             float row_max[2] = {-CUFLASH_INF, -CUFLASH_INF};
 #pragma unroll
             for (int nb = 0; nb < kNTiles; ++nb) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    if (need_mask) {
-                        const int key = n0 + nb * 8 + 2 * t + (e & 1);
-                        if (!key_visible(CAUSAL, row0 + 8 * (e / 2), key, seqlen_k, causal_offset)) s[ma][nb][e] = -CUFLASH_INF;
-                    }
-                    row_max[e / 2] = fmaxf(row_max[e / 2], s[ma][nb][e]);
-                }
+                for (int e = 0; e < 4; ++e) row_max[e / 2] = fmaxf(row_max[e / 2], s[ma][nb][e]);
             }
-            float neg_base[2];
+            // m_i is the reference the exponents are taken against, not necessarily the running max: any
+            // reference gives the same normalized output and lse, as long as exp2(x - m_i) stays small
+            // enough for P (bf16/fp16) and the float32 sums. The warp moves its references (and rescales
+            // acc and l_i) only when some row's max has grown past its reference by kRescaleSlack, which
+            // after the first tiles is rare: most tiles skip the kDTiles * 4 multiplies per atom.
+            float tile_max[2];
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const float m_new = fmaxf(m_i[ma][r], quad_max(row_max[r]) * scale_log2);
-                const float base = safe_max(m_new);
-                const float alpha = exp2f(m_i[ma][r] - base);
-                neg_base[r] = -base;
-                m_i[ma][r] = m_new;
-                l_i[ma][r] *= alpha;
+            for (int r = 0; r < 2; ++r) tile_max[r] = quad_max(row_max[r]) * scale_log2;
+            const bool grown = tile_max[0] > m_i[ma][0] + kRescaleSlack || tile_max[1] > m_i[ma][1] + kRescaleSlack;
+            if (__any_sync(0xffffffffu, grown)) {
 #pragma unroll
-                for (int i = 0; i < kDTiles; ++i) {
-                    acc[ma][i][2 * r] *= alpha;
-                    acc[ma][i][2 * r + 1] *= alpha;
+                for (int r = 0; r < 2; ++r) {
+                    const float m_new = fmaxf(m_i[ma][r], tile_max[r]);
+                    const float alpha = exp2f(m_i[ma][r] - safe_max(m_new));
+                    m_i[ma][r] = m_new;
+                    l_i[ma][r] *= alpha;
+#pragma unroll
+                    for (int i = 0; i < kDTiles; ++i) {
+                        acc[ma][i][2 * r] *= alpha;
+                        acc[ma][i][2 * r + 1] *= alpha;
+                    }
                 }
             }
             // P = exp2(S * scale_log2 - m_i), packed straight into A fragments of P.V (no trip through
             // shared memory).
+            const float neg_base[2] = {-safe_max(m_i[ma][0]), -safe_max(m_i[ma][1])};
 #pragma unroll
             for (int nb = 0; nb < kNTiles; ++nb) {
                 const float p0 = exp2f(fmaf(s[ma][nb][0], scale_log2, neg_base[0]));
@@ -219,20 +239,8 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         }
     }
     __syncwarp();
-    T* out_head = out + b * o_sb + h * o_sh;
-    constexpr int kChunks = HEAD_DIM / 8;
-#pragma unroll 1   // unrolled, this loop makes ptxas spill at head_dim 128
-    for (int i = lane; i < kRowsPerWarp * kChunks; i += 32) {
-        const int tile_row = warp_row0 + i / kChunks, col = (i % kChunks) * 8;
-        if (m0 + tile_row >= seqlen_q || col >= head_dim) continue;
-        const T* src = q_s + tile_row * kRow + col;
-        T* dst = out_head + (m0 + tile_row) * o_ss + col;
-        if (col + 8 <= head_dim && reinterpret_cast<unsigned long long>(dst) % 16 == 0) {
-            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-        } else {
-            for (int e = 0; e < 8 && col + e < head_dim; ++e) dst[e] = src[e];
-        }
-    }
+    store_rows<T, kRowsPerWarp, HEAD_DIM, 32>(out + b * o_sb + h * o_sh, o_ss, m0 + warp_row0, seqlen_q, head_dim,
+                                              q_s + warp_row0 * kRow, lane);
 }
 
 }  // namespace cuflash

@@ -93,6 +93,9 @@ __device__ __forceinline__ void load_tile_async(T* tile, const T* head_base, lon
         constexpr int kRowsPerPass = NTHREADS / kChunks;
         const int r0 = tid / kChunks, d0 = (tid % kChunks) * 8;
         if (vec_ok) {
+            // The source advances by one 64-bit add per chunk: computing each chunk's address from its
+            // row index cost ~12 integer instructions per chunk, a third of the forward's
+            // instructions at head_dim 128 (bench/NOTES.md, forward v5).
             const int rows_left = d0 < head_dim ? rows_valid - row0 - r0 : 0;
             const T* src = head_base + static_cast<long long>(row0 + r0) * row_stride + d0;
             const long long pass_stride = kRowsPerPass * row_stride;
@@ -101,7 +104,8 @@ __device__ __forceinline__ void load_tile_async(T* tile, const T* head_base, lon
             for (int it = 0; it < (ROWS + kRowsPerPass - 1) / kRowsPerPass; ++it) {
                 if (ROWS % kRowsPerPass != 0 && r0 + it * kRowsPerPass >= ROWS) break;
                 const bool ok = it * kRowsPerPass < rows_left;
-                cp_async_16(dst + it * kRowsPerPass * kRow, ok ? src + it * pass_stride : head_base, ok ? 16 : 0);
+                cp_async_16(dst + it * kRowsPerPass * kRow, ok ? src : head_base, ok ? 16 : 0);
+                src += pass_stride;
             }
             return;
         }
@@ -121,6 +125,30 @@ __device__ __forceinline__ void load_tile_async(T* tile, const T* head_base, lon
 #pragma unroll
             for (int e = 0; e < 8; ++e) vals[e] = (row_ok && d0 + e < head_dim) ? src[e] : from_float<T>(0.f);
             *reinterpret_cast<uint4*>(dst) = packed;
+        }
+    }
+}
+
+// Store rows [0, ROWS) of a padded shared tile to rows row0.. of one head in global memory, as 16-byte
+// chunks, consecutive threads (`thread` of NTHREADS) on consecutive chunks of a row; rows at or past
+// rows_valid and columns at or past head_dim are not written. The epilogue of every kernel whose
+// accumulators are staged in shared memory: a thread's accumulator holds pairs of adjacent columns,
+// and storing them straight from registers takes 8x the store instructions.
+template <typename T, int ROWS, int HEAD_DIM, int NTHREADS>
+__device__ __forceinline__ void store_rows(T* head_base, long long row_stride, int row0, int rows_valid,
+                                           int head_dim, const T* tile, int thread) {
+    constexpr int kChunks = HEAD_DIM / 8;
+    constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
+#pragma unroll 1   // unrolled, this loop made ptxas spill in the forward at head_dim 128
+    for (int i = thread; i < ROWS * kChunks; i += NTHREADS) {
+        const int r = i / kChunks, col = (i % kChunks) * 8;
+        if (row0 + r >= rows_valid || col >= head_dim) continue;
+        const T* src = tile + r * kRow + col;
+        T* dst = head_base + (row0 + r) * row_stride + col;
+        if (col + 8 <= head_dim && reinterpret_cast<unsigned long long>(dst) % 16 == 0) {
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+            for (int e = 0; e < 8 && col + e < head_dim; ++e) dst[e] = src[e];
         }
     }
 }
