@@ -51,6 +51,14 @@ DKDV_TILED_THREADS = 256
 #: dims up to here too (where its tiles fit in shared memory).
 MMA_BACKWARD_FUSED_HEAD_DIM = 128
 DKDV_BOTH, DKDV_DV_ONLY, DKDV_DK_ONLY = 0, 1, 2
+#: the atomic-dQ backward's float32 dQ buffer pads each head's rows to a multiple of this (mirrors
+#: ``DqAccum::kRowMultiple`` in kernels/common.cuh; at least the block_m of every dK/dV kernel)
+DQ_ACCUM_ROWS = 128
+
+
+def dq_accum_rows(seqlen_q: int) -> int:
+    """Rows per (batch, head) of the atomic-dQ backward's float32 dQ buffer (``DqAccum::rows``)."""
+    return -(-seqlen_q // DQ_ACCUM_ROWS) * DQ_ACCUM_ROWS
 
 
 def rows_dkdv_launches(head_dim: int, atomic_dq: bool) -> tuple[tuple[int, bool], ...]:

@@ -98,9 +98,10 @@ def backward(dout, q, k, v, out, lse, p: Problem, deterministic: bool = False,
         dk = cupy.empty(k.shape, k.dtype)
         dv = cupy.empty(v.shape, v.dtype)
         delta = cupy.empty((p.batch, p.heads, p.seqlen_q), np.float32)
-        # float32 (batch, heads, seqlen_q, specialized head dim); O(seqlen) per (batch, head)
-        dq_accum = (cupy.zeros((p.batch, p.heads, p.seqlen_q, cfg.bwd_dq_convert.head_dim), np.float32)
-                    if atomic_dq else None)
+        # float32, per (batch, head) dq_accum_rows(seqlen_q) x specialized head dim in mma-fragment order
+        # (DqAccum in kernels/common.cuh); O(seqlen) per (batch, head)
+        dq_accum = (cupy.zeros((p.batch, p.heads, _config.dq_accum_rows(p.seqlen_q), cfg.bwd_dq_convert.head_dim),
+                               np.float32) if atomic_dq else None)
 
         rows = p.batch * p.heads * p.seqlen_q
         warps_per_block = cfg.bwd_preprocess.threads // 32
@@ -122,7 +123,7 @@ def backward(dout, q, k, v, out, lse, p: Problem, deterministic: bool = False,
             get_kernel(spec, device_id)(grid, (spec.threads,), args, shared_mem=spec.smem_bytes)
         if atomic_dq:
             spec = cfg.bwd_dq_convert
-            vectors = dq_accum.size // 4  # one thread per 4 columns
+            vectors = dq_accum.size // 4  # one thread per lane of a 16 x 8 tile
             get_kernel(spec, device_id)(
                 _grid(-(-vectors // spec.threads)), (spec.threads,),
                 (dq_accum, dq, *_strides(dq), np.int32(p.batch), np.int32(p.heads), np.int32(p.seqlen_q),

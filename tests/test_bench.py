@@ -224,6 +224,13 @@ def test_accuracy_rule():
         accuracy.check_outputs((want + np.float32(0.1),), (want,), ("dq",), "bfloat16")
     with pytest.raises(accuracy.Mismatch):
         accuracy.check_outputs((np.full(3, np.nan, np.float32),), (want,), ("out",), "float16")
+    # an implementation with a tolerance factor: 0.03 of the largest value passes at 2x, not at 1x
+    off = (want + np.float32(0.06),)
+    assert accuracy.check_outputs(off, (want,), ("out",), "bfloat16", tolerance_factor=2.0)["out"] == pytest.approx(0.03)
+    with pytest.raises(accuracy.Mismatch):
+        accuracy.check_outputs(off, (want,), ("out",), "bfloat16")
+    with pytest.raises(accuracy.Mismatch):
+        accuracy.check_outputs((np.full(3, np.nan, np.float32),), (want,), ("out",), "float16", tolerance_factor=1e9)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -151,3 +151,15 @@ def test_block_band_is_the_smallest_divisor_holding_a_wave(tiles_per_head, pairs
 ])
 def test_block_band_examples(tiles_per_head, pairs, expected):
     assert _config.block_band(tiles_per_head, pairs, 132) == expected
+
+
+@pytest.mark.parametrize("device", DEVICES.values(), ids=DEVICES.keys())
+def test_dq_accum_rows_cover_every_query_tile(device):
+    # The atomic-dQ kernels add whole query tiles into the padded float32 buffer (DqAccum in
+    # kernels/common.cuh): its row count must be a multiple of every such kernel's block_m, so the last
+    # tile of a head stays inside that head.
+    block_ms = {spec.block_m for spec in _config.all_specs(device) if spec.atomic_dq}
+    assert block_ms and all(_config.DQ_ACCUM_ROWS % m == 0 for m in block_ms), block_ms
+    for seqlen_q in (1, 15, 16, 127, 128, 129, 1000, 4096):
+        rows = _config.dq_accum_rows(seqlen_q)
+        assert rows >= seqlen_q and rows % _config.DQ_ACCUM_ROWS == 0 and rows - seqlen_q < _config.DQ_ACCUM_ROWS

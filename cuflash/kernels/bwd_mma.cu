@@ -17,43 +17,28 @@
 
 namespace cuflash {
 
-// dst[0..1] += (x, y) in global memory (16-byte vector atomics on sm_90, two scalar ones before).
-__device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
+// dst[0..3] += c in global memory: one 16-byte vector reduction on sm_90, four scalar ones before.
+__device__ __forceinline__ void atomic_add4(float* dst, const float (&c)[4]) {
 #if __CUDA_ARCH__ >= 900
-    atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
+    atomicAdd(reinterpret_cast<float4*>(dst), make_float4(c[0], c[1], c[2], c[3]));
 #else
-    atomicAdd(dst, x);
-    atomicAdd(dst + 1, y);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) atomicAdd(dst + e, c[e]);
 #endif
 }
 
-// Add a warp's (MA * 16) x (NB * 8) float32 accumulator tile into global memory with atomics: `rows`
-// points at this thread's first element (row g, column 2t of the tile, rows row_elems apart), and only
-// rows below rows_left (counted from the thread's first) exist. The element offsets are compile-time
-// constants that fold into the reductions' immediates, and a tile whose rows all exist takes a path
-// without branches: a branch per row made ptxas recompute the address into the register the previous
-// row's reductions were still reading, and the warp waited for them (bench/NOTES.md backward v5).
-template <int MA, int NB, int ROW_ELEMS>
-__device__ __forceinline__ void atomic_add_tile(float* rows, int rows_left, const float (&acc)[MA][NB][4]) {
-    if (rows_left >= MA * 16) {
-#pragma unroll
-        for (int ma = 0; ma < MA; ++ma)
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-#pragma unroll
-                for (int nb = 0; nb < NB; ++nb)
-                    atomic_add2(rows + (ma * 16 + 8 * r) * ROW_ELEMS + nb * 8, acc[ma][nb][2 * r], acc[ma][nb][2 * r + 1]);
-        return;
-    }
+// Add a warp's (MA * 16) x (NB * 8) float32 accumulator tile, whose first element is (row0, col0) of
+// its head, into dq_accum (DqAccum layout; head points at the head's first tile). Each 16 x 8 tile is
+// one vector reduction per lane into 512 contiguous bytes, at an offset from one address that is a
+// compile-time constant, so no address register is rewritten while earlier reductions still read it.
+template <int HEAD_DIM, int MA, int NB>
+__device__ __forceinline__ void dq_accum_add(float* head, int row0, int col0, const float (&acc)[MA][NB][4],
+                                             int lane) {
+    float* at = head + DqAccum::tile(row0, col0, HEAD_DIM) + lane * 4;
 #pragma unroll
     for (int ma = 0; ma < MA; ++ma)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            if (ma * 16 + 8 * r >= rows_left) continue;
-#pragma unroll
-            for (int nb = 0; nb < NB; ++nb)
-                atomic_add2(rows + (ma * 16 + 8 * r) * ROW_ELEMS + nb * 8, acc[ma][nb][2 * r], acc[ma][nb][2 * r + 1]);
-        }
+        for (int nb = 0; nb < NB; ++nb) atomic_add4(at + (ma * (HEAD_DIM / 8) + nb) * 128, acc[ma][nb]);
 }
 
 // Store a warp's (MA * 16) x (NB * 8) accumulator tile times `factor`: rows row0.. (first valid ones
@@ -270,10 +255,8 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
                     load_b_trans(bf, k_s + ks * 16 * kRow + q_col0 + nb * 8, kRow, lane);
                 });
             const int h = h_kv * group + s / m_tiles;
-            const int row0 = m0 + q_row0 + g;   // this thread's first row of dQ
-            atomic_add_tile<kQM / 16, kQD / 8, HEAD_DIM>(
-                dq_accum + ((static_cast<long long>(b) * heads + h) * seqlen_q + row0) * HEAD_DIM + q_col0 + 2 * t,
-                seqlen_q - row0, dq_part);
+            dq_accum_add<HEAD_DIM>(dq_accum + (static_cast<long long>(b) * heads + h) * DqAccum::rows(seqlen_q) * HEAD_DIM,
+                                   m0 + q_row0, q_col0, dq_part, lane);
         }
     }
     // Epilogue: dK (scaled) and dV staged as T in the Q/dO stages, then stored as 16-byte chunks.
@@ -312,7 +295,8 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
     constexpr int kWarps = BLOCK_N / 16;
     constexpr int kThreads = kWarps * 32;
     constexpr int kDsRow = PaddedRow<BLOCK_M>::kElems;                 // dS^T rows: BLOCK_M queries
-    constexpr int kDqCols = HEAD_DIM % 64 == 0 ? 64 : 32;               // dQ columns of one work item
+    // dQ columns of one work item; 32 past head_dim 128, where the dK accumulator leaves no room for 64
+    constexpr int kDqCols = HEAD_DIM % 64 == 0 && HEAD_DIM <= 128 ? 64 : 32;
     constexpr int kDqItems = BLOCK_M / 16 * (HEAD_DIM / kDqCols);
     constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
     constexpr int kMTiles = BLOCK_M / 8;     // n8 tiles of S^T per warp
@@ -427,7 +411,8 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
                 }
                 __syncthreads();
                 const int h = h_kv * group + s / m_tiles;
-                float* dq_tile = dq_accum + ((static_cast<long long>(b) * heads + h) * seqlen_q + m0) * HEAD_DIM;
+                float* dq_query_tile = dq_accum + (static_cast<long long>(b) * heads + h) * DqAccum::rows(seqlen_q) * HEAD_DIM +
+                                       DqAccum::tile(m0, 0, HEAD_DIM);   // rows m0.. of this head
 #pragma unroll
                 for (int it = 0; it < (kDqItems + kWarps - 1) / kWarps; ++it) {
                     const int item = warp + it * kWarps;
@@ -437,13 +422,11 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
 #pragma unroll
                     for (int kk = 0; kk < BLOCK_N / 16; ++kk)
                         load_a_transposed<T>(ds_frag[kk], ds_s + kk * 16 * kDsRow + row0, kDsRow, lane);
-                    float dq_part[kDqCols / 8][4];
+                    float dq_part[1][kDqCols / 8][4];   // one 16-row atom
                     zero(dq_part);
-                    warp_gemm_frag_rows<T, HEAD_DIM, BLOCK_N / 16, kDqCols>(dq_part, ds_frag, k_s + col0, lane);
-                    using AtomRows = const float(&)[1][kDqCols / 8][4];   // the one-atom view of dq_part
-                    atomic_add_tile<1, kDqCols / 8, HEAD_DIM>(dq_tile + (row0 + g) * HEAD_DIM + col0 + 2 * t,
-                                                            seqlen_q - (m0 + row0 + g),
-                                                            reinterpret_cast<AtomRows>(dq_part));
+                    warp_gemm_frag_rows<T, HEAD_DIM, BLOCK_N / 16, kDqCols>(dq_part[0], ds_frag, k_s + col0, lane);
+                    if (m0 + row0 < seqlen_q)   // an atom past the end adds zeros (its P and dS are)
+                        dq_accum_add<HEAD_DIM>(dq_query_tile, row0, col0, dq_part, lane);
                 }
             }
         }
@@ -594,25 +577,33 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) 
     store_tile<T>(dq + b * dq_sb + h * dq_sh, dq_ss, m0 + warp_row0, seqlen_q, 0, head_dim, dq_acc, scale, lane);
 }
 
-// dq = dq_accum * scale, cast to T: the last step of the atomic-dQ backward. One thread per 4 columns.
+// dq = dq_accum * scale, cast to T: the last step of the atomic-dQ backward. One thread per lane of a
+// 16 x 8 tile of dq_accum (DqAccum layout): four floats, two column pairs of rows g and g + 8.
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(256) bwd_dq_convert(const float* __restrict__ dq_accum, T* __restrict__ dq,
                                                       long long dq_sb, long long dq_ss, long long dq_sh, int batch,
                                                       int heads, int seqlen_q, int head_dim, float scale) {
-    constexpr int kVecs = HEAD_DIM / 4;
-    const long long n = static_cast<long long>(batch) * heads * seqlen_q * kVecs;
+    constexpr int kColTiles = HEAD_DIM / 8;
+    const long long rows = DqAccum::rows(seqlen_q);
+    const long long n = static_cast<long long>(batch) * heads * rows * HEAD_DIM / 4;
     for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
          i += static_cast<long long>(gridDim.x) * blockDim.x) {
-        const int col = static_cast<int>(i % kVecs) * 4;
-        const long long row = i / kVecs;   // (b, h, s) flattened
-        const int s = static_cast<int>(row % seqlen_q);
-        const long long bh = row / seqlen_q;
+        const int lane = static_cast<int>(i % 32);
+        const long long tile = i / 32;   // (b, h, row tile, column tile) flattened
+        const int col = static_cast<int>(tile % kColTiles) * 8 + 2 * (lane % 4);
+        const long long row_tile = tile / kColTiles;
+        const int row = static_cast<int>(row_tile % (rows / 16)) * 16 + lane / 4;
+        const long long bh = row_tile / (rows / 16);
         const float4 x = reinterpret_cast<const float4*>(dq_accum)[i];
-        T* dst = dq + (bh / heads) * dq_sb + s * dq_ss + (bh % heads) * dq_sh + col;
-        const float vals[4] = {x.x, x.y, x.z, x.w};
+        const float vals[2][2] = {{x.x, x.y}, {x.z, x.w}};
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-            if (col + e < head_dim) dst[e] = from_float<T>(vals[e] * scale);
+        for (int r = 0; r < 2; ++r) {
+            if (row + 8 * r >= seqlen_q) continue;
+            T* dst = dq + (bh / heads) * dq_sb + (row + 8 * r) * dq_ss + (bh % heads) * dq_sh + col;
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                if (col + e < head_dim) dst[e] = from_float<T>(vals[r][e] * scale);
+        }
     }
 }
 

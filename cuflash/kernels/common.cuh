@@ -106,6 +106,25 @@ struct KeyBlock {
     }
 };
 
+// The float32 dQ accumulator of the atomic-dQ backward (dq_accum) holds each (batch, head)'s dQ in
+// mma-fragment order, so that a warp adds one 16 x 8 accumulator tile with one 512-byte run of vector
+// reductions (four whole cache lines) rather than eight rows of 32 bytes (FlashAttention-2's dQaccum is
+// in the same spirit; the row layout throttled the load/store unit: bench/NOTES.md backward v6).
+// Per (batch, head): DqAccum::rows(seqlen_q) rows (padded, so that the query tiles that overrun
+// seqlen_q add their zeros in bounds) x HEAD_DIM columns, as 16 x 8 tiles, row tiles outer; a tile is
+// 32 lanes x 4 floats, lane g * 4 + t holding (row g, columns 2t, 2t + 1) and (row g + 8, the same).
+struct DqAccum {
+    static constexpr int kRowMultiple = 128;   // >= BLOCK_M of every kernel adding into it; _config.DQ_ACCUM_ROWS
+    __host__ __device__ static constexpr long long rows(int seqlen_q) {
+        return (seqlen_q + kRowMultiple - 1) / kRowMultiple * static_cast<long long>(kRowMultiple);
+    }
+    // Offset of the 16 x 8 tile whose first element is (row, col) in a head of `head_dim_spec` columns;
+    // row a multiple of 16 and col of 8.
+    __device__ static __forceinline__ long long tile(int row, int col, int head_dim_spec) {
+        return (static_cast<long long>(row / 16) * (head_dim_spec / 8) + col / 8) * 128;
+    }
+};
+
 // The parameters of every backward kernel (bwd_mma.cu, simt.cu): one list, one launch path. dq_accum is
 // float32 (batch, heads, seqlen_q, HEAD_DIM), zeroed, for the kernels that add dQ with atomics; null
 // for the others.
