@@ -234,6 +234,12 @@ def _mma_dq_tiles(head_dim: int) -> tuple[int, int, int]:
                     64 x 64, 4 warps (one atom per warp) 155 / 186 / 197
       head_dim 128: 64 x 64, 4 warps 173 / 211 / 222, causal 129 / 200 / 224;  128 x 16, 4 warps 172 / 208 / 219;
                     64 x 32, 4 warps 164 / 198 / 207;  two atoms per warp at 32 or more keys spill
+    After backward v6, one 16-row atom per warp on 8 warps (half the K/V tile loads per query row) against
+    the entries kept, medians of two rounds (bench/NOTES.md):
+      head_dim 64:  128 x 32, 4 warps 163 / 197 / 209, causal 121 / 185 / 214;
+                    128 x 128, 8 warps 161 / 187 / 196, causal 120 / 173 / 197
+      head_dim 128: 64 x 64, 4 warps 185 / 217 / 226, causal 148 / 204 / 226;
+                    128 x 64, 8 warps 172 / 206 / 214, causal 144 / 195 / 216
     """
     if head_dim <= 64:
         return 128, 32, 4  # 128 x 64 spills 8 bytes (sm_80; sm_90 under the causal mask)
@@ -301,6 +307,10 @@ def _mma_forward_tiles(head_dim: int, device: DeviceProps) -> tuple[int, int, in
       head_dim 128: 128 x 64, 4 warps 190 / 234 / 294, causal 153 / 211 / 297;
                     128 x 32, 4 warps 207 / 242 / 278, causal 122 / 169 / 252
       head_dim 256: 128 x 32, 8 warps 166 / 197 / 229, causal 115 / 157 / 218;  64 x 32, 4 warps 164 / 189 / 236
+    After forward v5 (cheaper loader, rescale skipped), seqlen 1k / 4k / 16k, non-causal; causal:
+      head_dim 64:  128 x 64, 4 warps 284 / 324 / 314, causal 220 / 302 / 313;
+                    128 x 128, 4 warps 293 / 320 / 315, causal 231 / 307 / 333 (spills 8 bytes on sm_90
+                    under the causal mask: not taken)
     """
     if head_dim <= 64:
         return 128, 64, 4

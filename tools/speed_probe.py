@@ -1,7 +1,10 @@
 """A quick speed probe for kernel work: cuflash against PyTorch SDPA (flash, cuDNN) at a few grid points.
 
-``python tools/speed_probe.py [--seqlens 1024 4096] [--dims 64 128]``. The numbers that count come from
-``python -m bench``; this answers "did that change help" in a few seconds of device time.
+``python tools/speed_probe.py [--seqlens 1024 4096] [--dims 64 128] [--no-peers]``. The numbers that count
+come from ``python -m bench``; this answers "did that change help" in a few seconds of device time. To
+compare two versions in one device call, time a copy of the old package against the working tree,
+alternating, without the peers: ``git archive HEAD~1 cuflash | tar x -C old`` here, then on the device
+``PYTHONPATH=old python3 tools/speed_probe.py --no-peers`` and ``PYTHONPATH=. ...``, twice each.
 """
 
 from __future__ import annotations
@@ -37,11 +40,14 @@ def main():
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32 (no peers for float32)")
+    parser.add_argument("--no-peers", action="store_true", help="time cuflash only (comparing two versions)")
     args = parser.parse_args()
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:
+        torch = None
+    if args.no_peers:
         torch = None
     dtype = cp.dtype(args.dtype)
     if dtype == cp.float32:
