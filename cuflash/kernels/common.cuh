@@ -126,8 +126,8 @@ struct DqAccum {
 };
 
 // The parameters of every backward kernel (bwd_mma.cu, simt.cu): one list, one launch path. dq_accum is
-// float32 (batch, heads, seqlen_q, HEAD_DIM), zeroed, for the kernels that add dQ with atomics; null
-// for the others.
+// float32 in the DqAccum layout above, zeroed, for the kernels that add dQ with atomics; null for the
+// others.
 #define CUFLASH_BWD_PARAMS                                                                            \
     const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,                        \
         const T *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ delta,   \
