@@ -42,16 +42,14 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32 (no peers for float32)")
     parser.add_argument("--no-peers", action="store_true", help="time cuflash only (comparing two versions)")
     args = parser.parse_args()
-    try:
-        import torch
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError:
-        torch = None
-    if args.no_peers:
-        torch = None
     dtype = cp.dtype(args.dtype)
-    if dtype == cp.float32:
-        torch = None  # SDPA's flash and cuDNN backends take half precision only
+    torch = None  # the peers; SDPA's flash and cuDNN backends take half precision only
+    if not args.no_peers and dtype != cp.float32:
+        try:
+            import torch
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+        except ImportError:
+            torch = None
     print(f"{'d':>4} {'causal':>6} {'seqlen':>6} | {'fwd':>7} {'fa2':>7} {'cudnn':>7} | {'bwd':>7} {'bwd-det':>7} "
           f"{'fa2':>7} {'cudnn':>7}  TFLOP/s")
     for d in args.dims:

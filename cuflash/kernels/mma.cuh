@@ -88,14 +88,13 @@ __device__ __forceinline__ void load_tile_async(T* tile, const T* head_base, lon
     constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
     if constexpr (NTHREADS % kChunks == 0) {
         // Each thread keeps one column chunk and steps down the rows kRowsPerPass at a time: one
-        // pointer add, one compare against a precomputed bound and one cp.async per chunk (the index
-        // arithmetic of the general loop below cost ~25 instructions per chunk in the SASS).
+        // 64-bit pointer add, one compare against a precomputed bound and one cp.async per chunk. The
+        // index arithmetic of the general loop below cost ~25 instructions per chunk in the SASS, and
+        // an address computed from each chunk's row index ~12, a third of the forward's instructions
+        // at head_dim 128 (bench/NOTES.md, forward v3 and v5).
         constexpr int kRowsPerPass = NTHREADS / kChunks;
         const int r0 = tid / kChunks, d0 = (tid % kChunks) * 8;
         if (vec_ok) {
-            // The source advances by one 64-bit add per chunk: computing each chunk's address from its
-            // row index cost ~12 integer instructions per chunk, a third of the forward's
-            // instructions at head_dim 128 (bench/NOTES.md, forward v5).
             const int rows_left = d0 < head_dim ? rows_valid - row0 - r0 : 0;
             const T* src = head_base + static_cast<long long>(row0 + r0) * row_stride + d0;
             const long long pass_stride = kRowsPerPass * row_stride;
