@@ -86,9 +86,11 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_sc
     deterministic : bool
         False (the default): for float16/bfloat16 on the GPU, dq is accumulated in float32 with
         atomics inside the dk/dv kernel (FlashAttention-2's way, fewer matrix products), so its last
-        bits may differ from run to run. True: dq comes from its own kernel that sums in a fixed order,
-        and dq, dk, dv are bitwise identical on every run. dk and dv are bitwise reproducible in both
-        settings; float32 and the NumPy path are deterministic in both.
+        bits may differ from run to run. True: every dq element is summed in a fixed order, and dq, dk,
+        dv are bitwise identical on every run. Where batch * heads_kv fills the GPU, the same kernel runs
+        on a grid in which each thread block adds into its own float32 dq buffer (up to 8 buffers, each
+        the default's size); otherwise dq comes from its own kernel. dk and dv are bitwise reproducible
+        in both settings; float32 and the NumPy path are deterministic in both.
 
     Returns
     -------

@@ -51,14 +51,21 @@ DKDV_TILED_THREADS = 256
 #: dims up to here too (where its tiles fit in shared memory).
 MMA_BACKWARD_FUSED_HEAD_DIM = 128
 DKDV_BOTH, DKDV_DV_ONLY, DKDV_DK_ONLY = 0, 1, 2
-#: the atomic-dQ backward's float32 dQ buffer pads each head's rows to a multiple of this (mirrors
-#: ``DqAccum::kRowMultiple`` in kernels/common.cuh; at least the block_m of every dK/dV kernel)
+#: the float32 dQ buffer of the backwards that add dQ with atomics pads each head's rows to a multiple of
+#: this (mirrors ``DqAccum::kRowMultiple`` in kernels/common.cuh; at least the block_m of every dK/dV kernel)
 DQ_ACCUM_ROWS = 128
 
 
 def dq_accum_rows(seqlen_q: int) -> int:
     """Rows per (batch, head) of the atomic-dQ backward's float32 dQ buffer (``DqAccum::rows``)."""
     return -(-seqlen_q // DQ_ACCUM_ROWS) * DQ_ACCUM_ROWS
+
+
+def preprocess_lanes(head_dim: int, itemsize: int) -> int:
+    """Lanes of bwd_preprocess per row: one per 16-byte chunk of a row, rounded up to a power of two, at
+    most a warp's 32 (kernels/simt.cu)."""
+    chunks = -(-head_dim * itemsize // 16)
+    return min(32, 1 << max(chunks - 1, 0).bit_length())
 
 
 def rows_dkdv_launches(head_dim: int, atomic_dq: bool) -> tuple[tuple[int, bool], ...]:
@@ -225,8 +232,8 @@ def _mma_backward_tiles(kernel: str, head_dim: int) -> tuple[int, int]:
 
 
 def _mma_dq_tiles(head_dim: int) -> tuple[int, int, int]:
-    """(block_m, block_n, warps) of bwd_dq_mma (the deterministic backward's dQ), before fitting shared
-    memory. A warp owns block_m / warps query rows, 16 per mma atom, and holds their dQ, S and dP.
+    """(block_m, block_n, warps) of bwd_dq_mma (the deterministic backward's dQ where its split grid does not
+    serve: deterministic_dq_splits), before fitting shared memory. A warp owns block_m / warps query rows, 16 per mma atom, and holds their dQ, S and dP.
     TFLOP/s of the deterministic backward (with bwd_dkdv_mma) measured on the H200, bfloat16,
     FlashAttention's grid at seqlen 1k / 4k / 16k, non-causal; causal (tools/tune.py --deterministic):
       head_dim 64:  128 x 64, 4 warps 168 / 204 / 217, causal 126 / 192 / 220;
@@ -311,6 +318,9 @@ def _mma_forward_tiles(head_dim: int, device: DeviceProps) -> tuple[int, int, in
       head_dim 64:  128 x 64, 4 warps 284 / 324 / 314, causal 220 / 302 / 313;
                     128 x 128, 4 warps 293 / 320 / 315, causal 231 / 307 / 333 (spills 8 bytes on sm_90
                     under the causal mask: not taken)
+      head_dim 256: 128 x 64, 8 warps (FlashAttention-2's tile) 227 / 272 / 288, causal 197 / 257 / 283;
+                    128 x 32, 8 warps 219 / 237 / 251, causal 182 / 233 / 254
+                    (medians of four rounds in two device calls, bench/NOTES.md forward v6)
     """
     if head_dim <= 64:
         return 128, 64, 4
@@ -320,7 +330,7 @@ def _mma_forward_tiles(head_dim: int, device: DeviceProps) -> tuple[int, int, in
         if device.compute_capability < 90:
             return 64, 32, 4
         return (128, 64, 4) if head_dim == 128 else (128, 32, 4)
-    return 128, 32, 8
+    return 128, 64, 8
 
 
 #: Resident blocks per SM that a band of the dK/dV grid is sized for: two, bwd_dkdv_rows_mma's occupancy
@@ -348,6 +358,44 @@ def block_band(tiles_per_head: int, pairs: int, sm_count: int) -> int:
         if pairs % i == 0:
             divisors.update((i, pairs // i))
     return min((d for d in divisors if d >= least), default=max(pairs, 1))
+
+
+#: bwd_dkdv_mma's resident blocks per SM: 256 threads at up to 255 registers, 175-182 KB of shared memory
+TILED_DKDV_BLOCKS_PER_SM = 1
+#: The deterministic backward's split grid gives each split its own float32 dQ buffer, each the size of the
+#: default's; at most this many, so its extra memory stays within this multiple of the default's.
+MAX_DQ_SPLITS = 8
+#: The least fraction of the SM slots of its waves that the split grid must fill (its blocks are few and
+#: long, so an idle slot stays idle); where no split count fills as many, the dQ kernel serves.
+MIN_SPLIT_GRID_FILL = 0.9
+
+
+def split_grid_serves(cfg: AttentionConfig) -> bool:
+    """Can the deterministic backward run on the split grid (``deterministic_dq_splits``)? Only the tiled
+    dK/dV kernel walks several key blocks per thread block."""
+    return bool(cfg.bwd_dkdv_atomic) and cfg.bwd_dkdv_atomic[0].kernel == "bwd_dkdv_mma"
+
+
+def deterministic_dq_splits(cfg: AttentionConfig, pairs: int, seqlen_k: int, sm_count: int) -> int:
+    """The split count of the deterministic backward's split grid, or 0 where the dQ kernel serves.
+
+    The split grid runs the atomic-dQ dK/dV kernel (bwd_dkdv_mma only) with one thread block per
+    ((batch, kv head) pair, split); block ``split`` walks the key blocks split, split + splits, ... in
+    order and adds dQ into its own copy of the float32 buffer, which bwd_dq_convert sums in copy order
+    (``KeyBlock``, kernels/common.cuh). Five matrix products per tile, like the default, against the dQ
+    kernel's seven. Returns the fewest splits (at most MAX_DQ_SPLITS and the key blocks per head) whose
+    ``pairs * splits`` blocks fill MIN_SPLIT_GRID_FILL of their waves; 0 if none does, or where
+    bwd_dkdv_mma does not serve.
+    """
+    if not split_grid_serves(cfg):
+        return 0
+    key_blocks = -(-seqlen_k // cfg.bwd_dkdv_atomic[0].block_n)
+    wave = TILED_DKDV_BLOCKS_PER_SM * sm_count
+    for splits in range(1, min(MAX_DQ_SPLITS, key_blocks) + 1):
+        blocks = pairs * splits
+        if blocks / (-(-blocks // wave) * wave) >= MIN_SPLIT_GRID_FILL:
+            return splits
+    return 0
 
 
 def _simt_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DeviceProps) -> KernelSpec:

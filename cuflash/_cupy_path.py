@@ -79,11 +79,14 @@ def forward(q, k, v, p: Problem, spec: _config.KernelSpec | None = None):
 
 
 def backward(dout, q, k, v, out, lse, p: Problem, deterministic: bool = False,
-             cfg: _config.AttentionConfig | None = None):
-    """dq, dk, dv; ``cfg`` overrides the tile table's backward kernels (for tuning tools).
+             cfg: _config.AttentionConfig | None = None, dq_splits: int | None = None):
+    """dq, dk, dv; ``cfg`` overrides the tile table's backward kernels and ``dq_splits`` the deterministic
+    split count (for tests and tuning tools).
 
     The default adds dQ with float32 atomics inside the dK/dV kernels (where the config has them:
-    float16/bfloat16); ``deterministic`` runs the separate dQ kernel instead.
+    float16/bfloat16). ``deterministic`` runs the same kernel on the split grid, one float32 dQ buffer per
+    split, or, where that grid would leave SMs idle, the separate dQ kernel
+    (``_config.deterministic_dq_splits``).
     """
     import cupy
 
@@ -91,46 +94,63 @@ def backward(dout, q, k, v, out, lse, p: Problem, deterministic: bool = False,
     with q.device:
         dout, q, k, v, out = (_readable(x) for x in (dout, q, k, v, out))
         lse = cupy.ascontiguousarray(lse)
+        props = device_props(device_id)
         if cfg is None:
-            cfg = _config.choose_config(p.head_dim, p.dtype, p.causal, device_props(device_id))
-        atomic_dq = bool(cfg.bwd_dkdv_atomic) and not deterministic
+            cfg = _config.choose_config(p.head_dim, p.dtype, p.causal, props)
+        pairs = p.batch * p.heads_kv
+        if not deterministic:
+            dq_splits = 0
+        elif dq_splits is None:
+            dq_splits = _config.deterministic_dq_splits(cfg, pairs, p.seqlen_k, props.sm_count)
+        elif dq_splits and not _config.split_grid_serves(cfg):
+            raise ValueError(f"dq_splits needs bwd_dkdv_mma, which does not serve {cfg.bwd_dkdv[0].name}'s problem")
+        adds_dq = bool(cfg.bwd_dkdv_atomic) and (not deterministic or dq_splits > 0)
         dq = cupy.empty(q.shape, q.dtype)
         dk = cupy.empty(k.shape, k.dtype)
         dv = cupy.empty(v.shape, v.dtype)
         delta = cupy.empty((p.batch, p.heads, p.seqlen_q), np.float32)
-        # float32, per (batch, head) dq_accum_rows(seqlen_q) x specialized head dim in mma-fragment order
-        # (DqAccum in kernels/common.cuh); O(seqlen) per (batch, head)
-        dq_accum = (cupy.zeros((p.batch, p.heads, _config.dq_accum_rows(p.seqlen_q), cfg.bwd_dq_convert.head_dim),
-                               np.float32) if atomic_dq else None)
+        # float32, per copy (one per split of the deterministic split grid, else one) and (batch, head):
+        # dq_accum_rows(seqlen_q) x specialized head dim in mma-fragment order (DqAccum in
+        # kernels/common.cuh); O(seqlen) per (batch, head)
+        copies = max(dq_splits, 1)
+        dq_accum = (cupy.zeros((copies, p.batch, p.heads, _config.dq_accum_rows(p.seqlen_q),
+                                cfg.bwd_dq_convert.head_dim), np.float32) if adds_dq else None)
 
         rows = p.batch * p.heads * p.seqlen_q
-        warps_per_block = cfg.bwd_preprocess.threads // 32
+        lanes = _config.preprocess_lanes(p.head_dim, q.dtype.itemsize)
         get_kernel(cfg.bwd_preprocess, device_id)(
-            _grid(-(-rows // warps_per_block)), (cfg.bwd_preprocess.threads,),
+            _grid(-(-rows * lanes // cfg.bwd_preprocess.threads)), (cfg.bwd_preprocess.threads,),
             (dout, out, delta, *_strides(dout), *_strides(out), np.int32(p.batch), np.int32(p.heads),
-             np.int32(p.seqlen_q), np.int32(p.head_dim)))
+             np.int32(p.seqlen_q), np.int32(p.head_dim), np.int32(lanes),
+             np.int32(_vector_aligned(p.head_dim, dout, out))))
 
         args = (q, k, v, dout, lse, delta, dq, dk, dv,
-                dq_accum if atomic_dq else np.uint64(0),  # a null float* where dQ has its own kernel
+                dq_accum if adds_dq else np.uint64(0),  # a null float* where dQ has its own kernel
                 *_strides(q), *_strides(k), *_strides(v),
                 *_strides(dout), *_strides(dq), *_strides(dk), np.int32(p.batch), np.int32(p.heads),
                 np.int32(p.group), np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(p.head_dim),
                 np.float32(p.softmax_scale), np.float32(p.softmax_scale * LOG2E),
-                np.int32(_vector_aligned(p.head_dim, q, k, v, dout)))
-        for spec in cfg.bwd_dkdv_atomic if atomic_dq else cfg.bwd_dkdv:
-            n_blocks = -(-p.seqlen_k // spec.block_n)
-            grid = _banded_grid(n_blocks, p.batch * p.heads_kv, device_id)
-            get_kernel(spec, device_id)(grid, (spec.threads,), args, shared_mem=spec.smem_bytes)
-        if atomic_dq:
+                np.int32(_vector_aligned(p.head_dim, q, k, v, dout)), np.int32(dq_splits))
+        for spec in cfg.bwd_dkdv_atomic if adds_dq else cfg.bwd_dkdv:
+            kernel = get_kernel(spec, device_id)
+            key_blocks = -(-p.seqlen_k // spec.block_n)
+            if dq_splits:  # the split grid: one launch per pass, in order (KeyBlock in kernels/common.cuh)
+                for dq_pass in range(-(-key_blocks // dq_splits)):
+                    kernel(_grid(pairs * dq_splits), (spec.threads,), (*args, np.int32(dq_pass)),
+                           shared_mem=spec.smem_bytes)
+            else:
+                kernel(_banded_grid(key_blocks, pairs, device_id), (spec.threads,), (*args, np.int32(0)),
+                       shared_mem=spec.smem_bytes)
+        if adds_dq:
             spec = cfg.bwd_dq_convert
-            vectors = dq_accum.size // 4  # one thread per lane of a 16 x 8 tile
+            tile_rows = dq_accum.size // copies // 8  # one thread per row of a 16 x 8 tile
             get_kernel(spec, device_id)(
-                _grid(-(-vectors // spec.threads)), (spec.threads,),
+                _grid(-(-tile_rows // spec.threads)), (spec.threads,),
                 (dq_accum, dq, *_strides(dq), np.int32(p.batch), np.int32(p.heads), np.int32(p.seqlen_q),
-                 np.int32(p.head_dim), np.float32(p.softmax_scale)))
+                 np.int32(p.head_dim), np.float32(p.softmax_scale), np.int32(copies)))
         else:
             spec = cfg.bwd_dq
             m_blocks = -(-p.seqlen_q // spec.block_m)
-            get_kernel(spec, device_id)(_grid(m_blocks * p.batch * p.heads), (spec.threads,), args,
+            get_kernel(spec, device_id)(_grid(m_blocks * p.batch * p.heads), (spec.threads,), (*args, np.int32(0)),
                                         shared_mem=spec.smem_bytes)
     return dq, dk, dv

@@ -8,10 +8,11 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import reference
+from cuflash import _config, reference
 
 from ._checks import (BF16, DTYPES, assert_fa_close, lowp_attention_backward, make_qkv, max_abs_finite,
                       poison_pool, to_numpy)
+from .conftest import requires_gpu
 
 BACKWARD_SHAPES = [
     (1, 1, 1, 1, 1, 64, True),
@@ -53,6 +54,27 @@ def check_backward(xp, rng, batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 def test_backward_shapes(xp, rng, shape, dtype, deterministic):
     check_backward(xp, rng, *shape, dtype, deterministic=deterministic)
+
+
+# The deterministic backward's split grid (one launch per pass, one float32 dQ copy per split), forced at
+# shapes too small to choose it: key blocks that do not fill the last one, the causal mask, GQA and MQA,
+# and last passes in which some splits have no key block left (3 splits of 2 or 3 key blocks).
+SPLIT_GRID_SHAPES = [
+    (2, 113, 203, 2, 2, 64, False),
+    (1, 203, 300, 4, 2, 128, True),
+    (1, 65, 129, 4, 1, 32, True),
+]
+
+
+@requires_gpu
+@pytest.mark.parametrize("dq_splits", [1, 2, 3])
+@pytest.mark.parametrize("shape", SPLIT_GRID_SHAPES, ids=str)
+def test_deterministic_split_grid(rng, monkeypatch, shape, dq_splits):
+    import cupy
+
+    monkeypatch.setattr(_config, "deterministic_dq_splits",
+                        lambda cfg, *_: dq_splits if _config.split_grid_serves(cfg) else 0)
+    check_backward(cupy, rng, *shape, BF16, deterministic=True)
 
 
 def test_backward_with_scale(xp, rng):

@@ -163,3 +163,49 @@ def test_dq_accum_rows_cover_every_query_tile(device):
     for seqlen_q in (1, 15, 16, 127, 128, 129, 1000, 4096):
         rows = _config.dq_accum_rows(seqlen_q)
         assert rows >= seqlen_q and rows % _config.DQ_ACCUM_ROWS == 0 and rows - seqlen_q < _config.DQ_ACCUM_ROWS
+
+
+@given(pairs=st.integers(1, 5000), seqlen_k=st.integers(1, 70_000), sm_count=st.sampled_from([108, 128, 132]),
+       head_dim=st.sampled_from([64, 128]))
+def test_deterministic_dq_splits_fill_the_waves_with_the_fewest_copies(pairs, seqlen_k, sm_count, head_dim):
+    cfg = choose_config(head_dim, BFLOAT16, False, _config.H100)
+    splits = _config.deterministic_dq_splits(cfg, pairs, seqlen_k, sm_count)
+    key_blocks = -(-seqlen_k // cfg.bwd_dkdv_atomic[0].block_n)
+    wave = _config.TILED_DKDV_BLOCKS_PER_SM * sm_count
+
+    def fill(s):
+        return pairs * s / (-(-pairs * s // wave) * wave)
+
+    candidates = range(1, min(_config.MAX_DQ_SPLITS, key_blocks) + 1)
+    if splits == 0:  # the dQ kernel serves: no split count fills the waves
+        assert all(fill(s) < _config.MIN_SPLIT_GRID_FILL for s in candidates)
+    else:
+        assert splits in candidates and fill(splits) >= _config.MIN_SPLIT_GRID_FILL
+        assert all(fill(s) < _config.MIN_SPLIT_GRID_FILL for s in range(1, splits))
+
+
+@pytest.mark.parametrize("head_dim, seqlen, expected", [
+    (128, 1024, 1),    # 256 pairs: two full waves of 132 SMs (97%)
+    (128, 4096, 2),    # 64 pairs, two splits: 128 blocks
+    (128, 16384, 8),   # 16 pairs: the most copies
+    (64, 16384, 4),    # 32 pairs
+])
+def test_deterministic_dq_splits_on_the_bench_grid(head_dim, seqlen, expected):
+    # FlashAttention's grid (batch * seqlen = 16k, heads * head_dim = 2048) on the H100/H200's 132 SMs
+    pairs = 16384 // seqlen * (2048 // head_dim)
+    cfg = choose_config(head_dim, BFLOAT16, True, _config.H100)
+    assert _config.deterministic_dq_splits(cfg, pairs, seqlen, 132) == expected
+
+
+def test_deterministic_dq_splits_leave_too_few_pairs_to_the_dq_kernel():
+    cfg = choose_config(128, BFLOAT16, False, _config.H100)
+    assert _config.deterministic_dq_splits(cfg, 1, 32768, 132) == 0   # 8 blocks for 132 SMs
+    assert _config.deterministic_dq_splits(cfg, 200, 128, 132) == 0   # one key block: no split to add
+
+
+@pytest.mark.parametrize("head_dim, device", [(256, _config.H100), (128, _config.A100)])
+def test_split_grid_needs_the_tiled_dkdv_kernel(head_dim, device):
+    # the rows kernel (head dims past 128, or too little shared memory) has one key block per thread block
+    cfg = choose_config(head_dim, BFLOAT16, False, device)
+    assert not _config.split_grid_serves(cfg)
+    assert _config.deterministic_dq_splits(cfg, 16, 16384, device.sm_count) == 0

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash import _config, _cupy_path
 
 from ._checks import BF16, make_qkv, to_numpy
 from .conftest import GPU
@@ -42,8 +43,17 @@ def _bitwise_equal(cp, a, b) -> bool:
     return bool(cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)))
 
 
-def test_deterministic_backward_is_bitwise_reproducible(cp, rng):
+@pytest.mark.parametrize("way", ["split_grid", "dq_kernel"])
+def test_deterministic_backward_is_bitwise_reproducible(cp, rng, monkeypatch, way):
     args = _large_backward_inputs(cp, rng)
+    # these 32 (batch, kv head) pairs take the split grid on GPUs of up to ~280 SMs; the dQ kernel serves
+    # where too few pairs would leave SMs idle, forced here
+    cfg = _config.choose_config(64, BF16, True, _cupy_path.device_props(cp.cuda.Device().id))
+    chosen = _config.deterministic_dq_splits(cfg, 32, 1024, _cupy_path.device_props(cp.cuda.Device().id).sm_count)
+    if way == "split_grid":
+        assert chosen > 0 or not _config.split_grid_serves(cfg), chosen
+    else:
+        monkeypatch.setattr(_config, "deterministic_dq_splits", lambda *_: 0)
     first = cuflash.attention_backward(*args, causal=True, deterministic=True)
     for _ in range(50):
         again = cuflash.attention_backward(*args, causal=True, deterministic=True)
@@ -79,9 +89,14 @@ def _pool_growth(cp, fn) -> int:
     return grown
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_memory_grows_linearly_in_seqlen(cp, rng, causal):
-    batch, heads, head_dim, dtype = 1, 4, 64, np.float16
+def test_memory_grows_linearly_in_seqlen(cp, rng, causal, deterministic):
+    props = _cupy_path.device_props(cp.cuda.Device().id)
+    # deterministic: a quarter as many heads as SMs, so the split grid runs four splits, four float32
+    # dQ copies (where bwd_dkdv_mma serves)
+    batch, heads, head_dim, dtype = 1, -(-props.sm_count // 4) if deterministic else 4, 64, np.float16
+    cfg = _config.choose_config(head_dim, dtype, causal, props)
     extra = {}
     for seqlen in (4096, 16384):
         q, k, v = make_qkv(cp, rng, batch, seqlen, seqlen, heads, heads, head_dim, dtype)
@@ -89,11 +104,14 @@ def test_memory_grows_linearly_in_seqlen(cp, rng, causal):
         lse_bytes = batch * heads * seqlen * 4
         fwd = _pool_growth(cp, lambda: cuflash.attention(q, k, v, causal=causal, return_lse=True))
         out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
-        bwd = _pool_growth(cp, lambda: cuflash.attention_backward(q, q, k, v, out, lse, causal=causal))
+        bwd = _pool_growth(cp, lambda: cuflash.attention_backward(q, q, k, v, out, lse, causal=causal,
+                                                                  deterministic=deterministic))
         extra[seqlen] = (fwd - io_bytes - lse_bytes, bwd - 3 * io_bytes)
         # a seqlen x seqlen float32 buffer per (batch, head) would be 4 GiB here; the backward's extra
-        # is delta and the float32 dQ buffer of the atomic default (2 x an input at float16)
-        assert fwd < 2 * (io_bytes + lse_bytes) and bwd < 6 * io_bytes, (seqlen, fwd, bwd)
+        # is delta and the float32 dQ buffer (2 x an input at float16) of the atomic default, once per
+        # split in the deterministic split grid
+        copies = _config.deterministic_dq_splits(cfg, batch * heads, seqlen, props.sm_count) if deterministic else 1
+        assert fwd < 2 * (io_bytes + lse_bytes) and bwd < (4 + 2 * max(copies, 1)) * io_bytes, (seqlen, fwd, bwd)
     for pass_index in (0, 1):
         small, large = extra[4096][pass_index], extra[16384][pass_index]
         assert large <= 4 * max(small, 1 << 20), extra   # linear: 4x the tokens, at most 4x the bytes

@@ -6,12 +6,18 @@
 //   bwd_dkdv_mma (head dims up to 128, where its tiles fit) or bwd_dkdv_rows_mma (the others): per key
 //                 tile, walking the query tiles of every head of its kv group:
 //                 dV += P^T dO,  dK += dS^T Q  (scale applied at the end)
-//   dQ += dS K, one of two ways:
+//   dQ += dS K, one of three ways:
 //     default (ATOMIC_DQ): inside the dK/dV kernel, dS goes through shared memory and every key block
 //       adds its share of dQ into a float32 buffer with atomics; bwd_dq_convert scales and casts it. Five
 //       matrix products per tile, as in FlashAttention-2, but the order of the float32 sums varies.
-//     deterministic: bwd_dq_mma, per query tile, walks the key tiles it sees and recomputes S and dP:
-//       seven products per tile, every element summed in a fixed order by one thread.
+//     deterministic (_config.deterministic_dq_splits picks one of the two):
+//       split grid: the same dK/dV kernel (bwd_dkdv_mma), but each thread block walks a fixed set of key
+//         blocks of one (batch, kv head) in order and adds into its own copy of the float32 buffer
+//         (KeyBlock), so each element of each copy is summed by one thread in a fixed order;
+//         bwd_dq_convert sums the copies in order. Five products per tile, the copies cost memory.
+//       dQ kernel (where too few (batch, kv head) pairs would leave SMs idle): bwd_dq_mma, per query
+//         tile, walks the key tiles it sees and recomputes S and dP: seven products per tile, every
+//         element summed in a fixed order by one thread.
 // dK and dV are summed in a fixed order by one thread in both modes: bitwise reproducible.
 #include "mma.cuh"
 
@@ -25,6 +31,22 @@ __device__ __forceinline__ void atomic_add4(float* dst, const float (&c)[4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) atomicAdd(dst + e, c[e]);
 #endif
+}
+
+// Copy the lse and delta of query rows [m0, m0 + BLOCK_M) of one (batch, head) (row_base: its row 0)
+// into shared memory, in the caller's cp.async group; rows past seqlen_q read as 0 (their P is masked).
+// Asynchronous, so the loads do not hold up the thread as register loads followed by stores did
+// (2-4% of the dK/dV kernels' stall samples: bench/NOTES.md backward v7).
+template <int BLOCK_M, int NTHREADS>
+__device__ __forceinline__ void load_row_stats_async(float* lse_s, float* delta_s, const float* lse,
+                                                     const float* delta, long long row_base, int m0, int seqlen_q,
+                                                     int tid) {
+    for (int r = tid; r < BLOCK_M; r += NTHREADS) {
+        const bool ok = m0 + r < seqlen_q;
+        const long long at = ok ? row_base + m0 + r : 0;
+        cp_async_4(lse_s + r, lse + at, ok ? 4 : 0);
+        cp_async_4(delta_s + r, delta + at, ok ? 4 : 0);
+    }
 }
 
 // Add a warp's (MA * 16) x (NB * 8) float32 accumulator tile, whose first element is (row0, col0) of
@@ -104,7 +126,7 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
                   "every warp tile is made of 16 x 16 mma blocks");
 
     // Shared memory: K, V [BLOCK_N][kRow]; Q, dO [2][BLOCK_M][kRow]; P, dS [BLOCK_M][kPRow];
-    // lse2, delta [2][BLOCK_M] float32.
+    // lse, delta [2][BLOCK_M] float32.
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* k_s = reinterpret_cast<T*>(smem_raw);
     T* v_s = k_s + BLOCK_N * kRow;
@@ -112,10 +134,11 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
     T* do_s = q_s + 2 * BLOCK_M * kRow;
     T* p_s = do_s + 2 * BLOCK_M * kRow;
     T* ds_s = p_s + BLOCK_M * kPRow;
-    float* lse2_s = reinterpret_cast<float*>(ds_s + BLOCK_M * kPRow);
-    float* delta_s = lse2_s + 2 * BLOCK_M;
+    float* lse_s = reinterpret_cast<float*>(ds_s + BLOCK_M * kPRow);
+    float* delta_s = lse_s + 2 * BLOCK_M;
 
-    const KeyBlock blk(BLOCK_N, heads / group, seqlen_k);
+    const KeyBlock blk(BLOCK_N, heads / group, seqlen_k, dq_splits, dq_pass);
+    if (blk.n0 >= seqlen_k) return;   // the split grid's last pass: this split has no key block left
     const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
     const int causal_offset = seqlen_k - seqlen_q;
     const int m_begin = CAUSAL ? max(0, n0 - causal_offset) / BLOCK_M * BLOCK_M : 0;
@@ -128,43 +151,45 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
     const int kv_row0 = (warp / 2) * kKvN, kv_col0 = (warp % 2) * kKvD;  // dK / dV tile
     const int q_row0 = (warp / 2) * kQM, q_col0 = (warp % 2) * kQD;      // dQ tile
 
-    auto load_step = [&](int s) {
-        const int h = h_kv * group + s / m_tiles;
-        const int m0 = m_begin + (s % m_tiles) * BLOCK_M;
-        const int stage = s & 1;
-        load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(q_s + stage * BLOCK_M * kRow, q + b * q_sb + h * q_sh, q_ss,
-                                                         m0, seqlen_q, head_dim, vec_ok, tid);
-        load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(do_s + stage * BLOCK_M * kRow, dout + b * do_sb + h * do_sh,
-                                                         do_ss, m0, seqlen_q, head_dim, vec_ok, tid);
-        const long long row_base = (static_cast<long long>(b) * heads + h) * seqlen_q;
-        for (int r = tid; r < BLOCK_M; r += kThreads) {
-            const bool ok = m0 + r < seqlen_q;
-            lse2_s[stage * BLOCK_M + r] = ok ? lse[row_base + m0 + r] * kLog2e : 0.f;
-            delta_s[stage * BLOCK_M + r] = ok ? delta[row_base + m0 + r] : 0.f;
-        }
+    // Issue the copies of the step (head h_step of the group, query tile m_step) into `stage`.
+    auto load_step = [&](int h_step, int m_step, int stage) {
+        const int h = h_kv * group + h_step;
+        const int m0 = m_begin + m_step * BLOCK_M;
+        load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(q_s + stage * BLOCK_M * kRow, q + b * q_sb + h * q_sh,
+                                                         q_ss, m0, seqlen_q, head_dim, vec_ok, tid);
+        load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(do_s + stage * BLOCK_M * kRow,
+                                                         dout + b * do_sb + h * do_sh, do_ss, m0, seqlen_q,
+                                                         head_dim, vec_ok, tid);
+        load_row_stats_async<BLOCK_M, kThreads>(lse_s + stage * BLOCK_M, delta_s + stage * BLOCK_M, lse, delta,
+                                                (static_cast<long long>(b) * heads + h) * seqlen_q, m0,
+                                                seqlen_q, tid);
     };
 
-    load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(k_s, k + b * k_sb + h_kv * k_sh, k_ss, n0, seqlen_k, head_dim,
-                                                     vec_ok, tid);
-    load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(v_s, v + b * v_sb + h_kv * v_sh, v_ss, n0, seqlen_k, head_dim,
-                                                     vec_ok, tid);
-    if (steps > 0) load_step(0);
+    load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(k_s, k + b * k_sb + h_kv * k_sh, k_ss, n0, seqlen_k,
+                                                     head_dim, vec_ok, tid);
+    load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(v_s, v + b * v_sb + h_kv * v_sh, v_ss, n0, seqlen_k,
+                                                     head_dim, vec_ok, tid);
+    if (steps > 0) load_step(0, 0, 0);
     cp_async_commit();
 
     float dk_acc[kKvN / 16][kKvD / 8][4], dv_acc[kKvN / 16][kKvD / 8][4];
     zero(dk_acc);
     zero(dv_acc);
 
+    int h_step = 0, m_step = 0;   // step s's head in the group and query tile (no division per step)
     for (int s = 0; s < steps; ++s) {
         cp_async_wait<0>();
         __syncthreads();   // stage s has landed; every warp is done with step s - 1's P, dS and stage
-        if (s + 1 < steps) load_step(s + 1);
+        if (s + 1 < steps) {
+            const bool last_tile = m_step + 1 == m_tiles;
+            load_step(h_step + last_tile, last_tile ? 0 : m_step + 1, (s + 1) & 1);
+        }
         cp_async_commit();
         const int stage = s & 1;
-        const int m0 = m_begin + (s % m_tiles) * BLOCK_M;
+        const int m0 = m_begin + m_step * BLOCK_M;
         const T* q_tile = q_s + stage * BLOCK_M * kRow;
         const T* do_tile = do_s + stage * BLOCK_M * kRow;
-        const float* lse2_tile = lse2_s + stage * BLOCK_M;
+        const float* lse_tile = lse_s + stage * BLOCK_M;
         const float* delta_tile = delta_s + stage * BLOCK_M;
 
         // S = Q K^T, then P into shared memory; dP = dO V^T, then dS into shared memory: this warp's
@@ -187,7 +212,7 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int row = s_row0 + ma * 16 + g + 8 * (e / 2);   // in the query tile
-                    const float row_lse2 = lse2_tile[row];
+                    const float row_lse2 = lse_tile[row] * kLog2e;
 #pragma unroll
                     for (int nb = 0; nb < kSN / 8; ++nb) {
                         const int col = s_col0 + nb * 8 + 2 * t + (e % 2);   // in the key block
@@ -254,9 +279,13 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
                 [&](unsigned (&bf)[4], int nb, int ks) {
                     load_b_trans(bf, k_s + ks * 16 * kRow + q_col0 + nb * 8, kRow, lane);
                 });
-            const int h = h_kv * group + s / m_tiles;
-            dq_accum_add<HEAD_DIM>(dq_accum + (static_cast<long long>(b) * heads + h) * DqAccum::rows(seqlen_q) * HEAD_DIM,
+            const int h = h_kv * group + h_step;
+            dq_accum_add<HEAD_DIM>(dq_accum + DqAccum::head(blk.split, batch, b, heads, h, seqlen_q, HEAD_DIM),
                                    m0 + q_row0, q_col0, dq_part, lane);
+        }
+        if (++m_step == m_tiles) {
+            m_step = 0;
+            ++h_step;
         }
     }
     // Epilogue: dK (scaled) and dV staged as T in the Q/dO stages, then stored as 16-byte chunks.
@@ -314,7 +343,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
     float* delta_s = lse2_s + 2 * BLOCK_M;
     T* ds_s = reinterpret_cast<T*>(delta_s + 2 * BLOCK_M);
 
-    const KeyBlock blk(BLOCK_N, heads / group, seqlen_k);
+    const KeyBlock blk(BLOCK_N, heads / group, seqlen_k, 0, 0);   // the banded grid
     const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
     const int causal_offset = seqlen_k - seqlen_q;
     const int m_begin = CAUSAL ? max(0, n0 - causal_offset) / BLOCK_M * BLOCK_M : 0;
@@ -334,6 +363,8 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
                                                          m0, seqlen_q, head_dim, vec_ok, tid);
         load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(do_s + stage * BLOCK_M * kRow, dout + b * do_sb + h * do_sh,
                                                          do_ss, m0, seqlen_q, head_dim, vec_ok, tid);
+        // lse and delta through registers: load_row_stats_async (bwd_dkdv_mma's) made ptxas spill 8 bytes
+        // here on sm_80 at head_dim 128
         const long long row_base = (static_cast<long long>(b) * heads + h) * seqlen_q;
         for (int r = tid; r < BLOCK_M; r += kThreads) {
             const bool ok = m0 + r < seqlen_q;
@@ -577,32 +608,55 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) 
     store_tile<T>(dq + b * dq_sb + h * dq_sh, dq_ss, m0 + warp_row0, seqlen_q, 0, head_dim, dq_acc, scale, lane);
 }
 
-// dq = dq_accum * scale, cast to T: the last step of the atomic-dQ backward. One thread per lane of a
-// 16 x 8 tile of dq_accum (DqAccum layout): four floats, two column pairs of rows g and g + 8.
+// dq = dq_accum * scale, cast to T: the last step of the backwards that add dQ into dq_accum. One thread
+// per row of a 16 x 8 tile of dq_accum (DqAccum layout), the 16 rows of a tile on consecutive threads:
+// a warp reads two whole tiles (the four lanes of a tile row gave two floats each), and writes its row's
+// 8 columns as one 16-byte store, the two tiles' stores of a row side by side. (One thread per tile
+// lane wrote 4-byte pieces: 1.5x FlashAttention-2's time, bench/NOTES.md backward v7.) With several
+// copies (the deterministic split grid, KeyBlock), each thread sums its values over the copies in copy
+// order, so the sum is the same on every run.
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(256) bwd_dq_convert(const float* __restrict__ dq_accum, T* __restrict__ dq,
                                                       long long dq_sb, long long dq_ss, long long dq_sh, int batch,
-                                                      int heads, int seqlen_q, int head_dim, float scale) {
+                                                      int heads, int seqlen_q, int head_dim, float scale, int copies) {
     constexpr int kColTiles = HEAD_DIM / 8;
-    const long long rows = DqAccum::rows(seqlen_q);
-    const long long n = static_cast<long long>(batch) * heads * rows * HEAD_DIM / 4;
-    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+    const long long row_tiles = DqAccum::rows(seqlen_q) / 16;
+    const long long tiles = static_cast<long long>(batch) * heads * row_tiles * kColTiles;   // per copy
+    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < tiles * 16;
          i += static_cast<long long>(gridDim.x) * blockDim.x) {
-        const int lane = static_cast<int>(i % 32);
-        const long long tile = i / 32;   // (b, h, row tile, column tile) flattened
-        const int col = static_cast<int>(tile % kColTiles) * 8 + 2 * (lane % 4);
-        const long long row_tile = tile / kColTiles;
-        const int row = static_cast<int>(row_tile % (rows / 16)) * 16 + lane / 4;
-        const long long bh = row_tile / (rows / 16);
-        const float4 x = reinterpret_cast<const float4*>(dq_accum)[i];
-        const float vals[2][2] = {{x.x, x.y}, {x.z, x.w}};
+        const int r = static_cast<int>(i % 16);
+        const long long tile = i / 16;   // (b, h, row tile, column tile) flattened, DqAccum's order
+        const int col0 = static_cast<int>(tile % kColTiles) * 8;
+        const int row = static_cast<int>(tile / kColTiles % row_tiles) * 16 + r;
+        const long long bh = tile / kColTiles / row_tiles;
+        if (row >= seqlen_q) continue;
+        // lane g * 4 + t of the tile holds (row g, columns 2t, 2t + 1) at floats 0, 1 and (row g + 8, the
+        // same columns) at floats 2, 3
+        const float* src = dq_accum + tile * 128 + (r % 8) * 16 + (r / 8) * 2;
+        float vals[8];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            if (row + 8 * r >= seqlen_q) continue;
-            T* dst = dq + (bh / heads) * dq_sb + (row + 8 * r) * dq_ss + (bh % heads) * dq_sh + col;
+        for (int t = 0; t < 4; ++t) {
+            const float2 x = *reinterpret_cast<const float2*>(src + t * 4);
+            vals[2 * t] = x.x;
+            vals[2 * t + 1] = x.y;
+        }
+        for (int c = 1; c < copies; ++c) {
 #pragma unroll
-            for (int e = 0; e < 2; ++e)
-                if (col + e < head_dim) dst[e] = from_float<T>(vals[r][e] * scale);
+            for (int t = 0; t < 4; ++t) {
+                const float2 x = *reinterpret_cast<const float2*>(src + c * tiles * 128 + t * 4);
+                vals[2 * t] += x.x;
+                vals[2 * t + 1] += x.y;
+            }
+        }
+        T* dst = dq + (bh / heads) * dq_sb + row * dq_ss + (bh % heads) * dq_sh + col0;
+        if (col0 + 8 <= head_dim && reinterpret_cast<unsigned long long>(dst) % 16 == 0) {
+            uint4 packed;
+            unsigned* words = reinterpret_cast<unsigned*>(&packed);
+#pragma unroll
+            for (int t = 0; t < 4; ++t) words[t] = pack2<T>(vals[2 * t] * scale, vals[2 * t + 1] * scale);
+            *reinterpret_cast<uint4*>(dst) = packed;
+        } else {
+            for (int e = 0; e < 8 && col0 + e < head_dim; ++e) dst[e] = from_float<T>(vals[e] * scale);
         }
     }
 }

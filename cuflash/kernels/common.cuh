@@ -87,22 +87,37 @@ struct QueryBlock {
     }
 };
 
-// The key block of a thread block in the dK/dV kernels, one per (key block, batch, kv head). The grid is
-// banded: blockIdx.y picks a band of `band` (batch, kv head) pairs, band = gridDim.x / (key blocks per
-// head), and blockIdx.x walks the band's key blocks, pairs fastest, the lowest key blocks (which the
-// most query rows see under the causal mask) first. The host sizes a band to about one wave of
-// resident blocks (_config.block_band), so the blocks resident at once stream the Q and dO of a few
-// heads, which stay in L2, instead of every head's from DRAM (5-24% faster at seqlen 1k-4k than pairs
-// fastest, the same at 16k: bench/NOTES.md).
+// The key block of a thread block in the dK/dV kernels, one per (key block, batch, kv head). Two grids:
+// - banded (dq_splits = 0; every backward but the deterministic one's split form): blockIdx.y picks a
+//   band of `band` (batch, kv head) pairs, band = gridDim.x / (key blocks per head), and blockIdx.x walks
+//   the band's key blocks, pairs fastest, the lowest key blocks (which the most query rows see under the
+//   causal mask) first. The host sizes a band to about one wave of resident blocks (_config.block_band),
+//   so the blocks resident at once stream the Q and dO of a few heads, which stay in L2, instead of
+//   every head's from DRAM (5-24% faster at seqlen 1k-4k than pairs fastest, the same at 16k:
+//   bench/NOTES.md).
+// - split (dq_splits > 0; the deterministic backward, bwd_dkdv_mma only): the host launches the kernel
+//   once per pass, each launch one block per ((batch, kv head) pair, split), splits fastest; in pass
+//   dq_pass, block `split` takes key block split + dq_pass * dq_splits (none past the last) and adds dQ
+//   into copy `split` of dq_accum (DqAccum::head). Launches on one stream run in order and one thread
+//   adds each element of a copy within a launch, so every element's sum has a fixed order
+//   (_config.deterministic_dq_splits). Walking the passes inside the kernel instead made ptxas spill.
 struct KeyBlock {
-    int b, h_kv, n0;
-    __device__ __forceinline__ KeyBlock(int block_n, int heads_kv, int seqlen_k) {
-        const int num_n_blocks = (seqlen_k + block_n - 1) / block_n;
-        const int band = gridDim.x / num_n_blocks;
-        const int bhk = blockIdx.y * band + blockIdx.x % band;
+    int b, h_kv, n0, split;
+    __device__ __forceinline__ KeyBlock(int block_n, int heads_kv, int seqlen_k, int dq_splits, int dq_pass) {
+        int bhk;
+        if (dq_splits > 0) {
+            split = static_cast<int>(blockIdx.x % dq_splits);
+            bhk = static_cast<int>(blockIdx.x / dq_splits);
+            n0 = (split + dq_pass * dq_splits) * block_n;
+        } else {
+            const int num_n_blocks = (seqlen_k + block_n - 1) / block_n;
+            const int band = gridDim.x / num_n_blocks;
+            bhk = blockIdx.y * band + blockIdx.x % band;
+            split = 0;
+            n0 = static_cast<int>(blockIdx.x / band) * block_n;
+        }
         b = bhk / heads_kv;
         h_kv = bhk % heads_kv;
-        n0 = static_cast<int>(blockIdx.x / band) * block_n;
     }
 };
 
@@ -118,6 +133,12 @@ struct DqAccum {
     __host__ __device__ static constexpr long long rows(int seqlen_q) {
         return (seqlen_q + kRowMultiple - 1) / kRowMultiple * static_cast<long long>(kRowMultiple);
     }
+    // Offset of (batch b, head h)'s first tile in copy `split` of the buffer (the deterministic
+    // backward's split grid keeps one copy per split: KeyBlock; the default has one).
+    __device__ static __forceinline__ long long head(int split, int batch, int b, int heads, int h, int seqlen_q,
+                                                     int head_dim_spec) {
+        return ((static_cast<long long>(split) * batch + b) * heads + h) * rows(seqlen_q) * head_dim_spec;
+    }
     // Offset of the 16 x 8 tile whose first element is (row, col) in a head of `head_dim_spec` columns;
     // row a multiple of 16 and col of 8.
     __device__ static __forceinline__ long long tile(int row, int col, int head_dim_spec) {
@@ -127,7 +148,8 @@ struct DqAccum {
 
 // The parameters of every backward kernel (bwd_mma.cu, simt.cu): one list, one launch path. dq_accum is
 // float32 in the DqAccum layout above, zeroed, for the kernels that add dQ with atomics; null for the
-// others.
+// others. dq_splits and dq_pass select KeyBlock's grid (dq_splits 0: banded; else the split grid's
+// pass dq_pass, one copy of dq_accum per split).
 #define CUFLASH_BWD_PARAMS                                                                            \
     const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,                        \
         const T *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ delta,   \
@@ -136,6 +158,7 @@ struct DqAccum {
         long long k_sh, long long v_sb, long long v_ss, long long v_sh, long long do_sb,              \
         long long do_ss, long long do_sh, long long dq_sb, long long dq_ss, long long dq_sh,          \
         long long dk_sb, long long dk_ss, long long dk_sh, int batch, int heads, int group,           \
-        int seqlen_q, int seqlen_k, int head_dim, float scale, float scale_log2, int vec_ok
+        int seqlen_q, int seqlen_k, int head_dim, float scale, float scale_log2, int vec_ok,          \
+        int dq_splits, int dq_pass
 
 }  // namespace cuflash

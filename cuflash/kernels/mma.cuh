@@ -28,6 +28,11 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int sr
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
                  "r"(src_bytes));
 }
+// 4-byte asynchronous copy (cp.async.ca: the only form below 16 bytes); src_bytes = 0 writes a zero.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+                 "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));

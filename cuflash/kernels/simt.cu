@@ -148,24 +148,43 @@ fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 }
 
 // ---------------------------------------------------------------------------------------------------
-// delta[b, h, i] = sum_e dout[b, i, h, e] * out[b, i, h, e], float32; one warp per row.
+// delta[b, h, i] = sum_e dout[b, i, h, e] * out[b, i, h, e], float32. `lanes` lanes (a power of two up to
+// 32, _config.preprocess_lanes: about one per 16 bytes of a row) share a row; consecutive lane groups
+// take consecutive rows. With vec_ok (head_dim, strides and pointers 16-byte aligned) a lane reads the
+// 16-byte chunks lane, lane + lanes, ... of its row, else single elements. (One warp per row with one
+// element per lane read a head_dim 64 row as 128-byte pieces: 2.3x FlashAttention-2's time,
+// bench/NOTES.md backward v7.)
 template <typename T>
-__global__ void __launch_bounds__(kSimtThreads, 1)
+__global__ void __launch_bounds__(kSimtThreads)
 bwd_preprocess(const T* __restrict__ dout, const T* __restrict__ out, float* __restrict__ delta,
                long long do_sb, long long do_ss, long long do_sh, long long o_sb, long long o_ss, long long o_sh,
-               int batch, int heads, int seqlen_q, int head_dim) {
-    const long long row_id = static_cast<long long>(blockIdx.x) * (kSimtThreads / 32) + threadIdx.x / 32;
+               int batch, int heads, int seqlen_q, int head_dim, int lanes, int vec_ok) {
+    constexpr int kVec = 16 / sizeof(T);   // elements per 16-byte chunk
+    const long long row_id = (static_cast<long long>(blockIdx.x) * kSimtThreads + threadIdx.x) / lanes;
+    const int lane = threadIdx.x % lanes;
     const long long rows = static_cast<long long>(batch) * heads * seqlen_q;
-    if (row_id >= rows) return;
-    const int i = row_id % seqlen_q;
-    const int bh = row_id / seqlen_q;
-    const int b = bh / heads, h = bh % heads;
-    const T* dout_row = dout + b * do_sb + h * do_sh + i * do_ss;
-    const T* out_row = out + b * o_sb + h * o_sh + i * o_ss;
     float s = 0.f;
-    for (int e = threadIdx.x % 32; e < head_dim; e += 32) s = fmaf(to_float(dout_row[e]), to_float(out_row[e]), s);
-    s = warp_sum(s);
-    if (threadIdx.x % 32 == 0) delta[row_id] = s;
+    if (row_id < rows) {   // no early exit: every lane of the warp takes part in the shuffles below
+        const int i = row_id % seqlen_q;
+        const int bh = row_id / seqlen_q;
+        const int b = bh / heads, h = bh % heads;
+        const T* dout_row = dout + b * do_sb + h * do_sh + i * do_ss;
+        const T* out_row = out + b * o_sb + h * o_sh + i * o_ss;
+        if (vec_ok) {
+            for (int e0 = lane * kVec; e0 < head_dim; e0 += lanes * kVec) {
+                const uint4 x = *reinterpret_cast<const uint4*>(dout_row + e0);
+                const uint4 y = *reinterpret_cast<const uint4*>(out_row + e0);
+                const T* xs = reinterpret_cast<const T*>(&x);
+                const T* ys = reinterpret_cast<const T*>(&y);
+#pragma unroll
+                for (int e = 0; e < kVec; ++e) s = fmaf(to_float(xs[e]), to_float(ys[e]), s);
+            }
+        } else {
+            for (int e = lane; e < head_dim; e += lanes) s = fmaf(to_float(dout_row[e]), to_float(out_row[e]), s);
+        }
+    }
+    for (int offset = lanes / 2; offset > 0; offset /= 2) s += __shfl_xor_sync(0xffffffffu, s, offset);
+    if (lane == 0 && row_id < rows) delta[row_id] = s;
 }
 
 // The shared step of both backward kernels: for the staged query tile (rows m0..) and key tile (n0..)
@@ -223,7 +242,7 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_BWD_PAR
     float* lse2_s = ds_s + BLOCK_M * kScoreRow;        // [BLOCK_M]
     float* delta_s = lse2_s + BLOCK_M;                 // [BLOCK_M]
 
-    const KeyBlock blk(BLOCK_N, heads / group, seqlen_k);
+    const KeyBlock blk(BLOCK_N, heads / group, seqlen_k, 0, 0);   // the banded grid
     const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
     const int causal_offset = seqlen_k - seqlen_q;
     // first query row that sees key n0 under the causal mask: row >= n0 - causal_offset
