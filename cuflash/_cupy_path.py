@@ -73,7 +73,8 @@ def forward(q, k, v, p: Problem, spec: _config.KernelSpec | None = None):
         args = (q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
                 np.int32(p.batch), np.int32(p.heads), np.int32(p.group), np.int32(p.seqlen_q),
                 np.int32(p.seqlen_k), np.int32(p.head_dim), np.float32(p.softmax_scale * LOG2E),
-                np.int32(_vector_aligned(p.head_dim, q, k, v)))
+                np.int32(_vector_aligned(p.head_dim, q, k, v)),
+                np.int32(_config.forward_query_blocks_fastest(spec.head_dim, p.causal)))
         kernel(_grid(m_blocks * p.batch * p.heads), (spec.threads,), args, shared_mem=spec.smem_bytes)
     return out, lse
 

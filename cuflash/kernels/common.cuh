@@ -68,18 +68,29 @@ __device__ __forceinline__ bool key_visible(bool causal, int row, int key, int s
     return key < seqlen_k && (!causal || key <= row + causal_offset);
 }
 
-// The query block of a thread block in the kernels that walk key tiles per query block (forward, dQ).
-// Grid: one block per (query block, batch, head), batch * heads fastest, the highest query blocks of
-// every head first: under the causal mask they have the most key tiles to walk, and starting all the
-// long blocks first balances the SMs. (Query blocks fastest, for K/V reuse in L2, measured no faster
-// without the mask and 5-10% slower with it; so did bands of heads as KeyBlock's: bench/NOTES.md.)
+// The query block of a thread block in the kernels that walk key tiles per query block (forward, dQ):
+// one block per (query block, batch, head), in one of two orders (the host picks:
+// _config.forward_query_blocks_fastest):
+// - batch * heads fastest, the highest query blocks of every head first: under the causal mask they
+//   have the most key tiles to walk, and starting all the long blocks first balances the SMs (query
+//   blocks fastest measured 5-10% slower with the mask);
+// - query blocks fastest (FlashAttention-2's order): the blocks resident at once share the K and V of a
+//   few heads in L2. Without the mask at head_dim 128 (forward v6) 3-8% faster from seqlen 4k; no gain
+//   at head_dim 64, a loss at 256 (bench/NOTES.md).
 struct QueryBlock {
     int bh, b, h, h_kv, m0;
-    __device__ __forceinline__ QueryBlock(int block_m, int batch, int heads, int group, int seqlen_q) {
+    __device__ __forceinline__ QueryBlock(int block_m, int batch, int heads, int group, int seqlen_q,
+                                          bool query_blocks_fastest) {
         const int bh_count = batch * heads;
         const int num_m_blocks = (seqlen_q + block_m - 1) / block_m;
-        const int m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x / bh_count);
-        bh = blockIdx.x % bh_count;
+        int m_block;
+        if (query_blocks_fastest) {
+            m_block = static_cast<int>(blockIdx.x % num_m_blocks);
+            bh = static_cast<int>(blockIdx.x / num_m_blocks);
+        } else {
+            m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x / bh_count);
+            bh = static_cast<int>(blockIdx.x % bh_count);
+        }
         b = bh / heads;
         h = bh % heads;
         h_kv = h / group;

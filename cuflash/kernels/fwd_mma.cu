@@ -30,7 +30,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         float* __restrict__ lse, long long q_sb, long long q_ss, long long q_sh, long long k_sb,
         long long k_ss, long long k_sh, long long v_sb, long long v_ss, long long v_sh, long long o_sb,
         long long o_ss, long long o_sh, int batch, int heads, int group, int seqlen_q, int seqlen_k,
-        int head_dim, float scale_log2, int vec_ok) {
+        int head_dim, float scale_log2, int vec_ok, int query_blocks_fastest) {
     constexpr int kThreads = WARPS * 32;
     constexpr int kRowsPerWarp = BLOCK_M / WARPS;
     constexpr int kMAtoms = kRowsPerWarp / 16;
@@ -48,7 +48,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     T* k_s = q_s + BLOCK_M * kRow;
     T* v_s = k_s + 2 * BLOCK_N * kRow;
 
-    const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q);
+    const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, query_blocks_fastest);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const int causal_offset = seqlen_k - seqlen_q;
 

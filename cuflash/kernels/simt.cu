@@ -54,7 +54,7 @@ fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
          float* __restrict__ lse, long long q_sb, long long q_ss, long long q_sh, long long k_sb,
          long long k_ss, long long k_sh, long long v_sb, long long v_ss, long long v_sh, long long o_sb,
          long long o_ss, long long o_sh, int batch, int heads, int group, int seqlen_q, int seqlen_k,
-         int head_dim, float scale_log2, int vec_ok) {
+         int head_dim, float scale_log2, int vec_ok, int query_blocks_fastest) {
     using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
     static_assert(Tiles::kFwdFloats * 4 == SMEM_BYTES, "launch shared memory must match the tile plan");
     constexpr int kRow = Tiles::kRow, kScoreRow = Tiles::kScoreRow;
@@ -72,7 +72,7 @@ fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
     float* l_s = m_s + BLOCK_M;                        // [BLOCK_M] l_i
     float* alpha_s = l_s + BLOCK_M;                    // [BLOCK_M] rescale factor of this tile
 
-    const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q);
+    const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, query_blocks_fastest);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const int causal_offset = seqlen_k - seqlen_q;
     const T* k_head = k + b * k_sb + h_kv * k_sh;
@@ -315,7 +315,7 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dq_simt(CUFLASH_BWD_PARAM
     float* lse2_s = ds_s + BLOCK_M * kScoreRow;
     float* delta_s = lse2_s + BLOCK_M;
 
-    const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q);
+    const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, false);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const int causal_offset = seqlen_k - seqlen_q;
     const int n_end = visible_key_end<CAUSAL>(m0 + BLOCK_M, seqlen_k, causal_offset);
