@@ -233,7 +233,8 @@ def _mma_backward_tiles(kernel: str, head_dim: int) -> tuple[int, int]:
 
 def _mma_dq_tiles(head_dim: int) -> tuple[int, int, int]:
     """(block_m, block_n, warps) of bwd_dq_mma (the deterministic backward's dQ where its split grid does not
-    serve: deterministic_dq_splits), before fitting shared memory. A warp owns block_m / warps query rows, 16 per mma atom, and holds their dQ, S and dP.
+    serve: deterministic_dq_splits), before fitting shared memory. A warp owns block_m / warps query rows,
+    16 per mma atom, and holds their dQ, S and dP.
     TFLOP/s of the deterministic backward (with bwd_dkdv_mma) measured on the H200, bfloat16,
     FlashAttention's grid at seqlen 1k / 4k / 16k, non-causal; causal (tools/tune.py --deterministic):
       head_dim 64:  128 x 64, 4 warps 168 / 204 / 217, causal 126 / 192 / 220;

@@ -80,9 +80,8 @@ def forward(q, k, v, p: Problem, spec: _config.KernelSpec | None = None):
 
 
 def backward(dout, q, k, v, out, lse, p: Problem, deterministic: bool = False,
-             cfg: _config.AttentionConfig | None = None, dq_splits: int | None = None):
-    """dq, dk, dv; ``cfg`` overrides the tile table's backward kernels and ``dq_splits`` the deterministic
-    split count (for tests and tuning tools).
+             cfg: _config.AttentionConfig | None = None):
+    """dq, dk, dv; ``cfg`` overrides the tile table's backward kernels (for tuning tools).
 
     The default adds dQ with float32 atomics inside the dK/dV kernels (where the config has them:
     float16/bfloat16). ``deterministic`` runs the same kernel on the split grid, one float32 dQ buffer per
@@ -99,12 +98,7 @@ def backward(dout, q, k, v, out, lse, p: Problem, deterministic: bool = False,
         if cfg is None:
             cfg = _config.choose_config(p.head_dim, p.dtype, p.causal, props)
         pairs = p.batch * p.heads_kv
-        if not deterministic:
-            dq_splits = 0
-        elif dq_splits is None:
-            dq_splits = _config.deterministic_dq_splits(cfg, pairs, p.seqlen_k, props.sm_count)
-        elif dq_splits and not _config.split_grid_serves(cfg):
-            raise ValueError(f"dq_splits needs bwd_dkdv_mma, which does not serve {cfg.bwd_dkdv[0].name}'s problem")
+        dq_splits = _config.deterministic_dq_splits(cfg, pairs, p.seqlen_k, props.sm_count) if deterministic else 0
         adds_dq = bool(cfg.bwd_dkdv_atomic) and (not deterministic or dq_splits > 0)
         dq = cupy.empty(q.shape, q.dtype)
         dk = cupy.empty(k.shape, k.dtype)
@@ -152,6 +146,6 @@ def backward(dout, q, k, v, out, lse, p: Problem, deterministic: bool = False,
         else:
             spec = cfg.bwd_dq
             m_blocks = -(-p.seqlen_q // spec.block_m)
-            get_kernel(spec, device_id)(_grid(m_blocks * p.batch * p.heads), (spec.threads,), (*args, np.int32(0)),
-                                        shared_mem=spec.smem_bytes)
+            get_kernel(spec, device_id)(_grid(m_blocks * p.batch * p.heads), (spec.threads,),
+                                        (*args, np.int32(0)), shared_mem=spec.smem_bytes)
     return dq, dk, dv
