@@ -3,8 +3,9 @@
 ``python tools/tune.py fwd|bwd [--seqlens 1024 4096] [--dims 64 128 256] [--deterministic]``: for each
 head dim, mask and candidate, the kernel's registers and local memory (spills) as loaded, and its TFLOP/s
 on FlashAttention's grid (bfloat16). ``bwd`` sweeps the dK/dV kernel and tile of the atomic-dQ default,
-or with ``--deterministic`` the (dK/dV, dQ) tile pair of the deterministic backward. The chosen entries
-and their numbers go into cuflash/_config.py and bench/NOTES.md.
+or with ``--deterministic`` the (dK/dV, dQ) tile pair of the deterministic backward's dQ-kernel way (its
+split grid runs the atomic default's dK/dV tiles). The chosen entries and their numbers go into
+cuflash/_config.py and bench/NOTES.md.
 """
 
 from __future__ import annotations
@@ -78,7 +79,9 @@ def main():
                     kernel, dkdv_m, dkdv_n = dkdv_cand
                     dkdv = dkdv_specs(kernel, d, causal, dkdv_m, dkdv_n, atomic=False)
                     dq = mma_spec("bwd_dq_mma", d, causal, dq_m, dq_n, dq_warps)
-                    cfg = dataclasses.replace(base, bwd_dkdv=dkdv, bwd_dq=dq)
+                    # no atomic kernels: the backward then takes the dQ-kernel way, the one these
+                    # candidates tile (the split grid would run the atomic default's tiles instead)
+                    cfg = dataclasses.replace(base, bwd_dkdv=dkdv, bwd_dq=dq, bwd_dkdv_atomic=())
                     specs = [*dkdv, dq]
                 else:
                     kernel, dkdv_m, dkdv_n = cand
