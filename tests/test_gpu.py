@@ -48,8 +48,9 @@ def test_deterministic_backward_is_bitwise_reproducible(cp, rng, monkeypatch, wa
     args = _large_backward_inputs(cp, rng)
     # these 32 (batch, kv head) pairs take the split grid on GPUs of up to ~280 SMs; the dQ kernel serves
     # where too few pairs would leave SMs idle, forced here
-    cfg = _config.choose_config(64, BF16, True, _cupy_path.device_props(cp.cuda.Device().id))
-    chosen = _config.deterministic_dq_splits(cfg, 32, 1024, _cupy_path.device_props(cp.cuda.Device().id).sm_count)
+    props = _cupy_path.device_props(cp.cuda.Device().id)
+    cfg = _config.choose_config(64, BF16, True, props)
+    chosen = _config.deterministic_dq_splits(cfg, 32, 1024, props.sm_count)
     if way == "split_grid":
         assert chosen > 0 or not _config.split_grid_serves(cfg), chosen
     else:
