@@ -170,12 +170,20 @@ def padded_head_dim(head_dim: int) -> int:
     raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
 
 
+def forward_row_elems(head_dim: int) -> int:
+    """Elements per shared-memory tile row of the tensor-core forward (``ForwardRow`` in kernels/mma.cuh):
+    XOR-swizzled rows of exactly head_dim elements where head_dim is a multiple of 64, else rows padded by
+    8 elements."""
+    return head_dim if head_dim % 64 == 0 else head_dim + 8
+
+
 def mma_smem_bytes(kernel: str, head_dim: int, block_m: int, block_n: int, itemsize: int,
                    atomic_dq: bool = False) -> int:
-    """Shared memory of a tensor-core kernel; tile rows padded by 8 elements (kernels/mma.cuh)."""
+    """Shared memory of a tensor-core kernel; the backward's tile rows padded by 8 elements, the forward's
+    per forward_row_elems (kernels/mma.cuh)."""
     row = (head_dim + 8) * itemsize
     if kernel == "fwd_mma":  # Q, two stages of K and V
-        return (block_m + 4 * block_n) * row
+        return (block_m + 4 * block_n) * forward_row_elems(head_dim) * itemsize
     if kernel == "bwd_dkdv_mma":  # K, V, two stages of Q and dO, P and dS, two stages of lse and delta
         return (2 * block_n + 4 * block_m) * row + 2 * block_m * (block_n + 8) * itemsize + 4 * block_m * 4
     if kernel == "bwd_dkdv_rows_mma":  # K, V, two stages of Q and dO, two stages of lse and delta

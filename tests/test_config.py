@@ -72,9 +72,11 @@ def test_every_config_fits_the_device(device, dtype, head_dim, causal):
 
 
 def test_smem_bytes_of_the_mma_forward():
-    # Q tile + 2 stages of K and V, rows of (128 + 8) halves
-    cfg = choose_config(128, np.float16, False, _config.H100)
-    assert cfg.forward.smem_bytes == (cfg.forward.block_m + 4 * cfg.forward.block_n) * 136 * 2
+    # Q tile + 2 stages of K and V: swizzled rows of exactly head_dim halves where head_dim is a multiple
+    # of 64 (ForwardRow in kernels/mma.cuh), else rows padded by 8 halves
+    for head_dim, row in ((128, 128), (256, 256), (64, 64), (96, 104), (160, 168), (32, 40)):
+        cfg = choose_config(head_dim, np.float16, False, _config.H100)
+        assert cfg.forward.smem_bytes == (cfg.forward.block_m + 4 * cfg.forward.block_n) * row * 2
 
 
 def test_tiles_shrink_to_fit_shared_memory():

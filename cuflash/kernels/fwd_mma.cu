@@ -5,9 +5,11 @@
 // shared memory feeds kMAtoms mma instructions (shared-memory bandwidth, not the tensor cores, bounds
 // a one-atom warp: bench/NOTES.md). The Q tile stays on chip throughout (in registers when they
 // suffice, else in shared memory) while the block walks the key/value tiles, BLOCK_N keys at a time,
-// double-buffered with cp.async: tile j+1 is in flight while tile j is used. Per row the online-softmax
-// state is m_i (running max of the base-2 scores), l_i (running sum of exp2(score - m_i), per-thread
-// partial until the epilogue) and acc (the unnormalized output, in mma accumulator layout).
+// double-buffered with cp.async: tile j+1 is in flight while tile j is used. The tiles' rows are
+// XOR-swizzled where the head dim allows (ForwardRow in mma.cuh: 16-byte copies land 32-byte aligned).
+// Per row the online-softmax state is m_i (running max of the base-2 scores), l_i (running sum of
+// exp2(score - m_i), per-thread partial until the epilogue) and acc (the unnormalized output, in mma
+// accumulator layout).
 //
 // Scores are kept in base 2: x = (q . k) * scale * log2(e), so p = exp2(x - m_i). The stored lse is
 // converted back to natural log: lse = (m_i + log2(l_i)) * ln(2).
@@ -34,16 +36,23 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     constexpr int kThreads = WARPS * 32;
     constexpr int kRowsPerWarp = BLOCK_M / WARPS;
     constexpr int kMAtoms = kRowsPerWarp / 16;
-    constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
+    using Row = ForwardRow<HEAD_DIM>;   // swizzled rows where HEAD_DIM allows, else padded (mma.cuh)
+    constexpr int kRow = Row::kElems;
     constexpr int kKSteps = HEAD_DIM / 16;   // k16 steps of Q.K^T
-    constexpr int kNTiles = BLOCK_N / 8;     // n8 accumulator tiles of S per atom
+    // S is computed, exponentiated and multiplied into acc kSubN keys at a time: where acc takes 128
+    // registers per thread, a 64-key S beside it (another 64) left ptxas too few for the swizzled
+    // addresses and it spilled (head_dim 128, 128 x 64 tiles); 32 keys leave room.
+    constexpr int kSubN = kMAtoms * HEAD_DIM / 2 >= 128 && kMAtoms * BLOCK_N / 2 > 32 ? 64 / kMAtoms : BLOCK_N;
+    constexpr int kNTiles = kSubN / 8;       // n8 accumulator tiles of S per atom
     constexpr int kDTiles = HEAD_DIM / 8;    // n8 accumulator tiles of acc per atom
     // Q fragments take kMAtoms * HEAD_DIM / 4 registers; past 32 they crowd out acc and S.
     constexpr bool kQInRegisters = kMAtoms * HEAD_DIM <= 128 && BLOCK_N <= 64;
     static_assert(BLOCK_M % (16 * WARPS) == 0 && BLOCK_N % 16 == 0, "tiles are made of 16 x 16 mma blocks");
+    static_assert(kSubN % 16 == 0 && BLOCK_N % kSubN == 0, "S sub-tiles are made of 16 x 16 mma blocks");
 
-    // Shared memory: Q [BLOCK_M][kRow], then K and V, two stages each [2][BLOCK_N][kRow].
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    // Shared memory: Q [BLOCK_M][kRow], then K and V, two stages each [2][BLOCK_N][kRow]; element (row,
+    // column) of a tile at Row::offset(row, column / 8) + column % 8.
+    extern __shared__ __align__(128) unsigned char smem_raw[];   // swizzled rows need 128-byte alignment
     T* q_s = reinterpret_cast<T*>(smem_raw);
     T* k_s = q_s + BLOCK_M * kRow;
     T* v_s = k_s + 2 * BLOCK_N * kRow;
@@ -62,10 +71,10 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     const int g = lane / 4, t = lane % 4;
     const int warp_row0 = warp * kRowsPerWarp;
 
-    load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(q_s, q_head, q_ss, m0, seqlen_q, head_dim, vec_ok, tid);
+    load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads, Row>(q_s, q_head, q_ss, m0, seqlen_q, head_dim, vec_ok, tid);
     if (n_tiles > 0) {
-        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(k_s, k_head, k_ss, 0, seqlen_k, head_dim, vec_ok, tid);
-        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(v_s, v_head, v_ss, 0, seqlen_k, head_dim, vec_ok, tid);
+        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(k_s, k_head, k_ss, 0, seqlen_k, head_dim, vec_ok, tid);
+        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(v_s, v_head, v_ss, 0, seqlen_k, head_dim, vec_ok, tid);
     }
     cp_async_commit();
 
@@ -79,27 +88,29 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     }
     unsigned q_frag[kQInRegisters ? kMAtoms : 1][kQInRegisters ? kKSteps : 1][4];
 
-    // ldmatrix lane -> row/column offsets of an A fragment (see mma.cuh)
-    const int a_row = (lane % 8) + 8 * ((lane / 8) % 2), a_col = 8 * (lane / 16);
+    // Each lane's ldmatrix address (see mma.cuh) in chunk 0 or 1 of its row, in the first tile and stage;
+    // the fragment of k16 step ks is 2 * ks chunks further (Row::advance), that of a later 16-row block a
+    // constant number of rows further.
+    constexpr int kRowBytes = kRow * sizeof(T);
+    const unsigned q_lane = smem_addr(q_s + Row::offset(warp_row0 + (lane % 8) + 8 * ((lane / 8) % 2), lane / 16));
+    const unsigned k_lane = smem_addr(k_s + Row::offset((lane % 8) + 8 * (lane / 16), (lane / 8) % 2));
+    const unsigned v_lane = smem_addr(v_s + Row::offset((lane % 8) + 8 * ((lane / 8) % 2), lane / 16));
     auto load_q = [&](unsigned (&a)[4], int ma, int ks) {
-        ldmatrix_x4(a, q_s + (warp_row0 + ma * 16 + a_row) * kRow + ks * 16 + a_col);
+        ldmatrix_x4(a, Row::advance(q_lane, 2 * ks) + ma * 16 * kRowBytes);
     };
 
     for (int j = 0; j < n_tiles; ++j) {
         const int stage = j & 1;
         if (j + 1 < n_tiles) {
             const int nxt = (j + 1) * BLOCK_N;
-            load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(k_s + (stage ^ 1) * BLOCK_N * kRow, k_head, k_ss,
-                                                             nxt, seqlen_k, head_dim, vec_ok, tid);
-            load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(v_s + (stage ^ 1) * BLOCK_N * kRow, v_head, v_ss,
-                                                             nxt, seqlen_k, head_dim, vec_ok, tid);
+            load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(k_s + (stage ^ 1) * BLOCK_N * kRow, k_head, k_ss,
+                                                                  nxt, seqlen_k, head_dim, vec_ok, tid);
+            load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(v_s + (stage ^ 1) * BLOCK_N * kRow, v_head, v_ss,
+                                                                  nxt, seqlen_k, head_dim, vec_ok, tid);
         }
         cp_async_commit();   // possibly empty, so that "all but the newest group" is always tile j
         cp_async_wait<1>();
         __syncthreads();
-        const T* k_tile = k_s + stage * BLOCK_N * kRow;
-        const T* v_tile = v_s + stage * BLOCK_N * kRow;
-
         if constexpr (kQInRegisters) {
             if (j == 0) {
 #pragma unroll
@@ -109,108 +120,117 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
             }
         }
 
-        // S = Q K^T for this warp's rows and BLOCK_N keys (raw, unscaled).
-        float s[kMAtoms][kNTiles][4];
-        zero(s);
+        // The tile's keys in sub-tiles of kSubN (one, but at head_dim 128 on 128 x 64 tiles); not unrolled, as
+        // unrolling let ptxas interleave the sub-tiles and spill.
+#pragma unroll 1
+        for (int sub = 0; sub < BLOCK_N / kSubN; ++sub) {
+            const unsigned k_tile = k_lane + (stage * BLOCK_N + sub * kSubN) * kRowBytes;
+            const unsigned v_tile = v_lane + (stage * BLOCK_N + sub * kSubN) * kRowBytes;
+
+            // S = Q K^T for this warp's rows and kSubN keys (raw, unscaled).
+            float s[kMAtoms][kNTiles][4];
+            zero(s);
 #pragma unroll
-        for (int ks = 0; ks < kKSteps; ++ks) {
-            unsigned a[kMAtoms][4];
-#pragma unroll
-            for (int ma = 0; ma < kMAtoms; ++ma) {
-                if constexpr (kQInRegisters) {
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) a[ma][i] = q_frag[ma][ks][i];
-                } else {
-                    load_q(a[ma], ma, ks);
-                }
-            }
-#pragma unroll
-            for (int nb = 0; nb < kNTiles; nb += 2) {
-                unsigned kf[4];
-                ldmatrix_x4(kf, k_tile + (nb * 8 + (lane % 8) + 8 * (lane / 16)) * kRow + ks * 16 + 8 * ((lane / 8) % 2));
+            for (int ks = 0; ks < kKSteps; ++ks) {
+                unsigned a[kMAtoms][4];
 #pragma unroll
                 for (int ma = 0; ma < kMAtoms; ++ma) {
-                    mma_16816<T>(s[ma][nb], a[ma], kf[0], kf[1]);
-                    mma_16816<T>(s[ma][nb + 1], a[ma], kf[2], kf[3]);
+                    if constexpr (kQInRegisters) {
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) a[ma][i] = q_frag[ma][ks][i];
+                    } else {
+                        load_q(a[ma], ma, ks);
+                    }
+                }
+#pragma unroll
+                for (int nb = 0; nb < kNTiles; nb += 2) {
+                    unsigned kf[4];
+                    ldmatrix_x4(kf, Row::advance(k_tile, 2 * ks) + nb * 8 * kRowBytes);
+#pragma unroll
+                    for (int ma = 0; ma < kMAtoms; ++ma) {
+                        mma_16816<T>(s[ma][nb], a[ma], kf[0], kf[1]);
+                        mma_16816<T>(s[ma][nb + 1], a[ma], kf[2], kf[3]);
+                    }
                 }
             }
-        }
 
-        // Online softmax, base 2. Only the tiles that straddle the causal diagonal or the end of the
-        // keys are masked; the first row of the block sees the fewest keys. The row max is taken on the
-        // raw scores (scale_log2 > 0 keeps the order); one FMA then scales and subtracts.
-        const int n0 = j * BLOCK_N;
-        const bool need_mask = n0 + BLOCK_N > seqlen_k || (CAUSAL && n0 + BLOCK_N - 1 > m0 + causal_offset);
-        unsigned p_frag[kMAtoms][BLOCK_N / 16][4];
+            // Online softmax, base 2. Only the tiles that straddle the causal diagonal or the end of the
+            // keys are masked; the first row of the block sees the fewest keys. The row max is taken on the
+            // raw scores (scale_log2 > 0 keeps the order); one FMA then scales and subtracts.
+            const int n0 = j * BLOCK_N + sub * kSubN;
+            const bool need_mask = n0 + kSubN > seqlen_k || (CAUSAL && n0 + kSubN - 1 > m0 + causal_offset);
+            unsigned p_frag[kMAtoms][kSubN / 16][4];
 #pragma unroll
-        for (int ma = 0; ma < kMAtoms; ++ma) {
-            if (need_mask) {
-                const int row0 = m0 + warp_row0 + ma * 16 + g;
+            for (int ma = 0; ma < kMAtoms; ++ma) {
+                if (need_mask) {
+                    const int row0 = m0 + warp_row0 + ma * 16 + g;
+#pragma unroll
+                    for (int nb = 0; nb < kNTiles; ++nb) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int key = n0 + nb * 8 + 2 * t + (e & 1);
+                            if (!key_visible(CAUSAL, row0 + 8 * (e / 2), key, seqlen_k, causal_offset))
+                                s[ma][nb][e] = -CUFLASH_INF;
+                        }
+                    }
+                }
+                float row_max[2] = {-CUFLASH_INF, -CUFLASH_INF};
 #pragma unroll
                 for (int nb = 0; nb < kNTiles; ++nb) {
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int key = n0 + nb * 8 + 2 * t + (e & 1);
-                        if (!key_visible(CAUSAL, row0 + 8 * (e / 2), key, seqlen_k, causal_offset)) s[ma][nb][e] = -CUFLASH_INF;
+                    for (int e = 0; e < 4; ++e) row_max[e / 2] = fmaxf(row_max[e / 2], s[ma][nb][e]);
+                }
+                // m_i is the reference the exponents are taken against, not necessarily the running max: any
+                // reference gives the same normalized output and lse, as long as exp2(x - m_i) stays small
+                // enough for P (bf16/fp16) and the float32 sums. The warp moves its references (and rescales
+                // acc and l_i) only when some row's max has grown past its reference by kRescaleSlack, which
+                // after the first tiles is rare: most tiles skip the kDTiles * 4 multiplies per atom.
+                float tile_max[2];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) tile_max[r] = quad_max(row_max[r]) * scale_log2;
+                const bool grown = tile_max[0] > m_i[ma][0] + kRescaleSlack || tile_max[1] > m_i[ma][1] + kRescaleSlack;
+                if (__any_sync(0xffffffffu, grown)) {
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const float m_new = fmaxf(m_i[ma][r], tile_max[r]);
+                        const float alpha = exp2f(m_i[ma][r] - safe_max(m_new));
+                        m_i[ma][r] = m_new;
+                        l_i[ma][r] *= alpha;
+#pragma unroll
+                        for (int i = 0; i < kDTiles; ++i) {
+                            acc[ma][i][2 * r] *= alpha;
+                            acc[ma][i][2 * r + 1] *= alpha;
+                        }
                     }
                 }
-            }
-            float row_max[2] = {-CUFLASH_INF, -CUFLASH_INF};
+                // P = exp2(S * scale_log2 - m_i), packed straight into A fragments of P.V (no trip through
+                // shared memory).
+                const float neg_base[2] = {-safe_max(m_i[ma][0]), -safe_max(m_i[ma][1])};
 #pragma unroll
-            for (int nb = 0; nb < kNTiles; ++nb) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) row_max[e / 2] = fmaxf(row_max[e / 2], s[ma][nb][e]);
-            }
-            // m_i is the reference the exponents are taken against, not necessarily the running max: any
-            // reference gives the same normalized output and lse, as long as exp2(x - m_i) stays small
-            // enough for P (bf16/fp16) and the float32 sums. The warp moves its references (and rescales
-            // acc and l_i) only when some row's max has grown past its reference by kRescaleSlack, which
-            // after the first tiles is rare: most tiles skip the kDTiles * 4 multiplies per atom.
-            float tile_max[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) tile_max[r] = quad_max(row_max[r]) * scale_log2;
-            const bool grown = tile_max[0] > m_i[ma][0] + kRescaleSlack || tile_max[1] > m_i[ma][1] + kRescaleSlack;
-            if (__any_sync(0xffffffffu, grown)) {
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const float m_new = fmaxf(m_i[ma][r], tile_max[r]);
-                    const float alpha = exp2f(m_i[ma][r] - safe_max(m_new));
-                    m_i[ma][r] = m_new;
-                    l_i[ma][r] *= alpha;
-#pragma unroll
-                    for (int i = 0; i < kDTiles; ++i) {
-                        acc[ma][i][2 * r] *= alpha;
-                        acc[ma][i][2 * r + 1] *= alpha;
-                    }
+                for (int nb = 0; nb < kNTiles; ++nb) {
+                    const float p0 = exp2f(fmaf(s[ma][nb][0], scale_log2, neg_base[0]));
+                    const float p1 = exp2f(fmaf(s[ma][nb][1], scale_log2, neg_base[0]));
+                    const float p2 = exp2f(fmaf(s[ma][nb][2], scale_log2, neg_base[1]));
+                    const float p3 = exp2f(fmaf(s[ma][nb][3], scale_log2, neg_base[1]));
+                    l_i[ma][0] += p0 + p1;
+                    l_i[ma][1] += p2 + p3;
+                    p_frag[ma][nb / 2][(nb % 2) * 2 + 0] = pack2<T>(p0, p1);
+                    p_frag[ma][nb / 2][(nb % 2) * 2 + 1] = pack2<T>(p2, p3);
                 }
             }
-            // P = exp2(S * scale_log2 - m_i), packed straight into A fragments of P.V (no trip through
-            // shared memory).
-            const float neg_base[2] = {-safe_max(m_i[ma][0]), -safe_max(m_i[ma][1])};
-#pragma unroll
-            for (int nb = 0; nb < kNTiles; ++nb) {
-                const float p0 = exp2f(fmaf(s[ma][nb][0], scale_log2, neg_base[0]));
-                const float p1 = exp2f(fmaf(s[ma][nb][1], scale_log2, neg_base[0]));
-                const float p2 = exp2f(fmaf(s[ma][nb][2], scale_log2, neg_base[1]));
-                const float p3 = exp2f(fmaf(s[ma][nb][3], scale_log2, neg_base[1]));
-                l_i[ma][0] += p0 + p1;
-                l_i[ma][1] += p2 + p3;
-                p_frag[ma][nb / 2][(nb % 2) * 2 + 0] = pack2<T>(p0, p1);
-                p_frag[ma][nb / 2][(nb % 2) * 2 + 1] = pack2<T>(p2, p3);
-            }
-        }
 
-        // acc += P V
+            // acc += P V
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            for (int kk = 0; kk < kSubN / 16; ++kk) {
 #pragma unroll
-            for (int db = 0; db < kDTiles; db += 2) {
-                unsigned vf[4];
-                ldmatrix_x4_trans(vf, v_tile + (kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2)) * kRow + db * 8 + 8 * (lane / 16));
+                for (int db = 0; db < kDTiles; db += 2) {
+                    unsigned vf[4];
+                    ldmatrix_x4_trans(vf, Row::advance(v_tile, db) + kk * 16 * kRowBytes);
 #pragma unroll
-                for (int ma = 0; ma < kMAtoms; ++ma) {
-                    mma_16816<T>(acc[ma][db], p_frag[ma][kk], vf[0], vf[1]);
-                    mma_16816<T>(acc[ma][db + 1], p_frag[ma][kk], vf[2], vf[3]);
+                    for (int ma = 0; ma < kMAtoms; ++ma) {
+                        mma_16816<T>(acc[ma][db], p_frag[ma][kk], vf[0], vf[1]);
+                        mma_16816<T>(acc[ma][db + 1], p_frag[ma][kk], vf[2], vf[3]);
+                    }
                 }
             }
         }
@@ -234,13 +254,13 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                 lse_head[m0 + tile_row] = l == 0.f ? -CUFLASH_INF : (m_i[ma][r] + log2f(l)) * kLn2;
 #pragma unroll
             for (int db = 0; db < kDTiles; ++db)
-                *reinterpret_cast<unsigned*>(q_s + tile_row * kRow + db * 8 + 2 * t) =
+                *reinterpret_cast<unsigned*>(q_s + Row::offset(tile_row, db) + 2 * t) =
                     pack2<T>(acc[ma][db][2 * r] * inv_l, acc[ma][db][2 * r + 1] * inv_l);
         }
     }
     __syncwarp();
-    store_rows<T, kRowsPerWarp, HEAD_DIM, 32>(out + b * o_sb + h * o_sh, o_ss, m0 + warp_row0, seqlen_q, head_dim,
-                                              q_s + warp_row0 * kRow, lane);
+    store_rows<T, kRowsPerWarp, HEAD_DIM, 32, Row>(out + b * o_sb + h * o_sh, o_ss, m0 + warp_row0, seqlen_q,
+                                                   head_dim, q_s + warp_row0 * kRow, lane);
 }
 
 }  // namespace cuflash

@@ -11,13 +11,47 @@
 
 namespace cuflash {
 
-// Shared-memory rows of HEAD_DIM elements are padded by one 16-byte chunk. HEAD_DIM is a multiple of
-// 16, so a row spans an odd number of 16-byte chunks, and the 8 row addresses of one ldmatrix phase
-// fall into 8 distinct 4-bank groups: no bank conflicts, for every head dim.
+// Shared-memory layouts of tiles whose rows hold HEAD_DIM elements, addressed by (row, 16-byte chunk).
+// An ldmatrix phase reads one chunk from each of 8 consecutive rows; both layouts put those 8 chunks in
+// 8 distinct 4-bank groups (no bank conflicts).
+//
+// PaddedRow: rows padded by one chunk. HEAD_DIM is a multiple of 16, so a row spans an odd number of
+// chunks, which spreads the 8 rows, for every head dim. But every other row then starts 16 bytes into a
+// 32-byte sector: a cp.async of such a row splits each global sector over two shared-memory sectors, so
+// the tile loads move 1.5x the L2 sectors and 2.6x the shared wavefronts of an aligned layout (ncu
+// source counters, bench/NOTES.md forward v7).
 template <int HEAD_DIM> struct PaddedRow {
     static_assert(HEAD_DIM % 16 == 0, "tensor-core head dims are multiples of 16");
     static constexpr int kElems = HEAD_DIM + 8;
+    static constexpr bool kSwizzled = false;
+    __device__ static __forceinline__ int offset(int row, int chunk) { return row * kElems + chunk * 8; }
+    // The shared address `chunks` chunks further along a row than `addr` (see SwizzledRow::advance).
+    __device__ static __forceinline__ unsigned advance(unsigned addr, int chunks) { return addr + chunks * 16; }
 };
+
+// SwizzledRow: rows of exactly HEAD_DIM elements (128-byte aligned: HEAD_DIM is a multiple of 64), chunk
+// c of row r stored at chunk c ^ (r % 8) of the same 128 bytes: FlashAttention-2's XOR swizzle. Aligned
+// and conflict-free; the forward's tiles use it wherever HEAD_DIM allows (ForwardRow).
+template <int HEAD_DIM> struct SwizzledRow {
+    static_assert(HEAD_DIM % 64 == 0, "the swizzle permutes the 8 chunks of each 128 bytes of a row");
+    static constexpr int kElems = HEAD_DIM;
+    static constexpr bool kSwizzled = true;
+    __device__ static __forceinline__ int offset(int row, int chunk) {
+        return row * kElems + ((chunk ^ (row & 7)) << 3);
+    }
+    // The shared address of chunk c + chunks of a row, from `addr`, that of its chunk c, where c < 2 and
+    // `chunks` is even (the row's base is 128-byte aligned): one XOR and one add of constants once the
+    // k-loop is unrolled, so an ldmatrix loop keeps one address register per operand, as with padding.
+    // (Written as offset(row, chunk), ptxas kept every chunk's swizzled offset live and spilled.)
+    __device__ static __forceinline__ unsigned advance(unsigned addr, int chunks) {
+        return (addr ^ ((chunks * 16) & 127)) + ((chunks * 16) & ~127);
+    }
+};
+
+template <bool SWIZZLED, int HEAD_DIM> struct RowLayoutOf { using type = PaddedRow<HEAD_DIM>; };
+template <int HEAD_DIM> struct RowLayoutOf<true, HEAD_DIM> { using type = SwizzledRow<HEAD_DIM>; };
+// The forward's layout of its Q, K and V tiles (mirrored by _config.forward_row_elems).
+template <int HEAD_DIM> using ForwardRow = typename RowLayoutOf<HEAD_DIM % 64 == 0, HEAD_DIM>::type;
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -47,6 +81,17 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* 
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_addr(smem)));
+}
+// The same from a shared-state-space address (smem_addr).
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned smem) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned smem) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem));
 }
 
 template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
@@ -81,16 +126,16 @@ __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], const un
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Copy rows [row0, row0 + ROWS) of one head, HEAD_DIM columns, into a padded shared tile.
+// Copy rows [row0, row0 + ROWS) of one head, HEAD_DIM columns, into a shared tile of layout Layout.
 // Rows at or past `rows_valid` and columns at or past `head_dim` are zero-filled, so a kernel
 // specialized for a larger head dim serves a smaller one. With `vec_ok` (head_dim, the row stride
 // and the base pointer all 16-byte aligned) every chunk is one cp.async; otherwise element loads.
-template <typename T, int ROWS, int HEAD_DIM, int NTHREADS>
+template <typename T, int ROWS, int HEAD_DIM, int NTHREADS, typename Layout = PaddedRow<HEAD_DIM>>
 __device__ __forceinline__ void load_tile_async(T* tile, const T* head_base, long long row_stride,
                                                 int row0, int rows_valid, int head_dim, bool vec_ok,
                                                 int tid) {
     constexpr int kChunks = HEAD_DIM / 8;   // 16-byte chunks per row
-    constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
+    constexpr int kRow = Layout::kElems;
     if constexpr (NTHREADS % kChunks == 0) {
         // Each thread keeps one column chunk and steps down the rows kRowsPerPass at a time: one
         // 64-bit pointer add, one compare against a precomputed bound and one cp.async per chunk. The
@@ -104,11 +149,16 @@ __device__ __forceinline__ void load_tile_async(T* tile, const T* head_base, lon
             const T* src = head_base + static_cast<long long>(row0 + r0) * row_stride + d0;
             const long long pass_stride = kRowsPerPass * row_stride;
             T* dst = tile + r0 * kRow + d0;
+            if constexpr (Layout::kSwizzled) dst = tile + Layout::offset(r0, d0 / 8);
 #pragma unroll
             for (int it = 0; it < (ROWS + kRowsPerPass - 1) / kRowsPerPass; ++it) {
                 if (ROWS % kRowsPerPass != 0 && r0 + it * kRowsPerPass >= ROWS) break;
                 const bool ok = it * kRowsPerPass < rows_left;
-                cp_async_16(dst + it * kRowsPerPass * kRow, ok ? src : head_base, ok ? 16 : 0);
+                // swizzled: a pass of a multiple of 8 rows keeps the thread's chunk (r0 % 8 is constant)
+                T* chunk_dst = dst + it * kRowsPerPass * kRow;
+                if constexpr (Layout::kSwizzled && kRowsPerPass % 8 != 0)
+                    chunk_dst = tile + Layout::offset(r0 + it * kRowsPerPass, d0 / 8);
+                cp_async_16(chunk_dst, Layout::kSwizzled ? src : ok ? src : head_base, ok ? 16 : 0);
                 src += pass_stride;
             }
             return;
@@ -117,7 +167,7 @@ __device__ __forceinline__ void load_tile_async(T* tile, const T* head_base, lon
     for (int i = tid; i < ROWS * kChunks; i += NTHREADS) {
         const int r = i / kChunks;
         const int d0 = (i % kChunks) * 8;
-        T* dst = tile + r * kRow + d0;
+        T* dst = Layout::kSwizzled ? tile + Layout::offset(r, d0 / 8) : tile + r * kRow + d0;
         const bool row_ok = row0 + r < rows_valid;
         const T* src = head_base + static_cast<long long>(row0 + r) * row_stride + d0;
         if (vec_ok) {
@@ -133,21 +183,22 @@ __device__ __forceinline__ void load_tile_async(T* tile, const T* head_base, lon
     }
 }
 
-// Store rows [0, ROWS) of a padded shared tile to rows row0.. of one head in global memory, as 16-byte
-// chunks, consecutive threads (`thread` of NTHREADS) on consecutive chunks of a row; rows at or past
-// rows_valid and columns at or past head_dim are not written. The epilogue of every kernel whose
+// Store rows [0, ROWS) of a shared tile of layout Layout to rows row0.. of one head in global memory, as
+// 16-byte chunks, consecutive threads (`thread` of NTHREADS) on consecutive chunks of a row; rows at or
+// past rows_valid and columns at or past head_dim are not written. The epilogue of every kernel whose
 // accumulators are staged in shared memory: a thread's accumulator holds pairs of adjacent columns,
-// and storing them straight from registers takes 8x the store instructions.
-template <typename T, int ROWS, int HEAD_DIM, int NTHREADS>
+// and storing them straight from registers takes 8x the store instructions. `tile` is the tile's row 0,
+// a multiple of 8 rows into a swizzled tile.
+template <typename T, int ROWS, int HEAD_DIM, int NTHREADS, typename Layout = PaddedRow<HEAD_DIM>>
 __device__ __forceinline__ void store_rows(T* head_base, long long row_stride, int row0, int rows_valid,
                                            int head_dim, const T* tile, int thread) {
     constexpr int kChunks = HEAD_DIM / 8;
-    constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
+    constexpr int kRow = Layout::kElems;
 #pragma unroll 1   // unrolled, this loop made ptxas spill in the forward at head_dim 128
     for (int i = thread; i < ROWS * kChunks; i += NTHREADS) {
         const int r = i / kChunks, col = (i % kChunks) * 8;
         if (row0 + r >= rows_valid || col >= head_dim) continue;
-        const T* src = tile + r * kRow + col;
+        const T* src = Layout::kSwizzled ? tile + Layout::offset(r, col / 8) : tile + r * kRow + col;
         T* dst = head_base + (row0 + r) * row_stride + col;
         if (col + 8 <= head_dim && reinterpret_cast<unsigned long long>(dst) % 16 == 0) {
             *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
