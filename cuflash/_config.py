@@ -351,8 +351,13 @@ def forward_query_blocks_fastest(head_dim: int, causal: bool) -> bool:
     against 254 / 325 / 348; head_dim 64 without the mask 249 / 302 / 317 against 248 / 304 / 315;
     head_dim 256 without the mask 221 / 263 / 287 against 213 / 262 / 283. Under the causal mask the
     longest blocks first balance the SMs (query blocks fastest was 5-10% slower, forward v2).
+    After forward v7 (swizzled tiles), bfloat16, seqlen 1k / 2k / 4k / 8k / 16k, medians of six interleaved
+    rounds: head_dim 256 without the mask 274 / 298 / 317 / 323 / 326 against 274 / 302 / 316 / 324 / 327
+    (float16 276 / 300 / 309 / 320 / 323 against 281 / 304 / 312 / 319 / 327: query blocks fastest ahead
+    at 1k-2k in every round); head_dim 64 283 / 307 / 317 / 317 / 322 against 288 / 311 / 302 / 315 / 326
+    (5% lost at 4k: kept off).
     """
-    return not causal and head_dim == 128
+    return not causal and head_dim in (128, 256)
 
 
 #: Resident blocks per SM that a band of the dK/dV grid is sized for: two, bwd_dkdv_rows_mma's occupancy

@@ -75,8 +75,8 @@ __device__ __forceinline__ bool key_visible(bool causal, int row, int key, int s
 //   have the most key tiles to walk, and starting all the long blocks first balances the SMs (query
 //   blocks fastest measured 5-10% slower with the mask);
 // - query blocks fastest (FlashAttention-2's order): the blocks resident at once share the K and V of a
-//   few heads in L2. Without the mask at head_dim 128 (forward v6) 3-8% faster from seqlen 4k; no gain
-//   at head_dim 64, a loss at 256 (bench/NOTES.md).
+//   few heads in L2. Without the mask at head_dim 128 (forward v6) 3-8% faster from seqlen 4k, at 256
+//   (forward v7) 1-2% at 1k-2k; at head_dim 64 no gain (bench/NOTES.md).
 struct QueryBlock {
     int bh, b, h, h_kv, m0;
     __device__ __forceinline__ QueryBlock(int block_m, int batch, int heads, int group, int seqlen_q,
