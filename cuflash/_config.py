@@ -330,6 +330,11 @@ def _mma_forward_tiles(head_dim: int, device: DeviceProps) -> tuple[int, int, in
       head_dim 256: 128 x 64, 8 warps (FlashAttention-2's tile) 227 / 272 / 288, causal 197 / 257 / 283;
                     128 x 32, 8 warps 219 / 237 / 251, causal 182 / 233 / 254
                     (medians of four rounds in two device calls, bench/NOTES.md forward v6)
+    After forward v7 (swizzled tiles; head_dim 128 in 32-key sub-tiles), the same tiles, medians of four
+    rounds: head_dim 64 289 / 320 / 330, causal 226 / 297 / 329; head_dim 128 317 / 357 / 369, causal
+    266 / 338 / 374; head_dim 256 286 / 316 / 326, causal 241 / 308 / 333. K and V single-buffered
+    (FlashAttention-2's pipeline; at head_dim 256, 64 x 64 tiles of 4 warps, two blocks per SM) were 8-25%
+    slower at every head dim (bench/NOTES.md forward v7).
     """
     if head_dim <= 64:
         return 128, 64, 4
