@@ -41,7 +41,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     constexpr int kKSteps = HEAD_DIM / 16;   // k16 steps of Q.K^T
     // S is computed, exponentiated and multiplied into acc kSubN keys at a time: where acc takes 128
     // registers per thread, a 64-key S beside it (another 64) left ptxas too few for the swizzled
-    // addresses and it spilled (head_dim 128, 128 x 64 tiles); 32 keys leave room.
+    // addresses and it spilled (head_dim 128, 128 x 64 tiles); sub-tiles whose S takes 32 registers fit.
     constexpr int kSubN = kMAtoms * HEAD_DIM / 2 >= 128 && kMAtoms * BLOCK_N / 2 > 32 ? 64 / kMAtoms : BLOCK_N;
     constexpr int kNTiles = kSubN / 8;       // n8 accumulator tiles of S per atom
     constexpr int kDTiles = HEAD_DIM / 8;    // n8 accumulator tiles of acc per atom
@@ -120,8 +120,8 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
             }
         }
 
-        // The tile's keys in sub-tiles of kSubN (one, but at head_dim 128 on 128 x 64 tiles); not unrolled, as
-        // unrolling let ptxas interleave the sub-tiles and spill.
+        // The tile's keys kSubN at a time (all at once except at head_dim 128 on 128 x 64 tiles); the loop is
+        // not unrolled: unrolled, ptxas interleaved the sub-tiles and spilled.
 #pragma unroll 1
         for (int sub = 0; sub < BLOCK_N / kSubN; ++sub) {
             const unsigned k_tile = k_lane + (stage * BLOCK_N + sub * kSubN) * kRowBytes;
