@@ -158,7 +158,7 @@ __device__ __forceinline__ void load_tile_async(T* tile, const T* head_base, lon
                 T* chunk_dst = dst + it * kRowsPerPass * kRow;
                 if constexpr (Layout::kSwizzled && kRowsPerPass % 8 != 0)
                     chunk_dst = tile + Layout::offset(r0 + it * kRowsPerPass, d0 / 8);
-                cp_async_16(chunk_dst, Layout::kSwizzled ? src : ok ? src : head_base, ok ? 16 : 0);
+                cp_async_16(chunk_dst, ok ? src : head_base, ok ? 16 : 0);
                 src += pass_stride;
             }
             return;
