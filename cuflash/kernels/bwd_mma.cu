@@ -442,8 +442,9 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
                 }
                 __syncthreads();
                 const int h = h_kv * group + s / m_tiles;
-                float* dq_query_tile = dq_accum + (static_cast<long long>(b) * heads + h) * DqAccum::rows(seqlen_q) * HEAD_DIM +
-                                       DqAccum::tile(m0, 0, HEAD_DIM);   // rows m0.. of this head
+                // rows m0.. of this head (the banded grid: one copy)
+                float* dq_query_tile = dq_accum + DqAccum::head(0, batch, b, heads, h, seqlen_q, HEAD_DIM) +
+                                       DqAccum::tile(m0, 0, HEAD_DIM);
 #pragma unroll
                 for (int it = 0; it < (kDqItems + kWarps - 1) / kWarps; ++it) {
                     const int item = warp + it * kWarps;
