@@ -109,6 +109,7 @@ class KernelSpec:
     smem_bytes: int = 0
     part: int = 0  # bwd_dkdv_rows_mma only: 0 dK and dV, 1 dV only, 2 dK only (DkdvPart in bwd_mma.cu)
     atomic_dq: bool = False  # the dK/dV kernels only: also add dQ into a float32 buffer with atomics
+    key_split: int = 1  # fwd_mma only: warps that share each group of query rows (KEY_SPLIT in fwd_mma.cu)
 
     @property
     def source_file(self) -> str:
@@ -116,7 +117,7 @@ class KernelSpec:
 
     @property
     def name(self) -> str:
-        """The C++ template instance, e.g. ``cuflash::fwd_mma<__half, 128, true, 128, 64>``."""
+        """The C++ template instance, e.g. ``cuflash::fwd_mma<__half, 128, true, 128, 64, 4, 1>``."""
         ctype = CUDA_TYPES[np.dtype(self.dtype)]
         if self.kernel == "bwd_preprocess":
             args = [ctype]
@@ -128,6 +129,8 @@ class KernelSpec:
                 args.append(str(self.smem_bytes))
             if self.kernel in ("fwd_mma", "bwd_dq_mma"):
                 args.append(str(self.threads // 32))
+            if self.kernel == "fwd_mma":
+                args.append(str(self.key_split))
             if self.kernel == "bwd_dkdv_rows_mma":
                 args.append(str(self.part))
             if self.kernel in ("bwd_dkdv_mma", "bwd_dkdv_rows_mma"):
@@ -137,7 +140,7 @@ class KernelSpec:
     @property
     def cache_key(self) -> tuple:
         return (self.kernel, np.dtype(self.dtype).name, self.head_dim, self.causal, self.block_m, self.block_n,
-                self.threads, self.smem_bytes, self.part, self.atomic_dq)
+                self.threads, self.smem_bytes, self.part, self.atomic_dq, self.key_split)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,12 +181,16 @@ def forward_row_elems(head_dim: int) -> int:
 
 
 def mma_smem_bytes(kernel: str, head_dim: int, block_m: int, block_n: int, itemsize: int,
-                   atomic_dq: bool = False) -> int:
+                   atomic_dq: bool = False, key_split: int = 1) -> int:
     """Shared memory of a tensor-core kernel; the backward's tile rows padded by 8 elements, the forward's
     per forward_row_elems (kernels/mma.cuh)."""
     row = (head_dim + 8) * itemsize
-    if kernel == "fwd_mma":  # Q, two stages of K and V
-        return (block_m + 4 * block_n) * forward_row_elems(head_dim) * itemsize
+    if kernel == "fwd_mma":  # Q, two stages of K and V; where warps share rows, their row maxima and P
+        tiles = (block_m + 4 * block_n) * forward_row_elems(head_dim) * itemsize
+        if key_split == 1:
+            return tiles
+        # a float per (row, warp of the row's group), 16-byte rows of per-lane slots; P as one itemsize tile
+        return tiles + block_m * key_split * 16 + block_m * block_n * itemsize
     if kernel == "bwd_dkdv_mma":  # K, V, two stages of Q and dO, P and dS, two stages of lse and delta
         return (2 * block_n + 4 * block_m) * row + 2 * block_m * (block_n + 8) * itemsize + 4 * block_m * 4
     if kernel == "bwd_dkdv_rows_mma":  # K, V, two stages of Q and dO, two stages of lse and delta
@@ -278,8 +285,9 @@ def _tiled_dkdv_spec(dtype, head_dim: int, causal: bool, device: DeviceProps,
 
 def _mma_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DeviceProps, part: int = 0,
               atomic_dq: bool = False) -> KernelSpec:
+    key_split = 1
     if kernel == "fwd_mma":
-        block_m, block_n, table_warps = _mma_forward_tiles(head_dim, device)
+        block_m, block_n, table_warps, key_split = _mma_forward_tiles(head_dim, causal, device)
     elif kernel == "bwd_dq_mma":
         block_m, block_n, table_warps = _mma_dq_tiles(head_dim)
     else:
@@ -287,7 +295,7 @@ def _mma_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DevicePro
     # Halve the streamed tile, then the resident one, until everything fits (head_dim 256 forward on
     # sm_80: 64 x 32). Tiles stay multiples of the 16 x 16 mma block.
     def fits(bm, bn):
-        return mma_smem_bytes(kernel, head_dim, bm, bn, dtype.itemsize, atomic_dq) <= device.max_smem_per_block
+        return mma_smem_bytes(kernel, head_dim, bm, bn, dtype.itemsize, atomic_dq, key_split) <= device.max_smem_per_block
 
     streamed_is_m = kernel == "bwd_dkdv_rows_mma"
     while not fits(block_m, block_n):
@@ -303,17 +311,20 @@ def _mma_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DevicePro
     # Warps follow the fitted tile: the forward and dQ kernels keep their table's count while whole 16-row
     # atoms remain; bwd_dkdv_rows_mma has one warp per 16 keys.
     if kernel in ("fwd_mma", "bwd_dq_mma"):
-        warps = min(table_warps, block_m // MMA_ROWS_PER_WARP)
+        warps = min(table_warps, block_m * key_split // MMA_ROWS_PER_WARP)
     else:
         warps = block_n // MMA_ROWS_PER_WARP
-    smem = mma_smem_bytes(kernel, head_dim, block_m, block_n, dtype.itemsize, atomic_dq)
-    return KernelSpec(kernel, dtype, head_dim, causal, block_m, block_n, warps * 32, smem, part, atomic_dq)
+    smem = mma_smem_bytes(kernel, head_dim, block_m, block_n, dtype.itemsize, atomic_dq, key_split)
+    return KernelSpec(kernel, dtype, head_dim, causal, block_m, block_n, warps * 32, smem, part, atomic_dq,
+                      key_split)
 
 
-def _mma_forward_tiles(head_dim: int, device: DeviceProps) -> tuple[int, int, int]:
-    """(block_m, block_n, warps) of the tensor-core forward, before fitting shared memory.
+def _mma_forward_tiles(head_dim: int, causal: bool, device: DeviceProps) -> tuple[int, int, int, int]:
+    """(block_m, block_n, warps, key_split) of the tensor-core forward, before fitting shared memory.
 
-    A warp owns block_m / warps query rows (16 per mma atom). TFLOP/s measured on the H200,
+    A warp owns block_m / warps query rows (16 per mma atom); with key_split 2, a pair of warps owns
+    2 * block_m / warps rows, each computing S for half the keys and P.V for half the head dim
+    (KEY_SPLIT in kernels/fwd_mma.cu). TFLOP/s measured on the H200,
     bfloat16, FlashAttention's grid at seqlen 1k / 4k, non-causal (tools/tune.py, bench/NOTES.md):
       head_dim 64:  128 x 64, 4 warps 211 / 238;  128 x 32, 4 warps 199 / 232;  64 x 64, 4 warps 179 / 202
       head_dim 128: 128 x 32, 4 warps 216 / 252;  64 x 32, 4 warps 203 / 226;  128 x 64, 8 warps 175 / 212
@@ -335,16 +346,24 @@ def _mma_forward_tiles(head_dim: int, device: DeviceProps) -> tuple[int, int, in
     266 / 338 / 374; head_dim 256 286 / 316 / 326, causal 241 / 308 / 333. K and V single-buffered
     (FlashAttention-2's pipeline; at head_dim 256, 64 x 64 tiles of 4 warps, two blocks per SM) were 8-25%
     slower at every head dim (bench/NOTES.md forward v7).
+    Forward v8, head_dim 256 without the mask, 128 x 64, 8 warps as pairs (key_split 2) against one warp
+    per 16 rows, bfloat16, seqlen 512 / 1k / 2k / 4k / 8k / 16k, medians of six interleaved rounds (FA2
+    in the same rounds 284 / 307 / 318 / 324 / 328 / 326): 275 / 309 / 328 / 339 / 342 / 343 against
+    269 / 299 / 317 / 326 / 330 / 333 (float16 2k-16k 328 / 337 / 337 / 343 against 317 / 326 / 328 /
+    330). Pairs only on sm_90 without the mask: under it ptxas spills 28 bytes; on sm_8x (where head_dim
+    256 fits 32 keys per tile) it is not measured.
     """
     if head_dim <= 64:
-        return 128, 64, 4
+        return 128, 64, 4, 1
     if head_dim <= 128:
         # sm_80's ptxas spills on 128-row tiles at head_dim 128 (20 bytes at 128 x 32): 64 x 32 there;
         # head_dim 96 spills 16 bytes at 128 x 64 under the causal mask: 128 x 32
         if device.compute_capability < 90:
-            return 64, 32, 4
-        return (128, 64, 4) if head_dim == 128 else (128, 32, 4)
-    return 128, 64, 8
+            return 64, 32, 4, 1
+        return (128, 64, 4, 1) if head_dim == 128 else (128, 32, 4, 1)
+    if head_dim == 256 and not causal and device.compute_capability >= 90:
+        return 128, 64, 8, 2
+    return 128, 64, 8, 1
 
 
 def forward_query_blocks_fastest(head_dim: int, causal: bool) -> bool:

@@ -35,6 +35,8 @@ AWKWARD_SHAPES = [
     (1, 70, 90, 2, 1, 192, False),
     (1, 33, 66, 2, 2, 224, True),
     (1, 100, 100, 2, 2, 256, True),
+    (1, 129, 200, 4, 2, 256, False),  # head_dim 256 on sm_90: warp pairs share rows (KEY_SPLIT)
+    (2, 200, 63, 2, 2, 250, False),
     (1, 17, 19, 2, 2, 1, False),
     (1, 17, 19, 2, 2, 7, True),
 ]

@@ -46,9 +46,14 @@ def test_every_config_fits_the_device(device, dtype, head_dim, causal):
         assert {s.kernel for s in cfg.specs} == {"fwd_mma", "bwd_preprocess", dkdv_kernel, "bwd_dq_mma",
                                                  "bwd_dq_convert"}
         assert cfg.bwd_dq_convert.head_dim == padded_head_dim(head_dim)
-        # whole 16-row mma atoms per warp
+        # whole 16-row mma atoms per warp (per pair of warps where key_split is 2; each of the pair then
+        # takes whole 16-key steps and whole 64-column swizzle groups)
         fwd = cfg.forward
-        assert fwd.block_n % 16 == 0 and fwd.block_m % (16 * (fwd.threads // 32)) == 0
+        assert fwd.key_split in (1, 2)
+        assert fwd.block_n % (16 * fwd.key_split) == 0
+        assert fwd.block_m * fwd.key_split % (16 * (fwd.threads // 32)) == 0
+        assert fwd.key_split == 1 or fwd.head_dim // fwd.key_split % 64 == 0
+        assert all(s.key_split == 1 for s in cfg.specs if s is not fwd)
         dq = cfg.bwd_dq
         assert dq.block_n % 16 == 0 and dq.block_m % (16 * (dq.threads // 32)) == 0
         assert not any(s.atomic_dq for s in cfg.bwd_dkdv)
@@ -73,10 +78,27 @@ def test_every_config_fits_the_device(device, dtype, head_dim, causal):
 
 def test_smem_bytes_of_the_mma_forward():
     # Q tile + 2 stages of K and V: swizzled rows of exactly head_dim halves where head_dim is a multiple
-    # of 64 (ForwardRow in kernels/mma.cuh), else rows padded by 8 halves
+    # of 64 (ForwardRow in kernels/mma.cuh), else rows padded by 8 halves; where warp pairs share rows
+    # (key_split 2), each warp's row-maxima slots (atoms x 2 rows x 32 lanes, float) and P (block_m x
+    # block_n halves) after them (kernels/fwd_mma.cu)
     for head_dim, row in ((128, 128), (256, 256), (64, 64), (96, 104), (160, 168), (32, 40)):
-        cfg = choose_config(head_dim, np.float16, False, _config.H100)
-        assert cfg.forward.smem_bytes == (cfg.forward.block_m + 4 * cfg.forward.block_n) * row * 2
+        for causal in (False, True):
+            fwd = choose_config(head_dim, np.float16, causal, _config.H100).forward
+            warps = fwd.threads // 32
+            atoms = fwd.block_m * fwd.key_split // (16 * warps)
+            pairs = 0 if fwd.key_split == 1 else warps * atoms * 2 * 32 * 4 + fwd.block_m * fwd.block_n * 2
+            assert fwd.smem_bytes == (fwd.block_m + 4 * fwd.block_n) * row * 2 + pairs
+    assert choose_config(256, np.float16, False, _config.H100).forward.smem_bytes == 217088
+
+
+def test_warp_pairs_serve_only_where_measured():
+    # head_dim 256 without the mask on sm_90 (bench/NOTES.md forward v8); under the mask ptxas spills
+    for device in DEVICES.values():
+        for head_dim in (64, 128, 192, 200, 256):
+            for causal in (False, True):
+                fwd = choose_config(head_dim, BFLOAT16, causal, device).forward
+                measured = head_dim == 256 and not causal and device.compute_capability >= 90
+                assert fwd.key_split == (2 if measured else 1), (device, head_dim, causal)
 
 
 def test_tiles_shrink_to_fit_shared_memory():
@@ -107,7 +129,9 @@ def test_rejects_old_gpus_and_bad_dtypes():
 
 def test_spec_names_are_template_instances():
     cfg = choose_config(64, np.float16, True, _config.H100)
-    assert cfg.forward.name == "cuflash::fwd_mma<__half, 64, true, 128, 64, 4>"
+    assert cfg.forward.name == "cuflash::fwd_mma<__half, 64, true, 128, 64, 4, 1>"
+    pairs = choose_config(256, np.float16, False, _config.H100).forward
+    assert pairs.name == "cuflash::fwd_mma<__half, 256, false, 128, 64, 8, 2>"
     assert cfg.bwd_preprocess.name == "cuflash::bwd_preprocess<__half>"
     assert cfg.bwd_dkdv[0].name == "cuflash::bwd_dkdv_mma<__half, 64, true, 128, 128, false>"
     assert cfg.bwd_dkdv_atomic[0].name.endswith(", 128, 128, true>")

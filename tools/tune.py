@@ -22,10 +22,10 @@ from speed_probe import time_ms  # tools/ is on sys.path when run as tools/tune.
 
 TOKENS, WIDTH = 16384, 2048
 
-FWD_CANDIDATES = {  # head_dim: (block_m, block_n, warps)
-    64: [(128, 64, 4), (64, 64, 4), (128, 64, 8), (64, 64, 2), (128, 32, 4), (64, 128, 4)],
-    128: [(128, 32, 4), (128, 64, 4), (64, 64, 4), (128, 64, 8), (64, 32, 2), (128, 32, 8)],
-    256: [(64, 64, 4), (64, 32, 4), (32, 64, 2), (64, 32, 2), (128, 32, 8)],
+FWD_CANDIDATES = {  # head_dim: (block_m, block_n, warps, key_split)
+    64: [(128, 64, 4, 1), (64, 64, 4, 1), (128, 64, 8, 1), (64, 64, 2, 1), (128, 32, 4, 1), (64, 128, 4, 1)],
+    128: [(128, 32, 4, 1), (128, 64, 4, 1), (64, 64, 4, 1), (128, 64, 8, 1), (64, 32, 2, 1), (128, 32, 8, 1)],
+    256: [(128, 64, 8, 2), (128, 64, 8, 1), (64, 64, 4, 1), (64, 32, 4, 1), (128, 32, 8, 1)],
 }
 TILED, ROWS = "bwd_dkdv_mma", "bwd_dkdv_rows_mma"
 ATOMIC_BWD_CANDIDATES = {  # head_dim: (dkdv kernel, block_m, block_n) of the atomic-dQ default
@@ -41,10 +41,10 @@ DETERMINISTIC_BWD_CANDIDATES = {  # head_dim: ((dkdv kernel, block_m, block_n), 
 }
 
 
-def mma_spec(kernel, d, causal, bm, bn, warps, part=0, atomic_dq=False):
+def mma_spec(kernel, d, causal, bm, bn, warps, part=0, atomic_dq=False, key_split=1):
     dtype = cp.dtype("bfloat16")
-    smem = _config.mma_smem_bytes(kernel, d, bm, bn, dtype.itemsize, atomic_dq)
-    return _config.KernelSpec(kernel, dtype, d, causal, bm, bn, warps * 32, smem, part, atomic_dq)
+    smem = _config.mma_smem_bytes(kernel, d, bm, bn, dtype.itemsize, atomic_dq, key_split)
+    return _config.KernelSpec(kernel, dtype, d, causal, bm, bn, warps * 32, smem, part, atomic_dq, key_split)
 
 
 def dkdv_specs(kernel, d, causal, bm, bn, atomic):
@@ -72,7 +72,8 @@ def main():
                           if args.deterministic else ATOMIC_BWD_CANDIDATES)[d]
             for cand in candidates:
                 if args.pass_ == "fwd":
-                    spec = mma_spec("fwd_mma", d, causal, *cand)
+                    block_m, block_n, warps, key_split = cand
+                    spec = mma_spec("fwd_mma", d, causal, block_m, block_n, warps, key_split=key_split)
                     specs = [spec]
                 elif args.deterministic:
                     dkdv_cand, (dq_m, dq_n, dq_warps) = cand

@@ -3,7 +3,8 @@
 // One thread block owns BLOCK_M query rows of one (batch, head), split over WARPS warps; a warp owns
 // BLOCK_M / WARPS rows as kMAtoms stacked 16-row mma atoms, so every K and V fragment it reads from
 // shared memory feeds kMAtoms mma instructions (shared-memory bandwidth, not the tensor cores, bounds
-// a one-atom warp: bench/NOTES.md). The Q tile stays on chip throughout (in registers when they
+// a one-atom warp: bench/NOTES.md). Where registers cannot hold two atoms' output (head_dim 256), a pair
+// of warps shares 32 rows instead (KEY_SPLIT, below). The Q tile stays on chip throughout (in registers when they
 // suffice, else in shared memory) while the block walks the key/value tiles, BLOCK_N keys at a time,
 // double-buffered with cp.async: tile j+1 is in flight while tile j is used. The tiles' rows are
 // XOR-swizzled where the head dim allows (ForwardRow in mma.cuh: 16-byte copies land 32-byte aligned).
@@ -26,7 +27,7 @@ constexpr float kRescaleSlack = 8.f;
 // blocks of two atoms per warp at head_dim 128 reach 255 registers and spill; with none, one-atom
 // 128-thread blocks (sm_8x, head_dim 128) stop at 168 registers and spill 24 bytes, and a minimum of
 // two lets them keep everything in registers.
-template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N, int WARPS>
+template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N, int WARPS, int KEY_SPLIT>
 __global__ void __launch_bounds__(WARPS * 32, WARPS >= 8 ? 1 : BLOCK_M / WARPS == 16 ? 2 : 0)
 fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
         float* __restrict__ lse, long long q_sb, long long q_ss, long long q_sh, long long k_sb,
@@ -34,7 +35,13 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         long long o_ss, long long o_sh, int batch, int heads, int group, int seqlen_q, int seqlen_k,
         int head_dim, float scale_log2, int vec_ok, int query_blocks_fastest) {
     constexpr int kThreads = WARPS * 32;
-    constexpr int kRowsPerWarp = BLOCK_M / WARPS;
+    // KEY_SPLIT warps share each group of query rows (a pair where KEY_SPLIT = 2): each computes S for its
+    // half of the tile's keys and P.V for its half of the head dim, trading row maxima and P with its
+    // partner through shared memory. Each warp holds two atoms' rows at head_dim 256 with one atom's
+    // accumulator registers, and reads 52 KB of shared memory per 64-key tile instead of 72 (Q 16, K 16,
+    // V 16, P 4 against Q 8, K 32, V 32), for two pair barriers per tile (bench/NOTES.md forward v8).
+    constexpr int kRowGroups = WARPS / KEY_SPLIT;
+    constexpr int kRowsPerWarp = BLOCK_M / kRowGroups;
     constexpr int kMAtoms = kRowsPerWarp / 16;
     using Row = ForwardRow<HEAD_DIM>;   // swizzled rows where HEAD_DIM allows, else padded (mma.cuh)
     constexpr int kRow = Row::kElems;
@@ -42,20 +49,32 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     // S is computed, exponentiated and multiplied into acc kSubN keys at a time: where acc takes 128
     // registers per thread, a 64-key S beside it (another 64) left ptxas too few for the swizzled
     // addresses and it spilled (head_dim 128, 128 x 64 tiles); sub-tiles whose S takes 32 registers fit.
-    constexpr int kSubN = kMAtoms * HEAD_DIM / 2 >= 128 && kMAtoms * BLOCK_N / 2 > 32 ? 64 / kMAtoms : BLOCK_N;
-    constexpr int kNTiles = kSubN / 8;       // n8 accumulator tiles of S per atom
-    constexpr int kDTiles = HEAD_DIM / 8;    // n8 accumulator tiles of acc per atom
+    // Warp pairs take whole tiles: their exchange slots are reused only after the barrier ending a tile.
+    constexpr int kSubN = KEY_SPLIT == 1 && kMAtoms * HEAD_DIM / 2 >= 128 && kMAtoms * BLOCK_N / 2 > 32
+                              ? 64 / kMAtoms : BLOCK_N;
+    constexpr int kWarpKeys = kSubN / KEY_SPLIT;      // keys of a sub-tile whose scores this warp computes
+    constexpr int kWarpKSteps = kWarpKeys / 16;       // their k16 steps of P.V
+    constexpr int kNTiles = kWarpKeys / 8;            // n8 accumulator tiles of S per atom
+    constexpr int kDTiles = HEAD_DIM / KEY_SPLIT / 8; // n8 accumulator tiles of acc per atom (this warp's columns)
     // Q fragments take kMAtoms * HEAD_DIM / 4 registers; past 32 they crowd out acc and S.
-    constexpr bool kQInRegisters = kMAtoms * HEAD_DIM <= 128 && BLOCK_N <= 64;
-    static_assert(BLOCK_M % (16 * WARPS) == 0 && BLOCK_N % 16 == 0, "tiles are made of 16 x 16 mma blocks");
-    static_assert(kSubN % 16 == 0 && BLOCK_N % kSubN == 0, "S sub-tiles are made of 16 x 16 mma blocks");
+    constexpr bool kQInRegisters = KEY_SPLIT == 1 && kMAtoms * HEAD_DIM <= 128 && BLOCK_N <= 64;
+    static_assert(KEY_SPLIT == 1 || KEY_SPLIT == 2, "rows are shared by one warp or a pair");
+    static_assert(BLOCK_M % (16 * kRowGroups) == 0 && kWarpKeys % 16 == 0, "tiles are made of 16 x 16 mma blocks");
+    static_assert(BLOCK_N % kSubN == 0, "the key tile is made of whole sub-tiles");
+    // A pair's column halves start on a 128-byte boundary of a swizzled row (the XOR pattern restarts).
+    static_assert(KEY_SPLIT == 1 || kDTiles % 8 == 0, "column shares are whole 64-column groups");
 
     // Shared memory: Q [BLOCK_M][kRow], then K and V, two stages each [2][BLOCK_N][kRow]; element (row,
-    // column) of a tile at Row::offset(row, column / 8) + column % 8.
+    // column) of a tile at Row::offset(row, column / 8) + column % 8. Where warps share rows (KEY_SPLIT = 2),
+    // then each warp's row maxima [WARPS][kMAtoms][2][32 lanes] (float; in the epilogue its row sums) and its
+    // P fragments [WARPS][kMAtoms][kWarpKSteps][32 lanes] (uint4), indexed by lane so that the partner reads
+    // each lane's values (the same rows) back conflict-free.
     extern __shared__ __align__(128) unsigned char smem_raw[];   // swizzled rows need 128-byte alignment
     T* q_s = reinterpret_cast<T*>(smem_raw);
     T* k_s = q_s + BLOCK_M * kRow;
     T* v_s = k_s + 2 * BLOCK_N * kRow;
+    float* pair_max = reinterpret_cast<float*>(v_s + 2 * BLOCK_N * kRow);
+    uint4* pair_p = reinterpret_cast<uint4*>(pair_max + WARPS * kMAtoms * 2 * 32);   // 16-byte aligned
 
     const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, query_blocks_fastest);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
@@ -69,7 +88,18 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
-    const int warp_row0 = warp * kRowsPerWarp;
+    const int warp_row0 = warp / KEY_SPLIT * kRowsPerWarp;
+    const int share = warp % KEY_SPLIT;   // this warp's share of the keys (S) and of the columns (P.V)
+    // Where warps share rows: this lane's slots in pair_max and pair_p; the partner's (warp ^ 1) are one
+    // warp's slots after or before them. (Indexing the partner's slots by its warp index instead made
+    // ptxas spill 40 bytes.)
+    constexpr int kMaxSlots = kMAtoms * 2 * 32, kPSlots = kMAtoms * kWarpKSteps * 32;   // per warp
+    const int partner_side = share == 0 ? 1 : -1;
+    float* const my_max = pair_max + warp * kMaxSlots + lane;
+    uint4* const my_p = pair_p + warp * kPSlots + lane;
+    auto pair_sync = [&] {
+        if constexpr (KEY_SPLIT > 1) named_barrier_sync(1 + warp / KEY_SPLIT, 32 * KEY_SPLIT);
+    };
 
     load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads, Row>(q_s, q_head, q_ss, m0, seqlen_q, head_dim, vec_ok, tid);
     if (n_tiles > 0) {
@@ -93,8 +123,10 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     // constant number of rows further.
     constexpr int kRowBytes = kRow * sizeof(T);
     const unsigned q_lane = smem_addr(q_s + Row::offset(warp_row0 + (lane % 8) + 8 * ((lane / 8) % 2), lane / 16));
-    const unsigned k_lane = smem_addr(k_s + Row::offset((lane % 8) + 8 * (lane / 16), (lane / 8) % 2));
-    const unsigned v_lane = smem_addr(v_s + Row::offset((lane % 8) + 8 * ((lane / 8) % 2), lane / 16));
+    const unsigned k_lane = smem_addr(k_s + Row::offset(share * kWarpKeys + (lane % 8) + 8 * (lane / 16),
+                                                        (lane / 8) % 2));
+    const unsigned v_lane = smem_addr(v_s + Row::offset((lane % 8) + 8 * ((lane / 8) % 2),
+                                                        share * kDTiles + lane / 16));
     auto load_q = [&](unsigned (&a)[4], int ma, int ks) {
         ldmatrix_x4(a, Row::advance(q_lane, 2 * ks) + ma * 16 * kRowBytes);
     };
@@ -159,16 +191,15 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
             // raw scores (scale_log2 > 0 keeps the order); one FMA then scales and subtracts.
             const int n0 = j * BLOCK_N + sub * kSubN;
             const bool need_mask = n0 + kSubN > seqlen_k || (CAUSAL && n0 + kSubN - 1 > m0 + causal_offset);
-            unsigned p_frag[kMAtoms][kSubN / 16][4];
-#pragma unroll
-            for (int ma = 0; ma < kMAtoms; ++ma) {
+            float tile_max[kMAtoms][2];   // per row: the max of the scaled scores of the sub-tile's keys
+            auto take_row_max = [&](int ma) {
                 if (need_mask) {
                     const int row0 = m0 + warp_row0 + ma * 16 + g;
 #pragma unroll
                     for (int nb = 0; nb < kNTiles; ++nb) {
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
-                            const int key = n0 + nb * 8 + 2 * t + (e & 1);
+                            const int key = n0 + share * kWarpKeys + nb * 8 + 2 * t + (e & 1);
                             if (!key_visible(CAUSAL, row0 + 8 * (e / 2), key, seqlen_k, causal_offset))
                                 s[ma][nb][e] = -CUFLASH_INF;
                         }
@@ -180,19 +211,21 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 #pragma unroll
                     for (int e = 0; e < 4; ++e) row_max[e / 2] = fmaxf(row_max[e / 2], s[ma][nb][e]);
                 }
+#pragma unroll
+                for (int r = 0; r < 2; ++r) tile_max[ma][r] = quad_max(row_max[r]) * scale_log2;
+            };
+            unsigned p_frag[kMAtoms][kWarpKSteps][4];   // P of this warp's keys
+            auto exponentiate = [&](int ma) {
                 // m_i is the reference the exponents are taken against, not necessarily the running max: any
                 // reference gives the same normalized output and lse, as long as exp2(x - m_i) stays small
                 // enough for P (bf16/fp16) and the float32 sums. The warp moves its references (and rescales
                 // acc and l_i) only when some row's max has grown past its reference by kRescaleSlack, which
                 // after the first tiles is rare: most tiles skip the kDTiles * 4 multiplies per atom.
-                float tile_max[2];
-#pragma unroll
-                for (int r = 0; r < 2; ++r) tile_max[r] = quad_max(row_max[r]) * scale_log2;
-                const bool grown = tile_max[0] > m_i[ma][0] + kRescaleSlack || tile_max[1] > m_i[ma][1] + kRescaleSlack;
+                const bool grown = tile_max[ma][0] > m_i[ma][0] + kRescaleSlack || tile_max[ma][1] > m_i[ma][1] + kRescaleSlack;
                 if (__any_sync(0xffffffffu, grown)) {
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
-                        const float m_new = fmaxf(m_i[ma][r], tile_max[r]);
+                        const float m_new = fmaxf(m_i[ma][r], tile_max[ma][r]);
                         const float alpha = exp2f(m_i[ma][r] - safe_max(m_new));
                         m_i[ma][r] = m_new;
                         l_i[ma][r] *= alpha;
@@ -217,21 +250,69 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                     p_frag[ma][nb / 2][(nb % 2) * 2 + 0] = pack2<T>(p0, p1);
                     p_frag[ma][nb / 2][(nb % 2) * 2 + 1] = pack2<T>(p2, p3);
                 }
+            };
+            if constexpr (KEY_SPLIT == 1) {
+#pragma unroll
+                for (int ma = 0; ma < kMAtoms; ++ma) {
+                    take_row_max(ma);
+                    exponentiate(ma);
+                }
+            } else {   // the max over the partner's keys too, so that both keep the same m_i
+#pragma unroll
+                for (int ma = 0; ma < kMAtoms; ++ma) take_row_max(ma);
+#pragma unroll
+                for (int ma = 0; ma < kMAtoms; ++ma)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) my_max[(ma * 2 + r) * 32] = tile_max[ma][r];
+                pair_sync();
+#pragma unroll
+                for (int ma = 0; ma < kMAtoms; ++ma) {
+#pragma unroll
+                    for (int r = 0; r < 2; ++r)
+                        tile_max[ma][r] = fmaxf(tile_max[ma][r], my_max[(ma * 2 + r) * 32 + partner_side * kMaxSlots]);
+                    exponentiate(ma);
+                }
             }
 
-            // acc += P V
+            // acc += P V: this warp's keys, then (KEY_SPLIT = 2) its partner's, whose P it reads back.
+            auto multiply_pv = [&](const unsigned (&p)[kMAtoms][kWarpKSteps][4], int key_share) {
 #pragma unroll
-            for (int kk = 0; kk < kSubN / 16; ++kk) {
+                for (int kk = 0; kk < kWarpKSteps; ++kk) {
 #pragma unroll
-                for (int db = 0; db < kDTiles; db += 2) {
-                    unsigned vf[4];
-                    ldmatrix_x4_trans(vf, Row::advance(v_tile, db) + kk * 16 * kRowBytes);
+                    for (int db = 0; db < kDTiles; db += 2) {
+                        unsigned vf[4];
+                        ldmatrix_x4_trans(vf, Row::advance(v_tile, db) + (key_share * kWarpKeys + kk * 16) * kRowBytes);
 #pragma unroll
-                    for (int ma = 0; ma < kMAtoms; ++ma) {
-                        mma_16816<T>(acc[ma][db], p_frag[ma][kk], vf[0], vf[1]);
-                        mma_16816<T>(acc[ma][db + 1], p_frag[ma][kk], vf[2], vf[3]);
+                        for (int ma = 0; ma < kMAtoms; ++ma) {
+                            mma_16816<T>(acc[ma][db], p[ma][kk], vf[0], vf[1]);
+                            mma_16816<T>(acc[ma][db + 1], p[ma][kk], vf[2], vf[3]);
+                        }
                     }
                 }
+            };
+            if constexpr (KEY_SPLIT > 1) {
+#pragma unroll
+                for (int ma = 0; ma < kMAtoms; ++ma)
+#pragma unroll
+                    for (int kk = 0; kk < kWarpKSteps; ++kk)
+                        my_p[(ma * kWarpKSteps + kk) * 32] =
+                            make_uint4(p_frag[ma][kk][0], p_frag[ma][kk][1], p_frag[ma][kk][2], p_frag[ma][kk][3]);
+            }
+            multiply_pv(p_frag, share);
+            if constexpr (KEY_SPLIT > 1) {
+                pair_sync();
+                unsigned p_partner[kMAtoms][kWarpKSteps][4];
+#pragma unroll
+                for (int ma = 0; ma < kMAtoms; ++ma)
+#pragma unroll
+                    for (int kk = 0; kk < kWarpKSteps; ++kk) {
+                        const uint4 x = my_p[(ma * kWarpKSteps + kk) * 32 + partner_side * kPSlots];
+                        p_partner[ma][kk][0] = x.x;
+                        p_partner[ma][kk][1] = x.y;
+                        p_partner[ma][kk][2] = x.z;
+                        p_partner[ma][kk][3] = x.w;
+                    }
+                multiply_pv(p_partner, share ^ 1);
             }
         }
         __syncthreads();   // this stage is refilled by the loads issued at the top of iteration j + 1
@@ -242,25 +323,45 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     // lse = -inf.
     cp_async_wait<0>();
     __syncthreads();
+    // Where warps share rows, each holds the row sums of its own keys: the partners trade them (through
+    // the row-maxima slots), and each stages its columns, then stores its share of the rows.
+    float partner_l[kMAtoms][2];
+    if constexpr (KEY_SPLIT > 1) {
+#pragma unroll
+        for (int ma = 0; ma < kMAtoms; ++ma)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) my_max[(ma * 2 + r) * 32] = quad_sum(l_i[ma][r]);
+        pair_sync();
+#pragma unroll
+        for (int ma = 0; ma < kMAtoms; ++ma)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) partner_l[ma][r] = my_max[(ma * 2 + r) * 32 + partner_side * kMaxSlots];
+    }
     float* lse_head = lse + static_cast<long long>(bh) * seqlen_q;
 #pragma unroll
     for (int ma = 0; ma < kMAtoms; ++ma) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const float l = quad_sum(l_i[ma][r]);
+            float l = quad_sum(l_i[ma][r]);
+            if constexpr (KEY_SPLIT > 1) l += partner_l[ma][r];
             const float inv_l = l == 0.f ? 0.f : 1.f / l;
             const int tile_row = warp_row0 + ma * 16 + g + 8 * r;
-            if (t == 0 && m0 + tile_row < seqlen_q)
+            if (t == 0 && share == 0 && m0 + tile_row < seqlen_q)
                 lse_head[m0 + tile_row] = l == 0.f ? -CUFLASH_INF : (m_i[ma][r] + log2f(l)) * kLn2;
 #pragma unroll
             for (int db = 0; db < kDTiles; ++db)
-                *reinterpret_cast<unsigned*>(q_s + Row::offset(tile_row, db) + 2 * t) =
+                *reinterpret_cast<unsigned*>(q_s + Row::offset(tile_row, share * kDTiles + db) + 2 * t) =
                     pack2<T>(acc[ma][db][2 * r] * inv_l, acc[ma][db][2 * r + 1] * inv_l);
         }
     }
-    __syncwarp();
-    store_rows<T, kRowsPerWarp, HEAD_DIM, 32, Row>(out + b * o_sb + h * o_sh, o_ss, m0 + warp_row0, seqlen_q,
-                                                   head_dim, q_s + warp_row0 * kRow, lane);
+    constexpr int kStoreRows = kRowsPerWarp / KEY_SPLIT;   // a multiple of 8: the swizzle's period
+    if constexpr (KEY_SPLIT > 1)
+        pair_sync();
+    else
+        __syncwarp();
+    const int store_row0 = warp_row0 + share * kStoreRows;
+    store_rows<T, kStoreRows, HEAD_DIM, 32, Row>(out + b * o_sb + h * o_sh, o_ss, m0 + store_row0, seqlen_q,
+                                                 head_dim, q_s + store_row0 * kRow, lane);
 }
 
 }  // namespace cuflash
