@@ -3,14 +3,14 @@
 // One thread block owns BLOCK_M query rows of one (batch, head), split over WARPS warps; a warp owns
 // BLOCK_M / WARPS rows as kMAtoms stacked 16-row mma atoms, so every K and V fragment it reads from
 // shared memory feeds kMAtoms mma instructions (shared-memory bandwidth, not the tensor cores, bounds
-// a one-atom warp: bench/NOTES.md). Where registers cannot hold two atoms' output (head_dim 256), a pair
-// of warps shares 32 rows instead (KEY_SPLIT, below). The Q tile stays on chip throughout (in registers when they
-// suffice, else in shared memory) while the block walks the key/value tiles, BLOCK_N keys at a time,
-// double-buffered with cp.async: tile j+1 is in flight while tile j is used. The tiles' rows are
-// XOR-swizzled where the head dim allows (ForwardRow in mma.cuh: 16-byte copies land 32-byte aligned).
-// Per row the online-softmax state is m_i (running max of the base-2 scores), l_i (running sum of
-// exp2(score - m_i), per-thread partial until the epilogue) and acc (the unnormalized output, in mma
-// accumulator layout).
+// a one-atom warp: bench/NOTES.md). Where registers cannot hold two atoms' output (head_dim 256), a
+// pair of warps shares 32 rows instead (KEY_SPLIT, below). The Q tile stays on chip throughout (in
+// registers when they suffice, else in shared memory) while the block walks the key/value tiles,
+// BLOCK_N keys at a time, double-buffered with cp.async: tile j+1 is in flight while tile j is used.
+// The tiles' rows are XOR-swizzled where the head dim allows (ForwardRow in mma.cuh: 16-byte copies
+// land 32-byte aligned). Per row the online-softmax state is m_i (running max of the base-2 scores),
+// l_i (running sum of exp2(score - m_i), per-thread partial until the epilogue) and acc (the
+// unnormalized output, in mma accumulator layout).
 //
 // Scores are kept in base 2: x = (q . k) * scale * log2(e), so p = exp2(x - m_i). The stored lse is
 // converted back to natural log: lse = (m_i + log2(l_i)) * ln(2).
@@ -221,7 +221,8 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                 // enough for P (bf16/fp16) and the float32 sums. The warp moves its references (and rescales
                 // acc and l_i) only when some row's max has grown past its reference by kRescaleSlack, which
                 // after the first tiles is rare: most tiles skip the kDTiles * 4 multiplies per atom.
-                const bool grown = tile_max[ma][0] > m_i[ma][0] + kRescaleSlack || tile_max[ma][1] > m_i[ma][1] + kRescaleSlack;
+                const bool grown = tile_max[ma][0] > m_i[ma][0] + kRescaleSlack ||
+                                   tile_max[ma][1] > m_i[ma][1] + kRescaleSlack;
                 if (__any_sync(0xffffffffu, grown)) {
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
@@ -268,8 +269,10 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 #pragma unroll
                 for (int ma = 0; ma < kMAtoms; ++ma) {
 #pragma unroll
-                    for (int r = 0; r < 2; ++r)
-                        tile_max[ma][r] = fmaxf(tile_max[ma][r], my_max[(ma * 2 + r) * 32 + partner_side * kMaxSlots]);
+                    for (int r = 0; r < 2; ++r) {
+                        const float partner_max = my_max[(ma * 2 + r) * 32 + partner_side * kMaxSlots];
+                        tile_max[ma][r] = fmaxf(tile_max[ma][r], partner_max);
+                    }
                     exponentiate(ma);
                 }
             }
@@ -281,7 +284,8 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 #pragma unroll
                     for (int db = 0; db < kDTiles; db += 2) {
                         unsigned vf[4];
-                        ldmatrix_x4_trans(vf, Row::advance(v_tile, db) + (key_share * kWarpKeys + kk * 16) * kRowBytes);
+                        const int key_row = key_share * kWarpKeys + kk * 16;
+                        ldmatrix_x4_trans(vf, Row::advance(v_tile, db) + key_row * kRowBytes);
 #pragma unroll
                         for (int ma = 0; ma < kMAtoms; ++ma) {
                             mma_16816<T>(acc[ma][db], p[ma][kk], vf[0], vf[1]);
@@ -354,7 +358,8 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                     pack2<T>(acc[ma][db][2 * r] * inv_l, acc[ma][db][2 * r + 1] * inv_l);
         }
     }
-    constexpr int kStoreRows = kRowsPerWarp / KEY_SPLIT;   // a multiple of 8: the swizzle's period
+    constexpr int kStoreRows = kRowsPerWarp / KEY_SPLIT;
+    static_assert(kStoreRows % 8 == 0, "a warp's first stored row starts the swizzle's 8-row period");
     if constexpr (KEY_SPLIT > 1)
         pair_sync();
     else
