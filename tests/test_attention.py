@@ -113,6 +113,27 @@ def test_strided_inputs_are_read_and_not_written(xp, rng):
     assert_fa_close(out, ref_out, lp_out, np.float16, 2, "out")
 
 
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (128, True), (256, False), (256, True)])
+@pytest.mark.parametrize("dtype", DTYPES[:2], ids=lambda d: d.name)
+def test_scores_growing_along_the_keys(xp, rng, head_dim, causal, dtype):
+    # Scores climb ~14-28 (base 2) per 64 keys, far past the kernels' rescale slack (8, fwd_mma.cu):
+    # every key tile moves the rows' exponent reference and rescales acc and l, in warp pairs (head_dim
+    # 256 without the mask on sm_90) both partners alike. The softmax ends up on the last keys.
+    batch, seqlen, heads = 1, 333, 2
+    shape = (batch, seqlen, heads, head_dim)
+    ramp = np.linspace(0, 12, seqlen, dtype=np.float32)[None, :, None, None]
+    q = 0.5 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+    k = ramp + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+    v = rng.standard_normal(shape, dtype=np.float32)
+    q, k, v = (xp.asarray(x.astype(dtype)) for x in (q, k, v))
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    ref_out, ref_lse = reference.attention(q, k, v, causal=causal)
+    lp_out, lp_lse = lowp_attention(q, k, v, causal, None, dtype)
+    max_score = max_abs_finite(ref_lse)
+    assert_fa_close(out, ref_out, lp_out, dtype, 2, "out", max_score)
+    assert_fa_close(lse, ref_lse, lp_lse, np.float32, 2, "lse", max_score)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 def test_softmax_scale(xp, rng, dtype):
     check_forward(xp, rng, 1, 70, 90, 2, 2, 64, False, dtype, scale=0.37)
