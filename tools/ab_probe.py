@@ -1,0 +1,89 @@
+"""A/B probe of the forward: several cuflash trees and FlashAttention-2 (SDPA flash), interleaved in one process.
+
+``python tools/ab_probe.py --trees base,new --rounds 5 --cases 256:0:2048:0,128:1:1024:1``: each tree is a
+directory holding a ``cuflash`` package (``git archive REV cuflash | tar -x -C exp/base``), imported under its
+own module name; a case is ``head_dim:causal:seqlen:float16`` on FlashAttention's grid (bfloat16 where the
+last field is 0). Every round times FA2 and then the trees, their order rotated per round, each as
+``bench.timing.EventTimer`` does (repeats back to back, the L2 flushed before each, one sync), on the same
+fresh arrays. Prints the median TFLOP/s per case and the ratio to FA2. Run from the repository root with
+``PYTHONPATH=.``. The numbers that count come from ``python -m bench``; this one answers "which version is
+faster" in about a minute of device time, with less drift between the versions than separate processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+import cupy as cp
+import numpy as np
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from bench.timing import EventTimer
+
+TOKENS, WIDTH = 16384, 2048  # FlashAttention's grid: batch * seqlen, heads * head_dim
+
+
+def load_tree(name: str, root: str):
+    """The cuflash package under ``root`` as module ``name`` (its imports are relative, so copies coexist)."""
+    package = os.path.join(root, "cuflash")
+    spec = importlib.util.spec_from_file_location(name, os.path.join(package, "__init__.py"),
+                                                  submodule_search_locations=[package])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_case(text: str) -> tuple[int, bool, int, bool]:
+    head_dim, causal, seqlen, fp16 = (int(x) for x in text.split(":"))
+    return head_dim, bool(causal), seqlen, bool(fp16)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trees", required=True, help="comma-separated directories, each holding a cuflash package")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--cases", required=True, help="comma-separated head_dim:causal:seqlen:float16")
+    args = parser.parse_args()
+    trees = {path: load_tree(f"cuflash_tree{i}", path) for i, path in enumerate(args.trees.split(","))}
+    cases = [parse_case(c) for c in args.cases.split(",")]
+    timer = EventTimer(warmup=2, repeats=args.repeats)
+    tflops: dict[tuple, list[float]] = {}
+    for round_ in range(args.rounds):
+        names = list(trees)
+        order = names[round_ % len(names):] + names[:round_ % len(names)]
+        for case in cases:
+            head_dim, causal, seqlen, fp16 = case
+            dtype = cp.float16 if fp16 else cp.dtype("bfloat16")
+            batch, heads = TOKENS // seqlen, WIDTH // head_dim
+            q, k, v = (cp.random.standard_normal((batch, seqlen, heads, head_dim), dtype=cp.float32).astype(dtype)
+                       for _ in range(3))
+            tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+            flop = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+
+            def flash():
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+
+            runs = [("fa2", flash)] + [(name, lambda m=trees[name]: m.attention(q, k, v, causal=causal))
+                                       for name in order]
+            for name, fn in runs:
+                ms = float(np.median(timer(fn)))
+                tflops.setdefault(case + (name,), []).append(flop / ms / 1e9)
+        print(f"round {round_}", flush=True)
+    for case in cases:
+        fa2 = float(np.median(tflops[case + ("fa2",)]))
+        line = f"d={case[0]} causal={int(case[1])} n={case[2]} {'fp16' if case[3] else 'bf16'}: fa2 {fa2:.1f}"
+        for name in trees:
+            ours = float(np.median(tflops[case + (name,)]))
+            line += f" | {name} {ours:.1f} ({ours / fa2:.3f})"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
