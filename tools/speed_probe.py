@@ -4,7 +4,8 @@
 come from ``python -m bench``; this answers "did that change help" in a few seconds of device time. To
 compare two versions in one device call, time a copy of the old package against the working tree,
 alternating, without the peers: ``git archive HEAD~1 cuflash | tar x -C old`` here, then on the device
-``PYTHONPATH=old python3 tools/speed_probe.py --no-peers`` and ``PYTHONPATH=. ...``, twice each.
+``PYTHONPATH=old python3 tools/speed_probe.py --no-peers`` and ``PYTHONPATH=. ...``, twice each; or
+``tools/ab_probe.py``, which interleaves the versions and FlashAttention-2 in one process.
 """
 
 from __future__ import annotations
