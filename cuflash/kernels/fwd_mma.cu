@@ -100,6 +100,16 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     auto pair_sync = [&] {
         if constexpr (KEY_SPLIT > 1) named_barrier_sync(1 + warp / KEY_SPLIT, 32 * KEY_SPLIT);
     };
+    // A per-row quantity (rows g and g + 8 of each atom) traded with the partner through the row-maxima
+    // slots: offer this warp's values and meet the partner, then read the partner's value of (atom, row).
+    auto offer_to_partner = [&](const float (&mine)[kMAtoms][2]) {
+#pragma unroll
+        for (int ma = 0; ma < kMAtoms; ++ma)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) my_max[(ma * 2 + r) * 32] = mine[ma][r];
+        pair_sync();
+    };
+    auto partner_value = [&](int ma, int r) { return my_max[(ma * 2 + r) * 32 + partner_side * kMaxSlots]; };
 
     load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads, Row>(q_s, q_head, q_ss, m0, seqlen_q, head_dim, vec_ok, tid);
     if (n_tiles > 0) {
@@ -261,18 +271,11 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
             } else {   // the max over the partner's keys too, so that both keep the same m_i
 #pragma unroll
                 for (int ma = 0; ma < kMAtoms; ++ma) take_row_max(ma);
-#pragma unroll
-                for (int ma = 0; ma < kMAtoms; ++ma)
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) my_max[(ma * 2 + r) * 32] = tile_max[ma][r];
-                pair_sync();
+                offer_to_partner(tile_max);
 #pragma unroll
                 for (int ma = 0; ma < kMAtoms; ++ma) {
 #pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const float partner_max = my_max[(ma * 2 + r) * 32 + partner_side * kMaxSlots];
-                        tile_max[ma][r] = fmaxf(tile_max[ma][r], partner_max);
-                    }
+                    for (int r = 0; r < 2; ++r) tile_max[ma][r] = fmaxf(tile_max[ma][r], partner_value(ma, r));
                     exponentiate(ma);
                 }
             }
@@ -331,15 +334,16 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     // the row-maxima slots), and each stages its columns, then stores its share of the rows.
     float partner_l[kMAtoms][2];
     if constexpr (KEY_SPLIT > 1) {
+        float own_l[kMAtoms][2];
 #pragma unroll
         for (int ma = 0; ma < kMAtoms; ++ma)
 #pragma unroll
-            for (int r = 0; r < 2; ++r) my_max[(ma * 2 + r) * 32] = quad_sum(l_i[ma][r]);
-        pair_sync();
+            for (int r = 0; r < 2; ++r) own_l[ma][r] = quad_sum(l_i[ma][r]);
+        offer_to_partner(own_l);
 #pragma unroll
         for (int ma = 0; ma < kMAtoms; ++ma)
 #pragma unroll
-            for (int r = 0; r < 2; ++r) partner_l[ma][r] = my_max[(ma * 2 + r) * 32 + partner_side * kMaxSlots];
+            for (int r = 0; r < 2; ++r) partner_l[ma][r] = partner_value(ma, r);
     }
     float* lse_head = lse + static_cast<long long>(bh) * seqlen_q;
 #pragma unroll
