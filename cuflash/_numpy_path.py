@@ -30,13 +30,30 @@ def _ungrouped(x: np.ndarray) -> np.ndarray:
     return x.transpose(0, 3, 1, 2, 4).reshape(b, n, hk * g, d)
 
 
-def _visible(p: Problem, n0: int, n1: int) -> np.ndarray | None:
-    """(seqlen_q, n1 - n0) mask of one key block, or None when every pair is visible."""
-    if not p.causal:
-        return None
-    rows = np.arange(p.seqlen_q)[:, None]
+def _key_blocks(p: Problem):
+    """(n0, n1, r0, band) per key block that some query row sees: the block's keys n0 .. n1 - 1, the first
+    row that sees any of them (r0; 0 without the mask) and how many rows from r0 on see only part of them
+    (band; the causal diagonal crosses those rows, every later row sees the whole block)."""
+    offset = p.seqlen_k - p.seqlen_q  # query i sees key j when j <= i + offset (bottom-right aligned)
+    for n0 in range(0, p.seqlen_k, BLOCK_N):
+        n1 = min(n0 + BLOCK_N, p.seqlen_k)
+        if not p.causal:
+            yield n0, n1, 0, 0
+            continue
+        r0 = max(0, n0 - offset)
+        if r0 >= p.seqlen_q:
+            return  # no row sees this block or any later one
+        yield n0, n1, r0, min(p.seqlen_q, n1 - 1 - offset) - r0
+
+
+def _mask_band(x: np.ndarray, p: Problem, n0: int, n1: int, r0: int, band: int, fill) -> np.ndarray:
+    """``x`` (rows r0.., keys n0..n1) with ``fill`` where the causal mask hides a key from a row."""
+    if band <= 0:
+        return x
+    rows = np.arange(r0, r0 + band)[:, None]
     keys = np.arange(n0, n1)[None, :]
-    return keys <= rows + (p.seqlen_k - p.seqlen_q)
+    x[..., :band, :] = np.where(keys <= rows + (p.seqlen_k - p.seqlen_q), x[..., :band, :], fill)
+    return x
 
 
 def forward(q, k, v, p: Problem):
@@ -49,19 +66,18 @@ def forward(q, k, v, p: Problem):
     l_i = np.zeros(qg.shape[:-1], np.float32)
     acc = np.zeros(qg.shape, np.float32)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        for n0 in range(0, p.seqlen_k, BLOCK_N):
-            n1 = min(n0 + BLOCK_N, p.seqlen_k)
-            s = (qg @ kg[..., n0:n1, :].swapaxes(-1, -2)) * scale_log2  # base-2 scores
-            visible = _visible(p, n0, n1)
-            if visible is not None:
-                s = np.where(visible, s, np.float32(-np.inf))
-            m_new = np.maximum(m_i, s.max(axis=-1))
+        # under the causal mask, key block n0 updates only the rows from r0 on: the rows before it see
+        # none of its keys (their state, and so the result, is what it would be with the block masked)
+        for n0, n1, r0, band in _key_blocks(p):
+            s = (qg[..., r0:, :] @ kg[..., n0:n1, :].swapaxes(-1, -2)) * scale_log2  # base-2 scores
+            s = _mask_band(s, p, n0, n1, r0, band, np.float32(-np.inf))
+            m_new = np.maximum(m_i[..., r0:], s.max(axis=-1))
             base = np.where(m_new == -np.inf, np.float32(0), m_new)  # safe max: all-masked rows
-            alpha = np.exp2(m_i - base)
+            alpha = np.exp2(m_i[..., r0:] - base)
             probs = np.exp2(s - base[..., None])
-            l_i = l_i * alpha + probs.sum(axis=-1)
-            acc = acc * alpha[..., None] + probs @ vg[..., n0:n1, :]
-            m_i = m_new
+            l_i[..., r0:] = l_i[..., r0:] * alpha + probs.sum(axis=-1)
+            acc[..., r0:, :] = acc[..., r0:, :] * alpha[..., None] + probs @ vg[..., n0:n1, :]
+            m_i[..., r0:] = m_new
         out = np.where(l_i[..., None] == 0, np.float32(0), acc / l_i[..., None])
         lse = np.where(l_i == 0, np.float32(-np.inf), (m_i + np.log2(l_i)) * np.float32(LN2))
     b, hk, g, sq = lse.shape
@@ -82,18 +98,16 @@ def backward(dout, q, k, v, out, lse, p: Problem):
     dk = np.zeros((b, p.heads_kv, p.seqlen_k, p.head_dim), np.float32)
     dv = np.zeros_like(dk)
     with np.errstate(invalid="ignore", over="ignore"):
-        for n0 in range(0, p.seqlen_k, BLOCK_N):
-            n1 = min(n0 + BLOCK_N, p.seqlen_k)
+        for n0, n1, r0, band in _key_blocks(p):  # rows before r0 see none of the block's keys
             k_blk, v_blk = kg[..., n0:n1, :], vg[..., n0:n1, :]
-            probs = np.exp2((qg @ k_blk.swapaxes(-1, -2)) * scale_log2 - lse2[..., None])
-            visible = _visible(p, n0, n1)
-            if visible is not None:
-                probs = np.where(visible, probs, np.float32(0))
-            dp = dog @ v_blk.swapaxes(-1, -2)
-            ds = probs * (dp - delta[..., None])
-            dv[:, :, n0:n1] = (probs.swapaxes(-1, -2) @ dog).sum(axis=2)
-            dk[:, :, n0:n1] = scale * (ds.swapaxes(-1, -2) @ qg).sum(axis=2)
-            dq += scale * (ds @ k_blk)
+            q_rows, do_rows = qg[..., r0:, :], dog[..., r0:, :]
+            probs = np.exp2((q_rows @ k_blk.swapaxes(-1, -2)) * scale_log2 - lse2[..., r0:, None])
+            probs = _mask_band(probs, p, n0, n1, r0, band, np.float32(0))
+            dp = do_rows @ v_blk.swapaxes(-1, -2)
+            ds = probs * (dp - delta[..., r0:, None])
+            dv[:, :, n0:n1] = (probs.swapaxes(-1, -2) @ do_rows).sum(axis=2)
+            dk[:, :, n0:n1] = scale * (ds.swapaxes(-1, -2) @ q_rows).sum(axis=2)
+            dq[..., r0:, :] += scale * (ds @ k_blk)
     dtype = q.dtype
     return (_ungrouped(dq).astype(dtype), dk.transpose(0, 2, 1, 3).astype(dtype),
             dv.transpose(0, 2, 1, 3).astype(dtype))
