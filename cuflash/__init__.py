@@ -8,13 +8,74 @@ device and CuPy's current stream; NumPy arrays run the same blocked algorithm on
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import _numpy_path, reference
 from ._config import HEAD_DIMS, MAX_HEAD_DIM, SUPPORTED_DTYPES
-from ._validate import array_module, check_backward, check_forward
+from ._validate import array_module, check_backward, check_flag, check_forward
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_backward", "reference", "HEAD_DIMS", "MAX_HEAD_DIM", "SUPPORTED_DTYPES",
            "__version__"]
+
+#: Plans of the calls seen, keyed on everything validation and the kernel choice read: each array's class,
+#: shape, strides, dtype and device, and the options with their types (``causal=1`` is refused where
+#: ``causal=True`` is not, though the two are equal keys). A call whose key is here skips validation and
+#: planning; only keys that passed validation get in. Emptied when full: a process sweeping shapes
+#: replans, one that repeats a few never does.
+_plans: dict = {}
+MAX_PLANS = 4096
+_FORWARD, _BACKWARD = "forward", "backward"
+
+
+def _array_key(x) -> tuple:
+    cls = x.__class__
+    return cls, x.shape, x.strides, x.dtype, None if cls is np.ndarray else x.data.device_id
+
+
+def _remember(key, plan):
+    if key is not None:
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
+def clear_plans():
+    """Forget every cached call plan (the next call of each shape validates and plans again)."""
+    _plans.clear()
+
+
+def _plan_forward(q, k, v, causal, softmax_scale):
+    """Validate a forward call and return the function that runs it: ``(q, k, v, with_lse) -> (out, lse)``
+    (lse may be None where ``with_lse`` is False)."""
+    xp = array_module(q=q, k=k, v=v)
+    problem = check_forward(q, k, v, causal, softmax_scale)
+    if problem.is_empty:
+        def empty(q, k, v, with_lse):
+            return (xp.zeros(q.shape, q.dtype),
+                    xp.full((problem.batch, problem.heads, problem.seqlen_q), -xp.inf, xp.float32))
+        return empty
+    if xp is np:
+        return lambda q, k, v, with_lse: _numpy_path.forward(q, k, v, problem)
+    from . import _cupy_path
+
+    return _cupy_path.ForwardPlan(problem, q.data.device_id, q, k, v).run
+
+
+def _plan_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+    """Validate a backward call and return the function that runs it: ``(dout, q, k, v, out, lse) -> (dq, dk, dv)``."""
+    xp = array_module(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    problem = check_backward(dout, q, k, v, out, lse, causal, softmax_scale)
+    check_flag("deterministic", deterministic)
+    if problem.is_empty or problem.seqlen_k == 0:
+        return lambda dout, q, k, v, out, lse: (xp.zeros(q.shape, q.dtype), xp.zeros(k.shape, k.dtype),
+                                                xp.zeros(v.shape, v.dtype))
+    if xp is np:
+        return lambda dout, q, k, v, out, lse: _numpy_path.backward(dout, q, k, v, out, lse, problem)
+    from . import _cupy_path
+
+    return _cupy_path.BackwardPlan(problem, q.data.device_id, bool(deterministic), dout, q, k, v, out, lse).run
 
 
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False):
@@ -51,17 +112,17 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     >>> out.shape, lse.shape
     ((1, 5, 2, 16), (1, 2, 5))
     """
-    xp = array_module(q=q, k=k, v=v)
-    problem = check_forward(q, k, v, causal, softmax_scale)
-    if problem.is_empty:
-        out = xp.zeros(q.shape, q.dtype)
-        lse = xp.full((problem.batch, problem.heads, problem.seqlen_q), -xp.inf, xp.float32)
-    elif xp is _numpy_path.np:
-        out, lse = _numpy_path.forward(q, k, v, problem)
-    else:
-        from . import _cupy_path
-
-        out, lse = _cupy_path.forward(q, k, v, problem)
+    try:
+        key = (_FORWARD, _array_key(q), _array_key(k), _array_key(v), causal, causal.__class__, softmax_scale,
+               softmax_scale.__class__)
+        plan = _plans.get(key)
+    except (AttributeError, TypeError):  # not an array, an unhashable option: validation says what is wrong
+        key = plan = None
+    if plan is None:
+        plan = _remember(key, _plan_forward(q, k, v, causal, softmax_scale))
+    if return_lse.__class__ is not bool:
+        check_flag("return_lse", return_lse)
+    out, lse = plan(q, k, v, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -98,14 +159,13 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_sc
     dk, dv : arrays, (batch, seqlen_k, heads_kv, head_dim), dtype of q
         Summed over the query heads that share a kv head.
     """
-    xp = array_module(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
-    problem = check_backward(dout, q, k, v, out, lse, causal, softmax_scale)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    if problem.is_empty or problem.seqlen_k == 0:
-        return xp.zeros(q.shape, q.dtype), xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype)
-    if xp is _numpy_path.np:
-        return _numpy_path.backward(dout, q, k, v, out, lse, problem)
-    from . import _cupy_path
-
-    return _cupy_path.backward(dout, q, k, v, out, lse, problem, deterministic)
+    try:
+        key = (_BACKWARD, _array_key(dout), _array_key(q), _array_key(k), _array_key(v), _array_key(out),
+               _array_key(lse), causal, causal.__class__, softmax_scale, softmax_scale.__class__, deterministic,
+               deterministic.__class__)
+        plan = _plans.get(key)
+    except (AttributeError, TypeError):
+        key = plan = None
+    if plan is None:
+        plan = _remember(key, _plan_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic))
+    return plan(dout, q, k, v, out, lse)

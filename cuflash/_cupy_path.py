@@ -1,7 +1,15 @@
-"""The GPU path: choose the kernels for a problem, get them compiled, launch them on CuPy's stream."""
+"""The GPU path: plan the kernels of a problem once, then launch them on CuPy's current stream per call.
+
+A plan holds everything a call of one (shapes, strides, dtypes, device, options) needs: the compiled
+kernels, their grids, shared memory and every by-value launch argument, converted once. ``run`` only
+allocates the outputs, checks the arrays' 16-byte alignment (a pointer property, not part of the key)
+and launches. Nothing in ``run`` synchronizes the host or touches the null stream, so a call can be
+captured into a CUDA graph (``cupy.cuda.Stream.begin_capture``) once its kernels are compiled.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -11,6 +19,33 @@ from ._compile import get_kernel
 from ._validate import Problem
 
 LOG2E = float(np.log2(np.e))
+
+try:
+    from cupy import ndarray as _ndarray  # uninitialized, from the current device's pool: cupy.empty's work
+    from cupy.cuda.runtime import getDevice as _get_device
+except ImportError:  # the module imports without CuPy (tests, tools); its plans need it
+    _ndarray = _get_device = None
+try:  # CuPy hands a CPointer to the driver as it is; a numpy scalar it converts on every launch
+    from cupy.cuda.function import CNumpyArray as _CNumpyArray
+except ImportError:  # CuPy without the class (or none): numpy scalars, converted per launch
+    _CNumpyArray = None
+
+
+def _by_value(value, dtype):
+    """A kernel argument passed by value, converted to its C type once."""
+    if _CNumpyArray is None:
+        return np.dtype(dtype).type(value)
+    return _CNumpyArray(np.array(value, dtype))
+
+
+def _int32(value):
+    return _by_value(value, np.int32)
+
+
+#: the kernels' ``int vec_ok`` argument: may rows be read as 16-byte chunks (cp.async)?
+_VECTOR_OK = (_int32(0), _int32(1))
+#: a null ``float*`` (no lse to store; the dQ accumulator where dQ has its own kernel)
+_NULL = _by_value(0, np.uint64)
 
 
 @functools.lru_cache(maxsize=None)
@@ -23,26 +58,42 @@ def device_props(device_id: int) -> _config.DeviceProps:
                                sm_count=props["multiProcessorCount"])
 
 
-def _readable(x):
-    """``x`` itself when its last axis is contiguous and its strides are whole elements, else one copy."""
+def _needs_copy(x) -> bool:
+    """Must ``x`` be copied before a kernel reads it? Yes unless its last axis is contiguous and its strides
+    are whole elements."""
+    itemsize = x.dtype.itemsize
+    return bool(x.size) and (x.strides[-1] != itemsize and x.shape[-1] > 1 or any(s % itemsize for s in x.strides))
+
+
+def _readable(x, copy: bool):
     import cupy
 
-    itemsize = x.dtype.itemsize
-    if x.size and (x.strides[-1] != itemsize and x.shape[-1] > 1 or any(s % itemsize for s in x.strides)):
-        return cupy.ascontiguousarray(x)
-    return x
+    return cupy.ascontiguousarray(x) if copy else x
 
 
-def _strides(x) -> list[np.int64]:
+def _element_strides(shape, strides, itemsize: int) -> tuple[int, int, int]:
     """(batch, seq, head) strides in elements."""
-    return [np.int64(s // x.dtype.itemsize) for s in x.strides[:3]]
+    return tuple(s // itemsize for s in strides[:3])
 
 
-def _vector_aligned(head_dim: int, *arrays) -> bool:
-    """Can every row be read as 16-byte chunks (cp.async)?"""
-    elems = 16 // arrays[0].dtype.itemsize
-    return head_dim % elems == 0 and all(
-        x.data.ptr % 16 == 0 and all(int(s) % elems == 0 for s in _strides(x)) for x in arrays)
+def _contiguous_strides(shape, itemsize: int) -> tuple[int, ...]:
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _strides_of(x, copy: bool) -> tuple[int, int, int]:
+    """(batch, seq, head) element strides of ``x`` as a kernel reads it (after the copy, if any)."""
+    strides = _contiguous_strides(x.shape, x.dtype.itemsize) if copy else x.strides
+    return _element_strides(x.shape, strides, x.dtype.itemsize)
+
+
+def _strides_vector_ok(head_dim: int, itemsize: int, *strides) -> bool:
+    """The shape half of the 16-byte-chunk test: head_dim and every stride are whole chunks."""
+    elems = 16 // itemsize
+    return head_dim % elems == 0 and all(s % elems == 0 for triple in strides for s in triple)
 
 
 def _grid(blocks: int) -> tuple[int]:
@@ -57,95 +108,183 @@ def _banded_grid(tiles_per_head: int, pairs: int, device_id: int) -> tuple[int, 
     return _grid(tiles_per_head * band)[0], pairs // band
 
 
-def forward(q, k, v, p: Problem, spec: _config.KernelSpec | None = None):
-    """out, lse; ``spec`` overrides the tile table's forward kernel (for tuning tools)."""
+def _on_device(device_id: int):
+    """The device's context where it is not already current (entering one costs half a microsecond)."""
     import cupy
 
-    device_id = q.device.id
-    with q.device:
-        q, k, v = _readable(q), _readable(k), _readable(v)
-        out = cupy.empty(q.shape, q.dtype)
-        lse = cupy.empty((p.batch, p.heads, p.seqlen_q), np.float32)
+    return contextlib.nullcontext() if cupy.cuda.runtime.getDevice() == device_id else cupy.cuda.Device(device_id)
+
+
+def _run_on(device_id: int, run, *args):
+    """``run(*args)`` with ``device_id`` current: directly where it already is (the common case)."""
+    if _get_device() == device_id:
+        return run(*args)
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        return run(*args)
+
+
+class ForwardPlan:
+    """The forward of one problem on one device: one kernel launch."""
+
+    def __init__(self, p: Problem, device_id: int, q, k, v, spec: _config.KernelSpec | None = None):
+        self.device_id = device_id
+        self.copies = tuple(_needs_copy(x) for x in (q, k, v))
         if spec is None:
             spec = _config.choose_config(p.head_dim, p.dtype, p.causal, device_props(device_id)).forward
-        kernel = get_kernel(spec, device_id)
-        m_blocks = -(-p.seqlen_q // spec.block_m)
-        args = (q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-                np.int32(p.batch), np.int32(p.heads), np.int32(p.group), np.int32(p.seqlen_q),
-                np.int32(p.seqlen_k), np.int32(p.head_dim), np.float32(p.softmax_scale * LOG2E),
-                np.int32(_vector_aligned(p.head_dim, q, k, v)),
-                np.int32(_config.forward_query_blocks_fastest(spec.head_dim, p.causal)))
-        kernel(_grid(m_blocks * p.batch * p.heads), (spec.threads,), args, shared_mem=spec.smem_bytes)
-    return out, lse
+        with _on_device(device_id):
+            self.kernel = get_kernel(spec, device_id)
+        self.grid = _grid(-(-p.seqlen_q // spec.block_m) * p.batch * p.heads)
+        self.block = (spec.threads,)
+        self.smem = spec.smem_bytes
+        self.out_shape, self.dtype = tuple(q.shape), q.dtype
+        self.lse_shape = (p.batch, p.heads, p.seqlen_q)
+        itemsize = q.dtype.itemsize
+        strides = [_strides_of(x, c) for x, c in zip((q, k, v), self.copies)]
+        strides.append(_element_strides(q.shape, _contiguous_strides(q.shape, itemsize), itemsize))  # out
+        self.strides_vector_ok = _strides_vector_ok(p.head_dim, itemsize, *strides)
+        self.head = tuple(_by_value(s, np.int64) for triple in strides for s in triple) + tuple(
+            _int32(n) for n in (p.batch, p.heads, p.group, p.seqlen_q, p.seqlen_k, p.head_dim)) + (
+            _by_value(p.softmax_scale * LOG2E, np.float32),)
+        self.tail = (_int32(_config.forward_query_blocks_fastest(spec.head_dim, p.causal)),)
+
+    def run(self, q, k, v, with_lse: bool = True):
+        """out, and lse where ``with_lse`` (else None: the kernel stores none), on CuPy's current stream."""
+        return _run_on(self.device_id, self._launch, q, k, v, with_lse)
+
+    def _launch(self, q, k, v, with_lse):
+        copy_q, copy_k, copy_v = self.copies
+        if copy_q or copy_k or copy_v:
+            q, k, v = _readable(q, copy_q), _readable(k, copy_k), _readable(v, copy_v)
+        out = _ndarray(self.out_shape, self.dtype)
+        lse = _ndarray(self.lse_shape, np.float32) if with_lse else None
+        vector_ok = self.strides_vector_ok and not (q.data.ptr | k.data.ptr | v.data.ptr) & 15
+        self.kernel(self.grid, self.block, (q, k, v, out, _NULL if lse is None else lse) + self.head
+                    + (_VECTOR_OK[vector_ok],) + self.tail, shared_mem=self.smem)
+        return out, lse
 
 
-def backward(dout, q, k, v, out, lse, p: Problem, deterministic: bool = False,
-             cfg: _config.AttentionConfig | None = None):
-    """dq, dk, dv; ``cfg`` overrides the tile table's backward kernels (for tuning tools).
+class _Launch:
+    """One kernel launch of a plan: the kernel, its grid and block, shared memory, trailing arguments."""
+
+    __slots__ = ("kernel", "grid", "block", "smem", "tail")
+
+    def __init__(self, spec: _config.KernelSpec, device_id: int, grid, tail: tuple = ()):
+        self.kernel = get_kernel(spec, device_id)
+        self.grid, self.block, self.smem, self.tail = grid, (spec.threads,), spec.smem_bytes, tail
+
+    def __call__(self, args: tuple):
+        self.kernel(self.grid, self.block, args + self.tail, shared_mem=self.smem)
+
+
+class BackwardPlan:
+    """The backward of one problem on one device: bwd_preprocess (delta = rowsum(dout * out)), the dK/dV
+    launches (which also add dQ into a zeroed float32 buffer, where the config has atomic kernels or the
+    deterministic split grid serves), then bwd_dq_convert or the dQ kernel.
 
     The default adds dQ with float32 atomics inside the dK/dV kernels (where the config has them:
     float16/bfloat16). ``deterministic`` runs the same kernel on the split grid, one float32 dQ buffer per
     split, or, where that grid would leave SMs idle, the separate dQ kernel
     (``_config.deterministic_dq_splits``).
     """
-    import cupy
 
-    device_id = q.device.id
-    with q.device:
-        dout, q, k, v, out = (_readable(x) for x in (dout, q, k, v, out))
-        lse = cupy.ascontiguousarray(lse)
+    def __init__(self, p: Problem, device_id: int, deterministic: bool, dout, q, k, v, out, lse,
+                 cfg: _config.AttentionConfig | None = None):
+        self.device_id = device_id
+        self.copies = tuple(_needs_copy(x) for x in (dout, q, k, v, out))
+        self.copy_lse = not lse.flags.c_contiguous
         props = device_props(device_id)
         if cfg is None:
             cfg = _config.choose_config(p.head_dim, p.dtype, p.causal, props)
         pairs = p.batch * p.heads_kv
         dq_splits = _config.deterministic_dq_splits(cfg, pairs, p.seqlen_k, props.sm_count) if deterministic else 0
-        adds_dq = bool(cfg.bwd_dkdv_atomic) and (not deterministic or dq_splits > 0)
-        dq = cupy.empty(q.shape, q.dtype)
-        dk = cupy.empty(k.shape, k.dtype)
-        dv = cupy.empty(v.shape, v.dtype)
-        delta = cupy.empty((p.batch, p.heads, p.seqlen_q), np.float32)
+        self.adds_dq = bool(cfg.bwd_dkdv_atomic) and (not deterministic or dq_splits > 0)
+        self.dtype, self.q_shape, self.kv_shape = q.dtype, tuple(q.shape), tuple(k.shape)
+        self.delta_shape = (p.batch, p.heads, p.seqlen_q)
         # float32, per copy (one per split of the deterministic split grid, else one) and (batch, head):
         # dq_accum_rows(seqlen_q) x specialized head dim in mma-fragment order (DqAccum in
         # kernels/common.cuh); O(seqlen) per (batch, head)
         copies = max(dq_splits, 1)
-        dq_accum = (cupy.zeros((copies, p.batch, p.heads, _config.dq_accum_rows(p.seqlen_q),
-                                cfg.bwd_dq_convert.head_dim), np.float32) if adds_dq else None)
+        self.accum_shape = ((copies, p.batch, p.heads, _config.dq_accum_rows(p.seqlen_q), cfg.bwd_dq_convert.head_dim)
+                            if self.adds_dq else None)
+        itemsize = q.dtype.itemsize
+        dout_s, q_s, k_s, v_s, out_s = (_strides_of(x, c) for x, c in zip((dout, q, k, v, out), self.copies))
+        dq_s = _element_strides(q.shape, _contiguous_strides(q.shape, itemsize), itemsize)
+        dk_s = _element_strides(k.shape, _contiguous_strides(k.shape, itemsize), itemsize)
 
-        rows = p.batch * p.heads * p.seqlen_q
-        lanes = _config.preprocess_lanes(p.head_dim, q.dtype.itemsize)
-        get_kernel(cfg.bwd_preprocess, device_id)(
-            _grid(-(-rows * lanes // cfg.bwd_preprocess.threads)), (cfg.bwd_preprocess.threads,),
-            (dout, out, delta, *_strides(dout), *_strides(out), np.int32(p.batch), np.int32(p.heads),
-             np.int32(p.seqlen_q), np.int32(p.head_dim), np.int32(lanes),
-             np.int32(_vector_aligned(p.head_dim, dout, out))))
+        def int64s(*triples):
+            return tuple(_by_value(s, np.int64) for triple in triples for s in triple)
 
-        args = (q, k, v, dout, lse, delta, dq, dk, dv,
-                dq_accum if adds_dq else np.uint64(0),  # a null float* where dQ has its own kernel
-                *_strides(q), *_strides(k), *_strides(v),
-                *_strides(dout), *_strides(dq), *_strides(dk), np.int32(p.batch), np.int32(p.heads),
-                np.int32(p.group), np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(p.head_dim),
-                np.float32(p.softmax_scale), np.float32(p.softmax_scale * LOG2E),
-                np.int32(_vector_aligned(p.head_dim, q, k, v, dout)), np.int32(dq_splits))
-        for spec in cfg.bwd_dkdv_atomic if adds_dq else cfg.bwd_dkdv:
-            kernel = get_kernel(spec, device_id)
-            key_blocks = -(-p.seqlen_k // spec.block_n)
-            if dq_splits:  # the split grid: one launch per pass, in order (KeyBlock in kernels/common.cuh)
-                for dq_pass in range(-(-key_blocks // dq_splits)):
-                    kernel(_grid(pairs * dq_splits), (spec.threads,), (*args, np.int32(dq_pass)),
-                           shared_mem=spec.smem_bytes)
+        with _on_device(device_id):
+            rows = p.batch * p.heads * p.seqlen_q
+            lanes = _config.preprocess_lanes(p.head_dim, itemsize)
+            pre = cfg.bwd_preprocess
+            self.preprocess = _Launch(pre, device_id, _grid(-(-rows * lanes // pre.threads)))
+            self.preprocess_head = int64s(dout_s, out_s) + tuple(
+                _int32(n) for n in (p.batch, p.heads, p.seqlen_q, p.head_dim, lanes))
+            self.preprocess_strides_ok = _strides_vector_ok(p.head_dim, itemsize, dout_s, out_s)
+
+            self.head = int64s(q_s, k_s, v_s, dout_s, dq_s, dk_s) + tuple(
+                _int32(n) for n in (p.batch, p.heads, p.group, p.seqlen_q, p.seqlen_k, p.head_dim)) + (
+                _by_value(p.softmax_scale, np.float32), _by_value(p.softmax_scale * LOG2E, np.float32))
+            self.strides_vector_ok = _strides_vector_ok(p.head_dim, itemsize, q_s, k_s, v_s, dout_s)
+            self.splits = _int32(dq_splits)
+            self.dkdv = []
+            for spec in cfg.bwd_dkdv_atomic if self.adds_dq else cfg.bwd_dkdv:
+                key_blocks = -(-p.seqlen_k // spec.block_n)
+                if dq_splits:  # the split grid: one launch per pass, in order (KeyBlock in kernels/common.cuh)
+                    self.dkdv += [_Launch(spec, device_id, _grid(pairs * dq_splits), (self.splits, _int32(dq_pass)))
+                                  for dq_pass in range(-(-key_blocks // dq_splits))]
+                else:
+                    self.dkdv.append(_Launch(spec, device_id, _banded_grid(key_blocks, pairs, device_id),
+                                             (self.splits, _int32(0))))
+            if self.adds_dq:
+                spec = cfg.bwd_dq_convert
+                tile_rows = int(np.prod(self.accum_shape[1:])) // 8  # one thread per row of a 16 x 8 tile
+                self.dq = _Launch(spec, device_id, _grid(-(-tile_rows // spec.threads)),
+                                  int64s(dq_s) + tuple(_int32(n) for n in (p.batch, p.heads, p.seqlen_q, p.head_dim))
+                                  + (_by_value(p.softmax_scale, np.float32), _int32(copies)))
             else:
-                kernel(_banded_grid(key_blocks, pairs, device_id), (spec.threads,), (*args, np.int32(0)),
-                       shared_mem=spec.smem_bytes)
-        if adds_dq:
-            spec = cfg.bwd_dq_convert
-            tile_rows = dq_accum.size // copies // 8  # one thread per row of a 16 x 8 tile
-            get_kernel(spec, device_id)(
-                _grid(-(-tile_rows // spec.threads)), (spec.threads,),
-                (dq_accum, dq, *_strides(dq), np.int32(p.batch), np.int32(p.heads), np.int32(p.seqlen_q),
-                 np.int32(p.head_dim), np.float32(p.softmax_scale), np.int32(copies)))
-        else:
-            spec = cfg.bwd_dq
-            m_blocks = -(-p.seqlen_q // spec.block_m)
-            get_kernel(spec, device_id)(_grid(m_blocks * p.batch * p.heads), (spec.threads,),
-                                        (*args, np.int32(0)), shared_mem=spec.smem_bytes)
-    return dq, dk, dv
+                spec = cfg.bwd_dq
+                self.dq = _Launch(spec, device_id, _grid(-(-p.seqlen_q // spec.block_m) * p.batch * p.heads),
+                                  (self.splits, _int32(0)))
+
+    def run(self, dout, q, k, v, out, lse):
+        """dq, dk, dv on CuPy's current stream."""
+        return _run_on(self.device_id, self._launch, dout, q, k, v, out, lse)
+
+    def _launch(self, dout, q, k, v, out, lse):
+        import cupy
+
+        if any(self.copies):
+            dout, q, k, v, out = (_readable(x, c) for x, c in zip((dout, q, k, v, out), self.copies))
+        if self.copy_lse:
+            lse = cupy.ascontiguousarray(lse)
+        dq = _ndarray(self.q_shape, self.dtype)
+        dk = _ndarray(self.kv_shape, self.dtype)
+        dv = _ndarray(self.kv_shape, self.dtype)
+        delta = _ndarray(self.delta_shape, np.float32)
+        dq_accum = cupy.zeros(self.accum_shape, np.float32) if self.adds_dq else _NULL
+
+        vector_ok = self.preprocess_strides_ok and not (dout.data.ptr | out.data.ptr) & 15
+        self.preprocess((dout, out, delta) + self.preprocess_head + (_VECTOR_OK[vector_ok],))
+        vector_ok = self.strides_vector_ok and not (q.data.ptr | k.data.ptr | v.data.ptr | dout.data.ptr) & 15
+        args = (q, k, v, dout, lse, delta, dq, dk, dv, dq_accum) + self.head + (_VECTOR_OK[vector_ok],)
+        for launch in self.dkdv:
+            launch(args)
+        self.dq((dq_accum, dq) if self.adds_dq else args)
+        return dq, dk, dv
+
+
+def forward(q, k, v, p: Problem, spec: _config.KernelSpec | None = None):
+    """out, lse through a plan made for this call; ``spec`` overrides the tile table's forward kernel (for
+    tuning tools)."""
+    return ForwardPlan(p, q.data.device_id, q, k, v, spec).run(q, k, v, with_lse=True)
+
+
+def backward(dout, q, k, v, out, lse, p: Problem, deterministic: bool = False,
+             cfg: _config.AttentionConfig | None = None):
+    """dq, dk, dv through a plan made for this call; ``cfg`` overrides the tile table's backward kernels (for
+    tuning tools)."""
+    return BackwardPlan(p, q.data.device_id, deterministic, dout, q, k, v, out, lse, cfg).run(dout, q, k, v, out, lse)

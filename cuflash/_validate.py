@@ -15,6 +15,14 @@ import numpy as np
 from ._config import MAX_HEAD_DIM, SUPPORTED_DTYPES
 
 _DTYPE_NAMES = ", ".join(d.name for d in SUPPORTED_DTYPES)
+LOG2E = math.log2(math.e)
+#: The largest base-2 score (scale * log2(e) * q . k) the kernels take exactly enough: they subtract a row's
+#: maximum from its scores in one FMA against the maximum's rounded product, exact to half an ulp of it,
+#: and up to 2**13 that is 2**-11 in the exponent, within float16's rounding of P. Past 2**24 it is a
+#: whole unit and rows turn to garbage or NaN.
+MAX_BASE2_SCORE = 2.0**13
+#: ndarray subclasses whose values mean something the kernels would ignore
+_REFUSED_SUBCLASSES = {np.ma.MaskedArray: "its mask would be ignored; pass x.filled(value) or x.data"}
 
 
 def _cupy():
@@ -31,6 +39,9 @@ def array_module(**arrays):
     kinds = {}
     for name, a in arrays.items():
         if isinstance(a, np.ndarray):
+            for cls, why in _REFUSED_SUBCLASSES.items():
+                if isinstance(a, cls):
+                    raise TypeError(f"{name} must be a plain numpy.ndarray, got {cls.__module__}.{cls.__name__}: {why}")
             kinds[name] = "numpy"
         elif cupy is not None and isinstance(a, cupy.ndarray):
             kinds[name] = "cupy"
@@ -103,8 +114,7 @@ def check_forward(q, k, v, causal, softmax_scale) -> Problem:
         raise ValueError(f"k and v have 0 heads but q has {heads}")
     if heads_kv and heads % heads_kv:
         raise ValueError(f"heads of q ({heads}) must be a multiple of heads_kv of k and v ({heads_kv})")
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_flag("causal", causal)
     check_same_device(q=q, k=k, v=v)
     return Problem(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, np.dtype(q.dtype), bool(causal),
                    resolve_scale(softmax_scale, head_dim))
@@ -128,8 +138,26 @@ def check_backward(dout, q, k, v, out, lse, causal, softmax_scale) -> Problem:
     return problem
 
 
+def check_flag(name: str, value):
+    """TypeError unless ``value`` is a bool (Python's or NumPy's)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def max_softmax_scale(head_dim: int) -> float:
+    """The largest softmax_scale accepted at ``head_dim``: 2**13 / (log2(e) * head_dim), 44 at head_dim 128
+    (whose default is 0.088).
+
+    Up to it, inputs whose elements lie within [-1, 1] give base-2 scores within MAX_BASE2_SCORE, which the
+    kernels take to float16 precision; a scale past it turns such rows to NaN (1e37 did). Inputs of
+    larger magnitude reach that limit at a smaller scale: keep |scale * q . k| well under 5000.
+    """
+    return MAX_BASE2_SCORE / (LOG2E * head_dim)
+
+
 def resolve_scale(softmax_scale, head_dim: int) -> float:
-    """``softmax_scale`` or its default ``1/sqrt(head_dim)``; ValueError unless positive and finite."""
+    """``softmax_scale`` or its default ``1/sqrt(head_dim)``; ValueError unless positive, finite and at most
+    ``max_softmax_scale(head_dim)``."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
@@ -137,6 +165,10 @@ def resolve_scale(softmax_scale, head_dim: int) -> float:
     scale = float(softmax_scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale}")
+    if scale > max_softmax_scale(head_dim):
+        raise ValueError(f"softmax_scale must be at most {max_softmax_scale(head_dim):.4g} at head_dim {head_dim} "
+                         f"(2**13 / (log2(e) * head_dim): past it the kernels' float32 scores lose the precision "
+                         f"of the softmax), got {softmax_scale}")
     return scale
 
 

@@ -44,7 +44,7 @@ def _bitwise_equal(cp, a, b) -> bool:
 
 
 @pytest.mark.parametrize("way", ["split_grid", "dq_kernel"])
-def test_deterministic_backward_is_bitwise_reproducible(cp, rng, monkeypatch, way):
+def test_deterministic_backward_is_bitwise_reproducible(cp, rng, monkeypatch, request, way):
     args = _large_backward_inputs(cp, rng)
     # these 32 (batch, kv head) pairs take the split grid on GPUs of up to ~280 SMs; the dQ kernel serves
     # where too few pairs would leave SMs idle, forced here
@@ -55,6 +55,8 @@ def test_deterministic_backward_is_bitwise_reproducible(cp, rng, monkeypatch, wa
         assert chosen > 0 or not _config.split_grid_serves(cfg), chosen
     else:
         monkeypatch.setattr(_config, "deterministic_dq_splits", lambda *_: 0)
+        cuflash.clear_plans()  # plans made before the patch hold the split count
+        request.addfinalizer(cuflash.clear_plans)  # and none made under it may outlive it
     first = cuflash.attention_backward(*args, causal=True, deterministic=True)
     for _ in range(50):
         again = cuflash.attention_backward(*args, causal=True, deterministic=True)
@@ -136,3 +138,54 @@ def test_arrays_on_different_devices_are_rejected(cp, rng):
         k1 = cp.asarray(k)
     with pytest.raises(ValueError, match="one device"):
         cuflash.attention(q, k1, v)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "deterministic"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=lambda d: np.dtype(d).name)
+def test_calls_replay_from_a_cuda_graph(cp, rng, dtype, deterministic):
+    q, k, v = make_qkv(cp, rng, 2, 300, 300, 4, 2, 64, dtype)
+    dout = cp.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(dtype))
+
+    def step():
+        out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+        return (out, lse, *cuflash.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                                      deterministic=deterministic))
+
+    step()  # compiles the kernels and makes the plans: capture records launches, not compilation
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()  # a host synchronization inside would raise here
+        captured = step()
+        graph = stream.end_capture()
+    # New inputs in the captured buffers and poisoned outputs: only a replay of every kernel makes the
+    # outputs right. A launch that went to the null stream ran once, eagerly, and is not in the graph.
+    for x in (q, k, v, dout):
+        x[...] = cp.asarray(rng.standard_normal(x.shape, dtype=np.float32).astype(dtype))
+    for y in captured:
+        y.fill(cp.nan)
+    cp.cuda.Device().synchronize()
+    graph.launch(stream)
+    stream.synchronize()
+    eager = step()
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), captured, eager):
+        if name == "dq" and not deterministic and dtype != np.float32:  # float32 atomics: order varies
+            diff = float(cp.abs(got.astype(cp.float32) - want.astype(cp.float32)).max())
+            assert diff <= 2.0**-8 * float(cp.abs(want.astype(cp.float32)).max()), (name, diff)
+        else:
+            assert cp.array_equal(got, want), name
+
+
+def test_repeated_calls_reuse_their_plan(cp, rng):
+    q, k, v = make_qkv(cp, rng, 1, 64, 80, 2, 1, 96, BF16)
+    cuflash.clear_plans()
+    first = cuflash.attention(q, k, v, causal=True)
+    plans = dict(cuflash._plans)
+    assert len(plans) == 1
+    # the same shapes at another address (and a view that is not 16-byte aligned) reuse the plan
+    q2, k2, v2 = make_qkv(cp, rng, 1, 64, 80, 2, 1, 96, BF16)
+    unaligned = cp.empty(k2.size + 1, k2.dtype)[1:].reshape(k2.shape)
+    unaligned[...] = k2
+    again = cuflash.attention(q2, unaligned, v2, causal=True)
+    assert cuflash._plans == plans
+    assert cp.array_equal(again, cuflash.attention(q2, k2, v2, causal=True))
+    assert cp.array_equal(first, cuflash.attention(q, k, v, causal=True))

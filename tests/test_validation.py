@@ -9,7 +9,10 @@ import pytest
 
 import cuflash
 
-from ._checks import make_qkv
+from cuflash import reference
+from cuflash._validate import max_softmax_scale
+
+from ._checks import BF16, make_qkv, to_numpy
 
 
 @pytest.fixture
@@ -91,9 +94,71 @@ def test_bad_scale_types(qkv, scale):
         _fwd(*qkv, softmax_scale=scale)
 
 
-def test_causal_must_be_bool(qkv):
+@pytest.mark.parametrize("head_dim", [1, 32, 256])
+def test_scale_past_the_kernels_range_is_refused(xp, rng, head_dim):
+    # 1e37 turned every score into inf and the output into NaN, where the float64 reference is finite
+    q, k, v = make_qkv(xp, rng, 1, 8, 8, 2, 2, head_dim, np.float32)
+    for scale in (1e37, 1e20):  # NaN rows: scores overflowed, or lost every bit of the softmax to rounding
+        with pytest.raises(ValueError, match=f"softmax_scale must be at most .* at head_dim {head_dim}"):
+            _fwd(q, k, v, softmax_scale=scale)
+    with pytest.raises(ValueError, match="softmax_scale must be at most"):
+        _fwd(q, k, v, softmax_scale=math.nextafter(max_softmax_scale(head_dim), math.inf))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("head_dim", [1, 64, 256])
+def test_largest_scale_is_exact_for_unit_inputs(xp, rng, head_dim, dtype):
+    # q . k reaches head_dim on key 0 (all ones) and stays far below it elsewhere: at the largest scale the
+    # base-2 scores reach MAX_BASE2_SCORE and the softmax puts all weight on key 0, as the reference does
+    q = xp.asarray(np.ones((1, 4, 1, head_dim), dtype))
+    keys = np.concatenate([np.ones((1, head_dim)), -np.ones((1, head_dim)), rng.uniform(-0.5, 0.5, (6, head_dim))])
+    k = xp.asarray(keys[None, :, None].astype(dtype))
+    v = xp.asarray(rng.standard_normal((1, 8, 1, head_dim)).astype(dtype))
+    scale = max_softmax_scale(head_dim)
+    out, lse = cuflash.attention(q, k, v, softmax_scale=scale, return_lse=True)
+    ref_out, ref_lse = reference.attention(q, k, v, softmax_scale=scale)
+    np.testing.assert_array_equal(to_numpy(out), np.broadcast_to(to_numpy(v)[:, :1], out.shape))
+    np.testing.assert_allclose(to_numpy(lse), ref_lse, rtol=1e-6)
+    np.testing.assert_array_equal(to_numpy(out).astype(np.float64), ref_out.astype(dtype).astype(np.float64))
+
+
+@pytest.mark.parametrize("flag", ["causal", "return_lse"])
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_forward_flags_must_be_bools(qkv, flag, value):
+    with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+        _fwd(*qkv, **{flag: value})
+
+
+def test_a_seen_call_with_a_non_bool_flag_is_still_refused(qkv):
+    # the plan cache's key holds the option's type: causal=1 equals causal=True as a dict key
+    _fwd(*qkv, causal=True)
     with pytest.raises(TypeError, match="causal must be a bool"):
-        _fwd(*qkv, causal="yes")
+        _fwd(*qkv, causal=1)
+    _fwd(*qkv, softmax_scale=1)
+    with pytest.raises(TypeError, match="softmax_scale must be a real number"):
+        _fwd(*qkv, softmax_scale=True)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_masked_arrays_are_refused(rng, which):
+    # the kernels would read the masked-out values: outputs up to 9.5e8 where masked inputs were large
+    arrays = dict(zip("qkv", make_qkv(np, rng, 1, 8, 8, 2, 2, 32, np.float32)))
+    arrays[which] = np.ma.masked_greater(arrays[which], 1.0)
+    with pytest.raises(TypeError, match=f"{which} must be a plain numpy.ndarray, got numpy.ma.*MaskedArray: its mask"):
+        _fwd(**arrays)
+    q, k, v = (np.asarray(x) for x in arrays.values())
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    with pytest.raises(TypeError, match="dout must be a plain numpy.ndarray"):
+        cuflash.attention_backward(np.ma.masked_array(out), q, k, v, out, lse)
+
+
+def test_callers_arrays_are_not_written(xp, rng):
+    q, k, v = make_qkv(xp, rng, 1, 33, 47, 2, 1, 40, np.float16)
+    before = [to_numpy(x).copy() for x in (q, k, v)]
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    cuflash.attention_backward(out, q, k, v, out, lse, causal=True)
+    for x, copy in zip((q, k, v), before):
+        np.testing.assert_array_equal(to_numpy(x), copy)
 
 
 @pytest.mark.parametrize("obj", [[[[[1.0]]]], 3.0, "q"])

@@ -13,7 +13,8 @@
 // unnormalized output, in mma accumulator layout).
 //
 // Scores are kept in base 2: x = (q . k) * scale * log2(e), so p = exp2(x - m_i). The stored lse is
-// converted back to natural log: lse = (m_i + log2(l_i)) * ln(2).
+// converted back to natural log: lse = (m_i + log2(l_i)) * ln(2); a null lse stores none (a caller that
+// does not return it allocates none).
 #include "mma.cuh"
 
 namespace cuflash {
@@ -345,7 +346,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 #pragma unroll
             for (int r = 0; r < 2; ++r) partner_l[ma][r] = partner_value(ma, r);
     }
-    float* lse_head = lse + static_cast<long long>(bh) * seqlen_q;
+    float* lse_head = lse == nullptr ? nullptr : lse + static_cast<long long>(bh) * seqlen_q;
 #pragma unroll
     for (int ma = 0; ma < kMAtoms; ++ma) {
 #pragma unroll
@@ -354,7 +355,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
             if constexpr (KEY_SPLIT > 1) l += partner_l[ma][r];
             const float inv_l = l == 0.f ? 0.f : 1.f / l;
             const int tile_row = warp_row0 + ma * 16 + g + 8 * r;
-            if (t == 0 && share == 0 && m0 + tile_row < seqlen_q)
+            if (lse_head != nullptr && t == 0 && share == 0 && m0 + tile_row < seqlen_q)
                 lse_head[m0 + tile_row] = l == 0.f ? -CUFLASH_INF : (m_i[ma][r] + log2f(l)) * kLn2;
 #pragma unroll
             for (int db = 0; db < kDTiles; ++db)

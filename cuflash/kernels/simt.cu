@@ -47,7 +47,7 @@ __device__ __forceinline__ float dot_rows(const float* a, const float* b) {
 // ---------------------------------------------------------------------------------------------------
 // Forward, float32. One block: BLOCK_M query rows of one (batch, head). S and P of the current key tile
 // live in shared memory; m_i and l_i per row in shared memory; acc in registers, each thread owning
-// one row and every kThreadsPerRow-th column of it.
+// one row and every kThreadsPerRow-th column of it. A null lse stores none.
 template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
 __global__ void __launch_bounds__(kSimtThreads, 1)
 fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
@@ -142,7 +142,7 @@ fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
             const int e = acc_col0 + i * kThreadsPerRow;
             if (e < head_dim) out_row[e] = from_float<T>(acc[i] * inv_l);
         }
-        if (acc_col0 == 0)
+        if (lse != nullptr && acc_col0 == 0)
             lse[static_cast<long long>(bh) * seqlen_q + row] = l == 0.f ? -CUFLASH_INF : (m_s[acc_row] + log2f(l)) * kLn2;
     }
 }
