@@ -80,11 +80,34 @@ def _cuda_include_dir() -> str:
     return found
 
 
-def compile_offline(specs: list[KernelSpec], arch: str) -> list[CompileReport]:
-    """Compile ``specs`` (all from one source file) for ``arch`` with NVRTC, no GPU needed.
+#: NVRTC releases with which every float16/bfloat16 kernel compiles without a register spill for sm_80 and
+#: sm_90 (tests/test_compile.py); the package's extras pin them (pyproject.toml). Other releases compile
+#: the same kernels, but their ptxas may spill registers, which costs speed (README, "Compiler").
+CHECKED_NVRTC = ((12, 9), (13, 0))
 
-    Returns each kernel's ptxas resource report. Raises RuntimeError with the NVRTC log on failure.
-    """
+
+def describe_nvrtc(version: tuple[int, int]) -> str:
+    """``major.minor``, and whether the kernels were checked spill-free with that release."""
+    major, minor = version
+    checked = ", ".join(f"{a}.{b}" for a, b in CHECKED_NVRTC)
+    verdict = ("its kernels checked spill-free" if tuple(version) in CHECKED_NVRTC else
+               f"not a release the kernels were checked with ({checked}): ptxas may spill registers")
+    return f"{major}.{minor} ({verdict})"
+
+
+def nvrtc_version() -> tuple[int, int]:
+    """(major, minor) of the NVRTC that ``compile_offline`` uses (cuda-bindings'; no GPU needed)."""
+    from cuda.bindings import nvrtc
+
+    err, major, minor = nvrtc.nvrtcVersion()
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"NVRTC error {err}")
+    return major, minor
+
+
+def _nvrtc_compile(source: str, arch: str, name_expressions: list[str]) -> tuple[str, dict[str, str]]:
+    """Compile ``source`` for ``arch`` with NVRTC (no GPU): (the log with ptxas's report, the lowered name of
+    each name expression). RuntimeError with the log on failure."""
     from cuda.bindings import nvrtc
 
     def check(result):
@@ -93,14 +116,10 @@ def compile_offline(specs: list[KernelSpec], arch: str) -> list[CompileReport]:
             raise RuntimeError(f"NVRTC error {err}")
         return rest[0] if len(rest) == 1 else rest
 
-    files = {spec.source_file for spec in specs}
-    if len(files) != 1:
-        raise ValueError(f"compile_offline takes specs of one source file, got {sorted(files)}")
-    source = kernel_source(files.pop()).encode()
-    program = check(nvrtc.nvrtcCreateProgram(source, b"cuflash.cu", 0, [], []))
+    program = check(nvrtc.nvrtcCreateProgram(source.encode(), b"cuflash.cu", 0, [], []))
     try:
-        for spec in specs:
-            check(nvrtc.nvrtcAddNameExpression(program, spec.name.encode()))
+        for name in name_expressions:
+            check(nvrtc.nvrtcAddNameExpression(program, name.encode()))
         options = [o.encode() for o in COMMON_OPTIONS] + [
             f"--gpu-architecture={arch}".encode(), b"-ftz=true", b"--ptxas-options=-v",
             f"-I{_cuda_include_dir()}".encode()]
@@ -111,10 +130,22 @@ def compile_offline(specs: list[KernelSpec], arch: str) -> list[CompileReport]:
         log = log.decode(errors="replace").rstrip("\x00")
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise RuntimeError(f"NVRTC failed for {arch}:\n{log[:6000]}")
-        lowered = {spec.name: check(nvrtc.nvrtcGetLoweredName(program, spec.name.encode())).decode()
-                   for spec in specs}
+        lowered = {name: check(nvrtc.nvrtcGetLoweredName(program, name.encode())).decode()
+                   for name in name_expressions}
     finally:
         nvrtc.nvrtcDestroyProgram(program)
+    return log, lowered
+
+
+def compile_offline(specs: list[KernelSpec], arch: str) -> list[CompileReport]:
+    """Compile ``specs`` (all from one source file) for ``arch`` with NVRTC, no GPU needed.
+
+    Returns each kernel's ptxas resource report. Raises RuntimeError with the NVRTC log on failure.
+    """
+    files = {spec.source_file for spec in specs}
+    if len(files) != 1:
+        raise ValueError(f"compile_offline takes specs of one source file, got {sorted(files)}")
+    log, lowered = _nvrtc_compile(kernel_source(files.pop()), arch, [spec.name for spec in specs])
     return [_report(spec, arch, lowered[spec.name], log) for spec in specs]
 
 

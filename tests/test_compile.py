@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cuflash import _config
-from cuflash._compile import compile_offline
+from cuflash._compile import CHECKED_NVRTC, compile_offline, nvrtc_version
 
 TARGETS = {"sm_80": _config.A100, "sm_90": _config.H100}
 
@@ -29,6 +29,11 @@ def reports(request):
     with concurrent.futures.ProcessPoolExecutor(os.cpu_count(), mp_context=context) as pool:
         results = pool.map(compile_offline, groups.values(), [request.param] * len(groups))
         return [r for group in results for r in group]
+
+
+def test_nvrtc_is_a_checked_release():
+    # the no-spill guarantee below is a property of the (kernel, NVRTC) pair: the extras pin these releases
+    assert nvrtc_version() in CHECKED_NVRTC, (nvrtc_version(), CHECKED_NVRTC)
 
 
 def test_every_specialization_compiles(reports):
@@ -51,3 +56,4 @@ def test_register_budget_allows_the_launch(reports):
     # 64K 32-bit registers per SM on sm_80 and sm_90: a block must fit on one SM.
     for r in reports:
         assert r.registers * r.spec.threads <= 65536, (r.spec.name, r.registers)
+
