@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cuflash._env import gpu_unavailable_reason
+
 from .impls import IMPL_NAMES
 from .records import make_header, results_dir, write_json
 from .suites import SUITES, suite_cells
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from . import impls, report, suites
 
-    reason = impls.gpu_unavailable_reason()
+    reason = gpu_unavailable_reason()
     if reason:
         raise SystemExit(f"bench: the {', '.join(args.suites)} suite(s) need a CUDA GPU: {reason}")
     names = args.impl or impls.default_impl_names()

@@ -32,19 +32,6 @@ class Unfit(Exception):
         self.status, self.note = status, note
 
 
-def gpu_unavailable_reason() -> str | None:
-    """None when CuPy sees a CUDA device, else why not."""
-    try:
-        import cupy
-    except ImportError:
-        return "CuPy is not installed (pip install cupy-cuda12x or cupy-cuda13x)"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # CUDARuntimeError: no driver, no device, driver too old
-        return f"CUDA is not usable ({exc})"
-    return None if count else "no CUDA device is visible"
-
-
 @functools.lru_cache(maxsize=None)
 def torch_available() -> bool:
     """PyTorch importable and seeing a CUDA device."""

@@ -1,11 +1,16 @@
 """cuflash's main job in one run: compute attention, check it against the reference, report speed and memory.
 
-``python -m cuflash.demo`` runs on the GPU with CuPy when one is present, else on the NumPy path.
+``python -m cuflash.demo`` runs on the GPU with CuPy when one is present, else on the NumPy path (and
+says why the GPU was not used). It ends with a verdict, PASS or FAIL, from FlashAttention's tolerance rule
+(``cuflash.reference``): each of out, dq, dk, dv against the float64 reference, allowed twice (forward) or
+three times (gradients) the error of the same math done in the input dtype, plus the reference's rounding.
+The exit status is 0 on PASS, 1 on FAIL.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
@@ -14,25 +19,19 @@ import cuflash
 from cuflash import reference
 
 
-def _gpu():
-    try:
-        import cupy
-
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            return cupy
-    except Exception:  # no CuPy, no driver or no device: run the NumPy path
-        pass
-    return None
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m cuflash.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--seqlen", type=int, default=None, help="default: 4096 on a GPU, 512 on the CPU")
     parser.add_argument("--cpu", action="store_true", help="use the NumPy path even where a GPU is present")
     args = parser.parse_args(argv)
 
-    cupy = None if args.cpu else _gpu()
-    if cupy is not None:
+    from ._env import gpu_unavailable_reason
+
+    why_cpu = "--cpu was given" if args.cpu else gpu_unavailable_reason()
+    cupy = None
+    if why_cpu is None:
+        import cupy
+
         xp, dtype, batch, heads, head_dim = cupy, cupy.dtype("bfloat16"), 4, 16, 128
         seqlen = args.seqlen or 4096
         where = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
@@ -41,7 +40,7 @@ def main(argv=None):
 
         xp, dtype, batch, heads, head_dim = np, np.dtype(ml_dtypes.bfloat16), 1, 4, 64
         seqlen = args.seqlen or 512
-        where = "CPU (NumPy path)"
+        where = f"the CPU (NumPy path; no GPU: {why_cpu})"
     causal = True
     print(f"cuflash {cuflash.__version__} on {where}")
     print(f"q, k, v: batch {batch}, seqlen {seqlen}, heads {heads}, head_dim {head_dim}, {dtype.name}, causal")
@@ -60,14 +59,21 @@ def main(argv=None):
     def host(x):
         return np.asarray(x.get() if hasattr(x, "get") else x, np.float64)
 
-    def rel(a, b):
-        return np.linalg.norm(host(a) - b) / np.linalg.norm(b)
-
-    print(f"max |out - ref| = {np.abs(host(out[part]) - ref_out).max():.2e}   "
-          f"|out - ref| / |ref| = {rel(out[part], ref_out):.2e}   "
-          f"max |lse - ref| = {np.abs(host(lse[0, :2]) - ref_lse[0]).max():.2e}")
-    print("|grad - ref| / |ref|: " + ", ".join(
-        f"{name} {rel(g[part], r):.2e}" for name, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads)))
+    # FlashAttention's rule: the error against float64 within factor x the same math's error in the dtype
+    in_dtype_out, _ = reference.attention_in_dtype(q[part], k[part], v[part], causal, None, dtype)
+    in_dtype_grads = reference.attention_backward_in_dtype(dout[part], q[part], k[part], v[part], out[part],
+                                                           causal, None, dtype)
+    checks = [("out", out[part], ref_out, in_dtype_out, 2)] + [
+        (name, g[part], r, lp, 3) for name, g, r, lp in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, in_dtype_grads)]
+    passed = True
+    for name, got, ref, in_dtype, factor in checks:
+        err = float(np.abs(host(got) - ref).max())
+        bound = reference.tolerance(ref, in_dtype, dtype, factor)
+        ok = err <= bound  # False for NaN
+        passed &= ok
+        print(f"{name:>3}: max |error| {err:.2e}, allowed {bound:.2e} ({factor} x the {dtype.name} math's "
+              f"{float(np.abs(in_dtype - ref).max()):.2e} + rounding){'' if ok else '  <-- too large'}")
+    print(f"lse: max |error| {np.abs(host(lse[0, :2]) - ref_lse[0]).max():.2e}")
 
     # speed, FlashAttention's FLOP convention
     flops = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
@@ -95,6 +101,9 @@ def main(argv=None):
     else:
         print(f"memory: no seqlen x seqlen buffer (one per head would be {scores_bytes / 2**20:.0f} MiB); "
               "the NumPy path holds one key block of scores at a time")
+    print("PASS: out, dq, dk and dv within FlashAttention's tolerance of the float64 reference" if passed else
+          "FAIL: a result is beyond FlashAttention's tolerance of the float64 reference (above)")
+    return 0 if passed else 1
 
 
 def _rate(flops: float, ms: float) -> str:
@@ -121,4 +130,4 @@ def _time_ms(xp, fn, repeats: int = 5) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

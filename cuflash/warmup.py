@@ -1,8 +1,8 @@
 """Compile every kernel specialization for the current GPU ahead of time, in parallel.
 
-``python -m cuflash.warmup [--jobs N]`` fills CuPy's on-disk kernel cache (``CUPY_CACHE_DIR``) so that
-no later process pays NVRTC time on a first call. Without it each new specialization compiles on its
-first use.
+``python -m cuflash warmup [--jobs N]`` (or ``python -m cuflash.warmup``) fills CuPy's on-disk kernel
+cache (``CUPY_CACHE_DIR``) so that no later process pays NVRTC time on a first call. Without it each new
+specialization compiles on its first use.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import argparse
 import concurrent.futures
 import multiprocessing
 import os
+import sys
 import time
 
 
@@ -41,12 +42,24 @@ def warmup(jobs: int | None = None, verbose: bool = True) -> int:
     return len(specs)
 
 
-def main(argv=None):
+def run(jobs: int | None = None) -> int:
+    """The command: warm up, or say in one line why there is no GPU to warm up for. Returns the exit code."""
+    from ._env import gpu_unavailable_reason
+
+    reason = gpu_unavailable_reason()
+    if reason is not None:
+        print(f"cuflash warmup: nothing to compile for: no GPU: {reason}", file=sys.stderr)
+        return 1
+    warmup(jobs)
+    return 0
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cuflash.warmup", description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=None, help="compiler processes (default: CPU count)")
     args = parser.parse_args(argv)
-    warmup(args.jobs)
+    return run(args.jobs)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

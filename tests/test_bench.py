@@ -279,7 +279,7 @@ def test_pure_modules_import_without_cupy_or_torch():
     code = ("import sys; sys.modules['cupy'] = None; sys.modules['torch'] = None\n"
             "import bench.__main__, bench.flops, bench.records, bench.report, bench.accuracy, bench.naive, "
             "bench.suites, bench.impls, bench.timing\n"
-            "from bench.impls import gpu_unavailable_reason\n"
+            "from cuflash._env import gpu_unavailable_reason\n"
             "print(gpu_unavailable_reason())")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
