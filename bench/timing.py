@@ -60,10 +60,13 @@ class EventTimer:
 
 
 def host_ms_per_call(fn, calls: int, measurements: int) -> list[float]:
-    """Wall milliseconds per call of ``fn``, averaged over ``calls`` back-to-back calls, per measurement.
+    """Host wall milliseconds per call of ``fn``, averaged over ``calls`` back-to-back calls, per measurement.
 
-    The device is synchronized before the clock starts and once after the last call, so the number is
-    the host-side cost of a call (launch overhead, argument checks) unless the device is slower.
+    The device is synchronized before the clock starts; the clock stops when the last call returns, before
+    the device is synchronized again, so the number is the time the calling thread spends in a call
+    (argument checks, allocation, launches), not the device's time to run the work: at these shapes the
+    kernels can take longer than their launch (cuflash's forward at seqlen 16 runs about 8 us on the
+    H200), which the calls only queue. A call that blocks on the device shows its wait.
     """
     import cupy
 
@@ -75,8 +78,8 @@ def host_ms_per_call(fn, calls: int, measurements: int) -> list[float]:
         started = time.perf_counter()
         for _ in range(calls):
             fn()
-        stream.synchronize()
         results.append((time.perf_counter() - started) * 1e3 / calls)
+        stream.synchronize()
     return results
 
 
