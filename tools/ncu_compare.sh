@@ -3,9 +3,10 @@
 # goes (speed of light, pipes, shared-memory wavefronts and conflicts, warp stalls, issue slots).
 #   bash tools/ncu_compare.sh HEAD_DIM SEQLEN [--causal] -- IMPL:PASS ...
 # e.g. bash tools/ncu_compare.sh 128 4096 -- cuflash:fwd torch-flash:fwd cuflash:bwd torch-flash:bwd
-# Writes $OUT/ncu-<impl>-<pass>-d<head_dim>-<seqlen>[-causal].txt (clocks left alone: METHOD.md).
+# Writes $CUFLASH_OUT/ncu-<impl>-<pass>-d<head_dim>-<seqlen>[-causal].txt (default ./ncu-out). The clocks
+# are left as the GPU runs them (--clock-control none), as the benchmark measures them.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/cuflash-out}
+OUT=${CUFLASH_OUT:-ncu-out}
 mkdir -p "$OUT"
 dim=$1 seqlen=$2; shift 2
 extra=()
