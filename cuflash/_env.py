@@ -15,11 +15,22 @@ def gpu_unavailable_reason() -> str | None:
         import cupy
     except ImportError:
         return "CuPy is not installed (pip install cupy-cuda12x or cupy-cuda13x)"
+    runtime = cupy.cuda.runtime
     try:
-        count = cupy.cuda.runtime.getDeviceCount()
+        count = runtime.getDeviceCount()
     except Exception as exc:  # CUDARuntimeError: no driver, a driver too old for this CuPy, no device node
+        if _driver_version(runtime) == 0:
+            return "no CUDA driver is installed"
         return f"CUDA is not usable ({exc})"
     return None if count else "no CUDA device is visible"
+
+
+def _driver_version(runtime) -> int:
+    """The CUDA version the installed driver supports (e.g. 13000), 0 where there is no driver."""
+    try:
+        return runtime.driverGetVersion()
+    except Exception:  # a CuPy whose driver query itself fails where no driver is loaded
+        return 0
 
 
 def _version(run) -> str:
@@ -64,7 +75,8 @@ def report() -> list[tuple[str, str]]:
     lines.append(("cupy", cupy.__version__ if cupy else "not installed"))
     if cupy is not None:
         runtime = cupy.cuda.runtime
-        lines += [("CUDA driver", _version(lambda: _cuda_version(runtime.driverGetVersion()))),
+        driver = _driver_version(runtime)
+        lines += [("CUDA driver", _cuda_version(driver) if driver else "none installed"),
                   ("CUDA runtime", _version(lambda: _cuda_version(runtime.runtimeGetVersion()))),
                   ("NVRTC", _version(lambda: _compile.describe_nvrtc(cupy.cuda.nvrtc.getVersion())))]
     reason = gpu_unavailable_reason()

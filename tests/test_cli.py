@@ -55,3 +55,34 @@ def test_demo_on_the_cpu_ends_with_a_verdict():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "NumPy path; no GPU: --cpu was given" in done.stdout
     assert done.stdout.strip().splitlines()[-1].startswith("PASS")
+
+
+class _FakeRuntime:
+    def __init__(self, devices, driver):
+        self.devices, self.driver = devices, driver
+
+    def getDeviceCount(self):
+        if isinstance(self.devices, Exception):
+            raise self.devices
+        return self.devices
+
+    def driverGetVersion(self):
+        return self.driver
+
+
+@pytest.mark.parametrize("devices, driver, reason", [
+    (RuntimeError("cudaErrorInsufficientDriver"), 0, "no CUDA driver is installed"),
+    (RuntimeError("cudaErrorInsufficientDriver"), 12000, "CUDA is not usable (cudaErrorInsufficientDriver)"),
+    (0, 13000, "no CUDA device is visible"),
+    (1, 13000, None),
+])
+def test_the_reason_there_is_no_gpu(monkeypatch, devices, driver, reason):
+    from types import SimpleNamespace
+
+    from cuflash._env import gpu_unavailable_reason
+
+    fake = SimpleNamespace(cuda=SimpleNamespace(runtime=_FakeRuntime(devices, driver)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    assert gpu_unavailable_reason() == reason
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+    assert gpu_unavailable_reason().startswith("CuPy is not installed")
