@@ -83,7 +83,7 @@ def _cuda_include_dir() -> str:
 #: NVRTC releases with which every float16/bfloat16 kernel compiles without a register spill for sm_80 and
 #: sm_90 (tests/test_compile.py); the package's extras pin them (pyproject.toml). Other releases compile
 #: the same kernels, but their ptxas may spill registers, which costs speed (README, "Compiler").
-CHECKED_NVRTC = ((12, 9), (13, 0))
+CHECKED_NVRTC = ((12, 6), (12, 8), (12, 9), (13, 0))
 
 
 def describe_nvrtc(version: tuple[int, int]) -> str:
