@@ -71,23 +71,18 @@ def _readable(x, copy: bool):
     return cupy.ascontiguousarray(x) if copy else x
 
 
-def _element_strides(shape, strides, itemsize: int) -> tuple[int, int, int]:
-    """(batch, seq, head) strides in elements."""
-    return tuple(s // itemsize for s in strides[:3])
-
-
-def _contiguous_strides(shape, itemsize: int) -> tuple[int, ...]:
-    strides, step = [], itemsize
+def _contiguous_strides(shape) -> tuple[int, int, int]:
+    """(batch, seq, head) element strides of a C-contiguous array of ``shape`` (the outputs, the copies)."""
+    strides, step = [], 1
     for n in reversed(shape):
         strides.append(step)
         step *= n
-    return tuple(reversed(strides))
+    return tuple(reversed(strides))[:3]
 
 
 def _strides_of(x, copy: bool) -> tuple[int, int, int]:
     """(batch, seq, head) element strides of ``x`` as a kernel reads it (after the copy, if any)."""
-    strides = _contiguous_strides(x.shape, x.dtype.itemsize) if copy else x.strides
-    return _element_strides(x.shape, strides, x.dtype.itemsize)
+    return _contiguous_strides(x.shape) if copy else tuple(s // x.dtype.itemsize for s in x.strides[:3])
 
 
 def _strides_vector_ok(head_dim: int, itemsize: int, *strides) -> bool:
@@ -142,7 +137,7 @@ class ForwardPlan:
         self.lse_shape = (p.batch, p.heads, p.seqlen_q)
         itemsize = q.dtype.itemsize
         strides = [_strides_of(x, c) for x, c in zip((q, k, v), self.copies)]
-        strides.append(_element_strides(q.shape, _contiguous_strides(q.shape, itemsize), itemsize))  # out
+        strides.append(_contiguous_strides(q.shape))  # out
         self.strides_vector_ok = _strides_vector_ok(p.head_dim, itemsize, *strides)
         self.head = tuple(_by_value(s, np.int64) for triple in strides for s in triple) + tuple(
             _int32(n) for n in (p.batch, p.heads, p.group, p.seqlen_q, p.seqlen_k, p.head_dim)) + (
@@ -210,8 +205,7 @@ class BackwardPlan:
                             if self.adds_dq else None)
         itemsize = q.dtype.itemsize
         dout_s, q_s, k_s, v_s, out_s = (_strides_of(x, c) for x, c in zip((dout, q, k, v, out), self.copies))
-        dq_s = _element_strides(q.shape, _contiguous_strides(q.shape, itemsize), itemsize)
-        dk_s = _element_strides(k.shape, _contiguous_strides(k.shape, itemsize), itemsize)
+        dq_s, dk_s = _contiguous_strides(q.shape), _contiguous_strides(k.shape)
 
         def int64s(*triples):
             return tuple(_by_value(s, np.int64) for triple in triples for s in triple)
