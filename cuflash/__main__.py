@@ -23,7 +23,8 @@ def _warmup(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__.splitlines()[0].strip("`"))
+    parser = argparse.ArgumentParser(prog="python -m cuflash", description="What cuflash runs on (info) and "
+                                     "ahead-of-time kernel compilation (warmup).")
     commands = parser.add_subparsers(dest="command", metavar="command")
     info = commands.add_parser("info", help="versions of cuflash, CuPy, NumPy, CUDA and NVRTC; the GPU or why "
                                             "there is none; the kernel cache")

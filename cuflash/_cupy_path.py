@@ -9,7 +9,6 @@ captured into a CUDA graph (``cupy.cuda.Stream.begin_capture``) once its kernels
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import numpy as np
@@ -20,11 +19,10 @@ from ._validate import Problem
 
 LOG2E = float(np.log2(np.e))
 
-try:
-    from cupy import ndarray as _ndarray  # uninitialized, from the current device's pool: cupy.empty's work
-    from cupy.cuda.runtime import getDevice as _get_device
-except ImportError:  # the module imports without CuPy (tests, tools); its plans need it
-    _ndarray = _get_device = None
+try:  # the module imports without CuPy (tests, tools); its plans need it
+    import cupy
+except ImportError:
+    cupy = None
 try:  # CuPy hands a CPointer to the driver as it is; a numpy scalar it converts on every launch
     from cupy.cuda.function import CNumpyArray as _CNumpyArray
 except ImportError:  # CuPy without the class (or none): numpy scalars, converted per launch
@@ -50,8 +48,6 @@ _NULL = _by_value(0, np.uint64)
 
 @functools.lru_cache(maxsize=None)
 def device_props(device_id: int) -> _config.DeviceProps:
-    import cupy
-
     props = cupy.cuda.runtime.getDeviceProperties(device_id)
     return _config.DeviceProps(compute_capability=10 * props["major"] + props["minor"],
                                max_smem_per_block=props["sharedMemPerBlockOptin"],
@@ -66,8 +62,6 @@ def _needs_copy(x) -> bool:
 
 
 def _readable(x, copy: bool):
-    import cupy
-
     return cupy.ascontiguousarray(x) if copy else x
 
 
@@ -103,19 +97,11 @@ def _banded_grid(tiles_per_head: int, pairs: int, device_id: int) -> tuple[int, 
     return _grid(tiles_per_head * band)[0], pairs // band
 
 
-def _on_device(device_id: int):
-    """The device's context where it is not already current (entering one costs half a microsecond)."""
-    import cupy
-
-    return contextlib.nullcontext() if cupy.cuda.runtime.getDevice() == device_id else cupy.cuda.Device(device_id)
-
-
 def _run_on(device_id: int, run, *args):
-    """``run(*args)`` with ``device_id`` current: directly where it already is (the common case)."""
-    if _get_device() == device_id:
+    """``run(*args)`` with ``device_id`` current: directly where it already is (the common case; entering a
+    device's context costs half a microsecond)."""
+    if cupy.cuda.runtime.getDevice() == device_id:
         return run(*args)
-    import cupy
-
     with cupy.cuda.Device(device_id):
         return run(*args)
 
@@ -128,7 +114,7 @@ class ForwardPlan:
         self.copies = tuple(_needs_copy(x) for x in (q, k, v))
         if spec is None:
             spec = _config.choose_config(p.head_dim, p.dtype, p.causal, device_props(device_id)).forward
-        with _on_device(device_id):
+        with cupy.cuda.Device(device_id):
             self.kernel = get_kernel(spec, device_id)
         self.grid = _grid(-(-p.seqlen_q // spec.block_m) * p.batch * p.heads)
         self.block = (spec.threads,)
@@ -152,8 +138,9 @@ class ForwardPlan:
         copy_q, copy_k, copy_v = self.copies
         if copy_q or copy_k or copy_v:
             q, k, v = _readable(q, copy_q), _readable(k, copy_k), _readable(v, copy_v)
-        out = _ndarray(self.out_shape, self.dtype)
-        lse = _ndarray(self.lse_shape, np.float32) if with_lse else None
+        # cupy.ndarray: uninitialized, from the current device's pool (cupy.empty without its wrapper)
+        out = cupy.ndarray(self.out_shape, self.dtype)
+        lse = cupy.ndarray(self.lse_shape, np.float32) if with_lse else None
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k.data.ptr | v.data.ptr) & 15
         self.kernel(self.grid, self.block, (q, k, v, out, _NULL if lse is None else lse) + self.head
                     + (_VECTOR_OK[vector_ok],) + self.tail, shared_mem=self.smem)
@@ -210,7 +197,7 @@ class BackwardPlan:
         def int64s(*triples):
             return tuple(_by_value(s, np.int64) for triple in triples for s in triple)
 
-        with _on_device(device_id):
+        with cupy.cuda.Device(device_id):
             rows = p.batch * p.heads * p.seqlen_q
             lanes = _config.preprocess_lanes(p.head_dim, itemsize)
             pre = cfg.bwd_preprocess
@@ -249,16 +236,14 @@ class BackwardPlan:
         return _run_on(self.device_id, self._launch, dout, q, k, v, out, lse)
 
     def _launch(self, dout, q, k, v, out, lse):
-        import cupy
-
         if any(self.copies):
             dout, q, k, v, out = (_readable(x, c) for x, c in zip((dout, q, k, v, out), self.copies))
         if self.copy_lse:
             lse = cupy.ascontiguousarray(lse)
-        dq = _ndarray(self.q_shape, self.dtype)
-        dk = _ndarray(self.kv_shape, self.dtype)
-        dv = _ndarray(self.kv_shape, self.dtype)
-        delta = _ndarray(self.delta_shape, np.float32)
+        dq = cupy.ndarray(self.q_shape, self.dtype)
+        dk = cupy.ndarray(self.kv_shape, self.dtype)
+        dv = cupy.ndarray(self.kv_shape, self.dtype)
+        delta = cupy.ndarray(self.delta_shape, np.float32)
         dq_accum = cupy.zeros(self.accum_shape, np.float32) if self.adds_dq else _NULL
 
         vector_ok = self.preprocess_strides_ok and not (dout.data.ptr | out.data.ptr) & 15
