@@ -12,11 +12,12 @@ import numpy as np
 
 from . import _numpy_path, reference
 from ._config import HEAD_DIMS, MAX_HEAD_DIM, SUPPORTED_DTYPES
-from ._validate import array_module, check_backward, check_flag, check_forward
+from ._philox import dropout_mask
+from ._validate import array_module, check_backward, check_dropout, check_flag, check_forward
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_backward", "reference", "HEAD_DIMS", "MAX_HEAD_DIM", "SUPPORTED_DTYPES",
-           "__version__"]
+__all__ = ["attention", "attention_backward", "dropout_mask", "reference", "HEAD_DIMS", "MAX_HEAD_DIM",
+           "SUPPORTED_DTYPES", "__version__"]
 
 #: Plans of the calls seen, keyed on everything validation and the kernel choice read: each array's class,
 #: shape, strides, dtype and device, and the options with their types (``causal=1`` is refused where
@@ -46,39 +47,61 @@ def clear_plans():
     _plans.clear()
 
 
-def _plan_forward(q, k, v, causal, softmax_scale):
-    """Validate a forward call and return the function that runs it: ``(q, k, v, with_lse) -> (out, lse)``
-    (lse may be None where ``with_lse`` is False)."""
-    xp = array_module(q=q, k=k, v=v)
-    problem = check_forward(q, k, v, causal, softmax_scale)
-    if problem.is_empty:
-        def empty(q, k, v, with_lse):
-            return (xp.zeros(q.shape, q.dtype),
-                    xp.full((problem.batch, problem.heads, problem.seqlen_q), -xp.inf, xp.float32))
+def _plan_forward(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p, alignment):
+    """Validate a forward call and return the function that runs it:
+    ``(q, k, v, alibi_slopes, sinks, seed, offset, with_lse) -> (out, lse)`` (lse may be None where
+    ``with_lse`` is False)."""
+    xp = array_module(q=q, k=k, v=v, **_optional_arrays(alibi_slopes=alibi_slopes, sinks=sinks))
+    problem = check_forward(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p,
+                            alignment)
+    if problem.is_empty or problem.seqlen_k == 0:
+        def empty(q, k, v, alibi_slopes, sinks, seed, offset, with_lse):
+            shape = (problem.batch, problem.heads, problem.seqlen_q)
+            lse = (xp.full(shape, -xp.inf, xp.float32) if sinks is None else
+                   xp.ascontiguousarray(xp.broadcast_to(sinks[None, :, None], shape)))  # the sink alone
+            return xp.zeros(q.shape, q.dtype), lse
         return empty
     if xp is np:
-        return lambda q, k, v, with_lse: _numpy_path.forward(q, k, v, problem)
+        return lambda q, k, v, alibi_slopes, sinks, seed, offset, with_lse: _numpy_path.forward(
+            q, k, v, problem, alibi_slopes, sinks, seed, offset)
     from . import _cupy_path
 
     return _cupy_path.ForwardPlan(problem, q.data.device_id, q, k, v).run
 
 
-def _plan_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
-    """Validate a backward call and return the function that runs it: ``(dout, q, k, v, out, lse) -> (dq, dk, dv)``."""
-    xp = array_module(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
-    problem = check_backward(dout, q, k, v, out, lse, causal, softmax_scale)
+def _plan_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_size, softcap,
+                   alibi_slopes, sinks, dropout_p, alignment):
+    """Validate a backward call and return the function that runs it:
+    ``(dout, q, k, v, out, lse, alibi_slopes, sinks, seed, offset) -> (dq, dk, dv[, dsinks])``."""
+    xp = array_module(dout=dout, q=q, k=k, v=v, out=out, lse=lse,
+                      **_optional_arrays(alibi_slopes=alibi_slopes, sinks=sinks))
+    problem = check_backward(dout, q, k, v, out, lse, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                             sinks, dropout_p, alignment)
     check_flag("deterministic", deterministic)
     if problem.is_empty or problem.seqlen_k == 0:
-        return lambda dout, q, k, v, out, lse: (xp.zeros(q.shape, q.dtype), xp.zeros(k.shape, k.dtype),
-                                                xp.zeros(v.shape, v.dtype))
+        def empty(dout, q, k, v, out, lse, alibi_slopes, sinks, seed, offset):
+            grads = xp.zeros(q.shape, q.dtype), xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype)
+            return grads if sinks is None else (*grads, xp.zeros(problem.heads, xp.float32))
+        return empty
     if xp is np:
-        return lambda dout, q, k, v, out, lse: _numpy_path.backward(dout, q, k, v, out, lse, problem)
+        return lambda dout, q, k, v, out, lse, alibi_slopes, sinks, seed, offset: _numpy_path.backward(
+            dout, q, k, v, out, lse, problem, alibi_slopes, sinks, seed, offset)
     from . import _cupy_path
 
     return _cupy_path.BackwardPlan(problem, q.data.device_id, bool(deterministic), dout, q, k, v, out, lse).run
 
 
-def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False):
+def _optional_arrays(**arrays) -> dict:
+    return {name: a for name, a in arrays.items() if a is not None}
+
+
+def _optional_key(x):
+    return None if x is None else _array_key(x)
+
+
+def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False, *,
+              window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
+              dropout_p: float = 0.0, seed: int | None = None, offset: int = 0, alignment: str = "bottom_right"):
     """Exact softmax attention, ``softmax(scale * q k^T) v``, per (batch, head).
 
     Parameters
@@ -91,18 +114,41 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
         may differ. dtype float16, bfloat16 or float32; head_dim 1..256. Any strides; the arrays are
         never written.
     causal : bool
-        Mask aligned to the bottom-right corner (as FlashAttention >= 2.1): query ``i`` sees key ``j``
-        when ``j <= i + seqlen_k - seqlen_q``. A query row that sees no key gets output 0 and lse -inf.
+        Query ``i`` sees key ``j`` when ``j <= i + diagonal``: ``diagonal`` is ``seqlen_k - seqlen_q``
+        (aligned to the bottom-right corner, as FlashAttention >= 2.1) or 0 (``alignment="top_left"``).
+        A query row that sees no key gets output 0 and lse -inf.
     softmax_scale : float, optional
         Positive and finite; defaults to ``1 / sqrt(head_dim)``.
     return_lse : bool
         Also return the logsumexp needed by :func:`attention_backward`.
+    window_size : (int, int)
+        Sliding window ``(left, right)``: query ``i`` sees key ``j`` when ``i + diagonal - left <= j <= i +
+        diagonal + right``; -1 leaves a side unbounded. With ``causal``, right is 0. Default ``(-1, -1)``.
+    softcap : float
+        When positive, each score ``x = scale * q.k`` becomes ``softcap * tanh(x / softcap)`` (Gemma 2, Grok),
+        before ALiBi and the softmax. Default 0 (off).
+    alibi_slopes : array of the kind of q, float32, (heads,) or (batch, heads), optional
+        Adds ``-slope * |i + diagonal - j|`` to the scores (ALiBi).
+    sinks : array of the kind of q, float32, (heads,), optional
+        One logit per query head that joins every row's softmax denominator with no value (gpt-oss):
+        ``lse = log(exp(sink) + sum_j exp(score_j))``; a row that sees no key gets output 0 and lse = sink.
+    dropout_p : float
+        Probability in [0, 1) of dropping each attention probability; kept ones are scaled by ``1 / (1 -
+        dropout_p)``. The mask is Philox's, keyed on (seed, offset, batch, head, row, column):
+        :func:`dropout_mask` gives it. The lse does not see dropout.
+    seed : int, needed where dropout_p > 0
+        In [0, 2**64).
+    offset : int
+        In [0, 2**32): a stream within the seed; use a new (seed, offset) per forward call and the same
+        ones in its backward.
+    alignment : "bottom_right" or "top_left"
+        Where the diagonal of ``causal``, the window and ALiBi lies (PyTorch's ``is_causal`` is top_left).
 
     Returns
     -------
     out : array, (batch, seqlen_q, heads, head_dim), dtype of q
     lse : array, float32, (batch, heads, seqlen_q), only with ``return_lse``
-        Natural log of sum_j exp(scale * q_i . k_j) over the keys row i sees.
+        Natural log of sum_j exp(score_j) over the keys row i sees (and exp(sink) with sinks).
 
     Examples
     --------
@@ -111,24 +157,31 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     >>> out, lse = cuflash.attention(q, q, q, causal=True, return_lse=True)
     >>> out.shape, lse.shape
     ((1, 5, 2, 16), (1, 2, 5))
+    >>> out = cuflash.attention(q, q, q, window_size=(2, 0), softcap=30.0)
     """
     try:
         key = (_FORWARD, _array_key(q), _array_key(k), _array_key(v), causal, causal.__class__, softmax_scale,
-               softmax_scale.__class__)
+               softmax_scale.__class__, window_size, softcap, softcap.__class__, _optional_key(alibi_slopes),
+               _optional_key(sinks), dropout_p, dropout_p.__class__, alignment)
         plan = _plans.get(key)
     except (AttributeError, TypeError):  # not an array, an unhashable option: validation says what is wrong
         key = plan = None
     if plan is None:
-        plan = _remember(key, _plan_forward(q, k, v, causal, softmax_scale))
+        plan = _remember(key, _plan_forward(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                                            sinks, dropout_p, alignment))
     if return_lse.__class__ is not bool:
         check_flag("return_lse", return_lse)
-    out, lse = plan(q, k, v, return_lse)
+    if dropout_p:
+        _, seed, offset = check_dropout(dropout_p, seed, offset)
+    out, lse = plan(q, k, v, alibi_slopes, sinks, seed, offset, return_lse)
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_scale: float | None = None,
-                       deterministic: bool = False):
-    """Gradients of :func:`attention` with respect to q, k and v.
+                       deterministic: bool = False, *, window_size: tuple[int, int] = (-1, -1),
+                       softcap: float = 0.0, alibi_slopes=None, sinks=None, dropout_p: float = 0.0,
+                       seed: int | None = None, offset: int = 0, alignment: str = "bottom_right"):
+    """Gradients of :func:`attention` with respect to q, k and v (and the sinks).
 
     Recomputes the attention probabilities tile by tile from ``lse`` (FlashAttention-2's backward): no
     seqlen_q x seqlen_k buffer is allocated.
@@ -152,20 +205,28 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_sc
         on a grid in which each thread block adds into its own float32 dq buffer (up to 8 buffers, each
         the default's size); otherwise dq comes from its own kernel. dk and dv are bitwise reproducible
         in both settings; float32 and the NumPy path are deterministic in both.
+    window_size, softcap, alibi_slopes, sinks, dropout_p, seed, offset, alignment
+        As given to the forward (the same seed and offset reproduce its dropout mask).
 
     Returns
     -------
     dq : array, (batch, seqlen_q, heads, head_dim), dtype of q
     dk, dv : arrays, (batch, seqlen_k, heads_kv, head_dim), dtype of q
         Summed over the query heads that share a kv head.
+    dsinks : array, float32, (heads,), only with ``sinks``
+        Summed over the batch and the rows.
     """
     try:
         key = (_BACKWARD, _array_key(dout), _array_key(q), _array_key(k), _array_key(v), _array_key(out),
                _array_key(lse), causal, causal.__class__, softmax_scale, softmax_scale.__class__, deterministic,
-               deterministic.__class__)
+               deterministic.__class__, window_size, softcap, softcap.__class__, _optional_key(alibi_slopes),
+               _optional_key(sinks), dropout_p, dropout_p.__class__, alignment)
         plan = _plans.get(key)
     except (AttributeError, TypeError):
         key = plan = None
     if plan is None:
-        plan = _remember(key, _plan_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic))
-    return plan(dout, q, k, v, out, lse)
+        plan = _remember(key, _plan_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
+                                             window_size, softcap, alibi_slopes, sinks, dropout_p, alignment))
+    if dropout_p:
+        _, seed, offset = check_dropout(dropout_p, seed, offset)
+    return plan(dout, q, k, v, out, lse, alibi_slopes, sinks, seed, offset)

@@ -97,6 +97,16 @@ def _banded_grid(tiles_per_head: int, pairs: int, device_id: int) -> tuple[int, 
     return _grid(tiles_per_head * band)[0], pairs // band
 
 
+def check_supported(p: Problem):
+    """NotImplementedError for the options the CUDA kernels do not take yet (the NumPy path takes them all)."""
+    missing = [name for name, used in (("window_size", p.masked and not p.causal or p.window_left >= 0),
+                                       ("alignment='top_left'", p.causal and p.diagonal != p.seqlen_k - p.seqlen_q),
+                                       ("softcap", p.softcap), ("alibi_slopes", p.alibi_shape), ("sinks", p.sinks),
+                                       ("dropout_p", p.dropout_p)) if used]
+    if missing:
+        raise NotImplementedError(f"{', '.join(missing)}: not yet on CuPy arrays (the NumPy path computes them)")
+
+
 def _run_on(device_id: int, run, *args):
     """``run(*args)`` with ``device_id`` current: directly where it already is (the common case; entering a
     device's context costs half a microsecond)."""
@@ -110,6 +120,7 @@ class ForwardPlan:
     """The forward of one problem on one device: one kernel launch."""
 
     def __init__(self, p: Problem, device_id: int, q, k, v, spec: _config.KernelSpec | None = None):
+        check_supported(p)
         self.device_id = device_id
         self.copies = tuple(_needs_copy(x) for x in (q, k, v))
         if spec is None:
@@ -130,7 +141,7 @@ class ForwardPlan:
             _by_value(p.softmax_scale * LOG2E, np.float32),)
         self.tail = (_int32(_config.forward_query_blocks_fastest(spec.head_dim, p.causal)),)
 
-    def run(self, q, k, v, with_lse: bool = True):
+    def run(self, q, k, v, alibi_slopes=None, sinks=None, seed=0, offset=0, with_lse: bool = True):
         """out, and lse where ``with_lse`` (else None: the kernel stores none), on CuPy's current stream."""
         return _run_on(self.device_id, self._launch, q, k, v, with_lse)
 
@@ -173,6 +184,7 @@ class BackwardPlan:
 
     def __init__(self, p: Problem, device_id: int, deterministic: bool, dout, q, k, v, out, lse,
                  cfg: _config.AttentionConfig | None = None):
+        check_supported(p)
         self.device_id = device_id
         self.copies = tuple(_needs_copy(x) for x in (dout, q, k, v, out))
         self.copy_lse = not lse.flags.c_contiguous
@@ -231,7 +243,7 @@ class BackwardPlan:
                 self.dq = _Launch(spec, device_id, _grid(-(-p.seqlen_q // spec.block_m) * p.batch * p.heads),
                                   (self.splits, _int32(0)))
 
-    def run(self, dout, q, k, v, out, lse):
+    def run(self, dout, q, k, v, out, lse, alibi_slopes=None, sinks=None, seed=0, offset=0):
         """dq, dk, dv on CuPy's current stream."""
         return _run_on(self.device_id, self._launch, dout, q, k, v, out, lse)
 

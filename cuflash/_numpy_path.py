@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _philox
 from ._validate import Problem
 
 LOG2E = float(np.log2(np.e))
@@ -31,83 +32,149 @@ def _ungrouped(x: np.ndarray) -> np.ndarray:
 
 
 def _key_blocks(p: Problem):
-    """(n0, n1, r0, band) per key block that some query row sees: the block's keys n0 .. n1 - 1, the first
-    row that sees any of them (r0; 0 without the mask) and how many rows from r0 on see only part of them
-    (band; the causal diagonal crosses those rows, every later row sees the whole block)."""
-    offset = p.seqlen_k - p.seqlen_q  # query i sees key j when j <= i + offset (bottom-right aligned)
+    """(n0, n1, r0, r1, visible) per key block that some query row sees: the block's keys n0 .. n1 - 1, the
+    rows r0 .. r1 - 1 that see any of them (the rows outside see none: their state, and so the result, is
+    what it would be with the block masked), and the (rows, keys) bool mask of the pairs they see, None
+    where every one of those rows sees every key of the block."""
     for n0 in range(0, p.seqlen_k, BLOCK_N):
         n1 = min(n0 + BLOCK_N, p.seqlen_k)
-        if not p.causal:
-            yield n0, n1, 0, 0
+        # query i sees key j when -left <= j - (i + diagonal) <= right (a side of -1 unbounded)
+        r0 = max(0, n0 - p.diagonal - p.window_right) if p.window_right >= 0 else 0
+        r1 = min(p.seqlen_q, n1 - p.diagonal + p.window_left) if p.window_left >= 0 else p.seqlen_q
+        if r0 >= r1:
             continue
-        r0 = max(0, n0 - offset)
-        if r0 >= p.seqlen_q:
-            return  # no row sees this block or any later one
-        yield n0, n1, r0, min(p.seqlen_q, n1 - 1 - offset) - r0
+        visible = None
+        if p.masked:
+            rel = np.arange(n0, n1)[None, :] - np.arange(r0, r1)[:, None] - p.diagonal
+            visible = np.ones(rel.shape, bool)
+            if p.window_left >= 0:
+                visible &= rel >= -p.window_left
+            if p.window_right >= 0:
+                visible &= rel <= p.window_right
+            if visible.all():
+                visible = None
+        yield n0, n1, r0, r1, visible
 
 
-def _mask_band(x: np.ndarray, p: Problem, n0: int, n1: int, r0: int, band: int, fill) -> np.ndarray:
-    """``x`` (rows r0.., keys n0..n1) with ``fill`` where the causal mask hides a key from a row."""
-    if band <= 0:
-        return x
-    rows = np.arange(r0, r0 + band)[:, None]
-    keys = np.arange(n0, n1)[None, :]
-    x[..., :band, :] = np.where(keys <= rows + (p.seqlen_k - p.seqlen_q), x[..., :band, :], fill)
-    return x
+class _Scores:
+    """The base-2 scores of the kernels' specification (and, with a softcap, the factor d score / d
+    (scale q.k)) for a block of rows and keys: scale * q.k, through softcap * tanh(x / softcap), minus
+    slope * |i + diagonal - j|, times log2(e)."""
+
+    def __init__(self, p: Problem, alibi_slopes):
+        self.p = p
+        self.scale = np.float32(p.softmax_scale)
+        self.scale_log2 = np.float32(p.softmax_scale * LOG2E)
+        self.slopes = None
+        if alibi_slopes is not None:  # (batch or 1, heads_kv, group, 1, 1), float32
+            slopes = np.asarray(alibi_slopes, np.float32)
+            slopes = slopes.reshape((1,) * (2 - slopes.ndim) + slopes.shape)
+            self.slopes = slopes.reshape(slopes.shape[0], p.heads_kv, p.group, 1, 1)
+
+    def __call__(self, dots, n0: int, n1: int, r0: int, r1: int):
+        """(base-2 scores, the softcap's factor or None) of q.k products ``dots`` (rows r0.., keys n0..)."""
+        p = self.p
+        if not (p.softcap or self.slopes is not None):
+            return dots * self.scale_log2, None  # one multiply: the kernels' fused scale
+        x, factor = dots * self.scale, None
+        if p.softcap:
+            tanh = np.tanh(x / np.float32(p.softcap))
+            x, factor = np.float32(p.softcap) * tanh, np.float32(1) - tanh * tanh
+        if self.slopes is not None:
+            distance = np.abs(np.arange(r0, r1)[:, None] + p.diagonal - np.arange(n0, n1)[None, :])
+            x = x - self.slopes * distance.astype(np.float32)
+        return x * np.float32(LOG2E), factor
 
 
-def forward(q, k, v, p: Problem):
+def _dropout_keep(p: Problem, seed: int, offset: int, n0: int, n1: int, r0: int, r1: int):
+    """The kept elements of rows r0.., keys n0.., (batch, heads_kv, group, rows, keys), or None without
+    dropout."""
+    if not p.dropout_p:
+        return None
+    bh = np.arange(p.batch * p.heads).reshape(p.batch, p.heads_kv, p.group, 1, 1)
+    return _philox.keep(seed, offset, bh, np.arange(r0, r1)[:, None], np.arange(n0, n1)[None, :], p.dropout_p)
+
+
+def _kept(probs, keep, p: Problem):
+    return probs if keep is None else np.where(keep, probs * np.float32(1 / (1 - p.dropout_p)), np.float32(0))
+
+
+def _grouped_sinks(sinks, p: Problem):
+    """sinks (heads,) -> base 2, (1, heads_kv, group)."""
+    return np.asarray(sinks, np.float32).reshape(1, p.heads_kv, p.group) * np.float32(LOG2E)
+
+
+def forward(q, k, v, p: Problem, alibi_slopes=None, sinks=None, seed: int = 0, offset: int = 0):
     """out (dtype of q), lse float32 (batch, heads, seqlen_q)."""
     qg = _grouped(q, p.heads_kv)  # (b, hk, g, sq, d)
     kg = k.astype(np.float32).transpose(0, 2, 1, 3)[:, :, None]  # (b, hk, 1, sk, d)
     vg = v.astype(np.float32).transpose(0, 2, 1, 3)[:, :, None]
-    scale_log2 = np.float32(p.softmax_scale * LOG2E)
+    scores = _Scores(p, alibi_slopes)
     m_i = np.full(qg.shape[:-1], -np.inf, np.float32)
     l_i = np.zeros(qg.shape[:-1], np.float32)
     acc = np.zeros(qg.shape, np.float32)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        # under the causal mask, key block n0 updates only the rows from r0 on: the rows before it see
-        # none of its keys (their state, and so the result, is what it would be with the block masked)
-        for n0, n1, r0, band in _key_blocks(p):
-            s = (qg[..., r0:, :] @ kg[..., n0:n1, :].swapaxes(-1, -2)) * scale_log2  # base-2 scores
-            s = _mask_band(s, p, n0, n1, r0, band, np.float32(-np.inf))
-            m_new = np.maximum(m_i[..., r0:], s.max(axis=-1))
+        for n0, n1, r0, r1, visible in _key_blocks(p):
+            s, _ = scores(qg[..., r0:r1, :] @ kg[..., n0:n1, :].swapaxes(-1, -2), n0, n1, r0, r1)
+            if visible is not None:
+                s = np.where(visible, s, np.float32(-np.inf))
+            m_new = np.maximum(m_i[..., r0:r1], s.max(axis=-1))
             base = np.where(m_new == -np.inf, np.float32(0), m_new)  # safe max: all-masked rows
-            alpha = np.exp2(m_i[..., r0:] - base)
+            alpha = np.exp2(m_i[..., r0:r1] - base)
             probs = np.exp2(s - base[..., None])
-            l_i[..., r0:] = l_i[..., r0:] * alpha + probs.sum(axis=-1)
-            acc[..., r0:, :] = acc[..., r0:, :] * alpha[..., None] + probs @ vg[..., n0:n1, :]
-            m_i[..., r0:] = m_new
+            l_i[..., r0:r1] = l_i[..., r0:r1] * alpha + probs.sum(axis=-1)
+            probs = _kept(probs, _dropout_keep(p, seed, offset, n0, n1, r0, r1), p)
+            acc[..., r0:r1, :] = acc[..., r0:r1, :] * alpha[..., None] + probs @ vg[..., n0:n1, :]
+            m_i[..., r0:r1] = m_new
+        if sinks is not None:  # the sink joins each row's denominator: rescale to max(m_i, sink)
+            sink2 = _grouped_sinks(sinks, p)[..., None]
+            m_new = np.maximum(m_i, sink2)
+            base = np.where(m_new == -np.inf, np.float32(0), m_new)
+            alpha = np.exp2(m_i - base)
+            l_i = l_i * alpha + np.exp2(sink2 - base)
+            acc = acc * alpha[..., None]
+            m_i = m_new
         out = np.where(l_i[..., None] == 0, np.float32(0), acc / l_i[..., None])
         lse = np.where(l_i == 0, np.float32(-np.inf), (m_i + np.log2(l_i)) * np.float32(LN2))
     b, hk, g, sq = lse.shape
     return _ungrouped(out).astype(q.dtype), lse.reshape(b, hk * g, sq).astype(np.float32)
 
 
-def backward(dout, q, k, v, out, lse, p: Problem):
-    """dq, dk, dv (dtype of q): the FlashAttention-2 backward, one key block at a time."""
+def backward(dout, q, k, v, out, lse, p: Problem, alibi_slopes=None, sinks=None, seed: int = 0, offset: int = 0):
+    """dq, dk, dv (dtype of q), and dsinks (float32, (heads,)) with sinks: the FlashAttention-2 backward,
+    one key block at a time."""
     qg, dog = _grouped(q, p.heads_kv), _grouped(dout, p.heads_kv)
     kg = k.astype(np.float32).transpose(0, 2, 1, 3)[:, :, None]
     vg = v.astype(np.float32).transpose(0, 2, 1, 3)[:, :, None]
     b = p.batch
     lse2 = lse.reshape(b, p.heads_kv, p.group, p.seqlen_q).astype(np.float32) * np.float32(LOG2E)
     delta = (_grouped(out, p.heads_kv) * dog).sum(axis=-1)  # rowsum(dout * out)
-    scale = np.float32(p.softmax_scale)
-    scale_log2 = np.float32(p.softmax_scale * LOG2E)
+    scores = _Scores(p, alibi_slopes)
     dq = np.zeros(qg.shape, np.float32)
     dk = np.zeros((b, p.heads_kv, p.seqlen_k, p.head_dim), np.float32)
     dv = np.zeros_like(dk)
     with np.errstate(invalid="ignore", over="ignore"):
-        for n0, n1, r0, band in _key_blocks(p):  # rows before r0 see none of the block's keys
+        for n0, n1, r0, r1, visible in _key_blocks(p):  # rows outside r0..r1 see none of the block's keys
             k_blk, v_blk = kg[..., n0:n1, :], vg[..., n0:n1, :]
-            q_rows, do_rows = qg[..., r0:, :], dog[..., r0:, :]
-            probs = np.exp2((q_rows @ k_blk.swapaxes(-1, -2)) * scale_log2 - lse2[..., r0:, None])
-            probs = _mask_band(probs, p, n0, n1, r0, band, np.float32(0))
-            dp = do_rows @ v_blk.swapaxes(-1, -2)
-            ds = probs * (dp - delta[..., r0:, None])
-            dv[:, :, n0:n1] = (probs.swapaxes(-1, -2) @ do_rows).sum(axis=2)
-            dk[:, :, n0:n1] = scale * (ds.swapaxes(-1, -2) @ q_rows).sum(axis=2)
-            dq[..., r0:, :] += scale * (ds @ k_blk)
-    dtype = q.dtype
-    return (_ungrouped(dq).astype(dtype), dk.transpose(0, 2, 1, 3).astype(dtype),
-            dv.transpose(0, 2, 1, 3).astype(dtype))
+            q_rows, do_rows = qg[..., r0:r1, :], dog[..., r0:r1, :]
+            s, softcap_factor = scores(q_rows @ k_blk.swapaxes(-1, -2), n0, n1, r0, r1)
+            probs = np.exp2(s - lse2[..., r0:r1, None])
+            if visible is not None:
+                probs = np.where(visible, probs, np.float32(0))
+            keep = _dropout_keep(p, seed, offset, n0, n1, r0, r1)
+            dp = _kept(do_rows @ v_blk.swapaxes(-1, -2), keep, p)
+            ds = probs * (dp - delta[..., r0:r1, None])
+            if softcap_factor is not None:
+                ds = ds * softcap_factor
+            dv[:, :, n0:n1] = (_kept(probs, keep, p).swapaxes(-1, -2) @ do_rows).sum(axis=2)
+            dk[:, :, n0:n1] = scores.scale * (ds.swapaxes(-1, -2) @ q_rows).sum(axis=2)
+            dq[..., r0:r1, :] += scores.scale * (ds @ k_blk)
+        dtype = q.dtype
+        grads = (_ungrouped(dq).astype(dtype), dk.transpose(0, 2, 1, 3).astype(dtype),
+                 dv.transpose(0, 2, 1, 3).astype(dtype))
+        if sinks is None:
+            return grads
+        # d lse / d sink is the sink's probability exp(sink - lse); d out / d sink = -that * out
+        sink_p = np.exp2(_grouped_sinks(sinks, p)[..., None] - lse2)
+        dsinks = -(sink_p * delta).sum(axis=(0, 3)).reshape(p.heads)
+    return (*grads, dsinks.astype(np.float32))

@@ -13,7 +13,12 @@ import numbers
 import numpy as np
 
 from ._config import MAX_HEAD_DIM, SUPPORTED_DTYPES
+from ._philox import MAX_OFFSET, MAX_SEED
 
+BOTTOM_RIGHT, TOP_LEFT = "bottom_right", "top_left"
+#: where the diagonal of the causal mask, the window and ALiBi lies: query i's diagonal key is
+#: i + seqlen_k - seqlen_q (bottom_right, FlashAttention's) or i (top_left, PyTorch's is_causal)
+ALIGNMENTS = (BOTTOM_RIGHT, TOP_LEFT)
 _DTYPE_NAMES = ", ".join(d.name for d in SUPPORTED_DTYPES)
 LOG2E = math.log2(math.e)
 #: The largest base-2 score (scale * log2(e) * q . k) the kernels take exactly enough: they subtract a row's
@@ -68,6 +73,27 @@ class Problem:
     dtype: np.dtype
     causal: bool
     softmax_scale: float
+    #: window sides in keys, -1 unbounded; causal sets the right one to 0 (query i sees key j when
+    #: i + diagonal - left <= j <= i + diagonal + right)
+    window_left: int = -1
+    window_right: int = -1
+    #: the key on query i's diagonal is i + diagonal: seqlen_k - seqlen_q (bottom-right) or 0 (top-left)
+    diagonal: int = 0
+    softcap: float = 0.0
+    #: None, or the shape of alibi_slopes: (heads,) or (batch, heads)
+    alibi_shape: tuple | None = None
+    sinks: bool = False
+    dropout_p: float = 0.0
+
+    @property
+    def masked(self) -> bool:
+        """Does some (row, key) pair within the sequences fall outside the window?"""
+        return self.window_left >= 0 or self.window_right >= 0
+
+    @property
+    def plain(self) -> bool:
+        """No score modifier, sink or dropout: softmax of scale * q.k over the visible keys."""
+        return not (self.softcap or self.alibi_shape or self.sinks or self.dropout_p)
 
     @property
     def group(self) -> int:
@@ -89,8 +115,10 @@ def _check_dtype(name: str, a):
         raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}, got {a.dtype}")
 
 
-def check_forward(q, k, v, causal, softmax_scale) -> Problem:
-    """Validate the forward's inputs and resolve the defaults."""
+def check_forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                  sinks=None, dropout_p=0.0, alignment=BOTTOM_RIGHT) -> Problem:
+    """Validate the forward's inputs and options and resolve the defaults (seed and offset, which change per
+    call, are checked by check_dropout)."""
     for name, a, layout in (("q", q, "(batch, seqlen_q, heads, head_dim)"),
                             ("k", k, "(batch, seqlen_k, heads_kv, head_dim)"),
                             ("v", v, "(batch, seqlen_k, heads_kv, head_dim)")):
@@ -116,13 +144,29 @@ def check_forward(q, k, v, causal, softmax_scale) -> Problem:
         raise ValueError(f"heads of q ({heads}) must be a multiple of heads_kv of k and v ({heads_kv})")
     check_flag("causal", causal)
     check_same_device(q=q, k=k, v=v)
+    left, right = check_window(window_size, causal)
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
+    alibi_shape = None
+    if alibi_slopes is not None:
+        alibi_shape = check_float32_vector("alibi_slopes", alibi_slopes, ((heads,), (batch, heads)),
+                                           "(heads,) or (batch, heads)")
+        check_same_device(q=q, alibi_slopes=alibi_slopes)
+    if sinks is not None:
+        check_float32_vector("sinks", sinks, ((heads,),), "(heads,)")
+        check_same_device(q=q, sinks=sinks)
+    dropout_p, _, _ = check_dropout(dropout_p, 0, 0)
     return Problem(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, np.dtype(q.dtype), bool(causal),
-                   resolve_scale(softmax_scale, head_dim))
+                   resolve_scale(softmax_scale, head_dim), left, right,
+                   seqlen_k - seqlen_q if alignment == BOTTOM_RIGHT else 0, check_softcap(softcap), alibi_shape,
+                   sinks is not None, dropout_p)
 
 
-def check_backward(dout, q, k, v, out, lse, causal, softmax_scale) -> Problem:
+def check_backward(dout, q, k, v, out, lse, causal, softmax_scale, window_size=(-1, -1), softcap=0.0,
+                   alibi_slopes=None, sinks=None, dropout_p=0.0, alignment=BOTTOM_RIGHT) -> Problem:
     """Validate the backward's inputs (the forward's, plus dout, out and lse)."""
-    problem = check_forward(q, k, v, causal, softmax_scale)
+    problem = check_forward(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p,
+                            alignment)
     for name, a in (("dout", dout), ("out", out)):
         _check_4d(name, a, "(batch, seqlen_q, heads, head_dim)")
         if a.dtype != q.dtype:
@@ -136,6 +180,65 @@ def check_backward(dout, q, k, v, out, lse, causal, softmax_scale) -> Problem:
         raise TypeError(f"lse must be float32 (as returned by attention(..., return_lse=True)), got {lse.dtype}")
     check_same_device(q=q, dout=dout, out=out, lse=lse)
     return problem
+
+
+def check_window(window_size, causal) -> tuple[int, int]:
+    """(left, right) of ``window_size``, each -1 (unbounded) or a count of keys; causal makes right 0."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}") from None
+    for side, value in (("left", left), ("right", right)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"window_size's {side} side must be an int, got {type(value).__name__}")
+        if value < -1:
+            raise ValueError(f"window_size's {side} side must be -1 (unbounded) or at least 0, got {value}")
+    return int(left), 0 if causal else int(right)
+
+
+def check_softcap(softcap) -> float:
+    """``softcap`` as a float: 0 (off) or positive and finite."""
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
+    value = float(softcap)
+    if not (value == 0 or (math.isfinite(value) and value > 0)):
+        raise ValueError(f"softcap must be 0 (off) or positive and finite, got {softcap}")
+    return value
+
+
+def check_float32_vector(name: str, a, shapes, layout: str) -> tuple:
+    """The shape of ``a``, a float32 array of one of ``shapes``; TypeError or ValueError otherwise."""
+    if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+        raise TypeError(f"{name} must be a float32 array {layout}, got {type(a).__name__}")
+    if a.dtype != np.float32:
+        raise TypeError(f"{name} must be float32, got {a.dtype}")
+    if tuple(a.shape) not in shapes:
+        raise ValueError(f"{name} must have shape {layout} = {' or '.join(map(str, shapes))}, got {tuple(a.shape)}")
+    return tuple(a.shape)
+
+
+def _check_int(name: str, value, limit: int) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 <= value < limit:
+        raise ValueError(f"{name} must be in [0, 2**{limit.bit_length() - 1}), got {value}")
+    return int(value)
+
+
+def check_dropout(dropout_p, seed, offset) -> tuple[float, int, int]:
+    """(dropout_p, seed, offset): dropout_p a float in [0, 1), seed in [0, 2**64), offset in [0, 2**32);
+    seed must be given (not None) where dropout_p > 0."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if p == 0:
+        return p, 0, 0
+    if seed is None:
+        raise ValueError("seed must be given with dropout_p > 0 (an int; the same seed and offset in the backward "
+                         "reproduce the forward's mask)")
+    return p, _check_int("seed", seed, MAX_SEED), _check_int("offset", offset, MAX_OFFSET)
 
 
 def check_flag(name: str, value):

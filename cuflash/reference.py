@@ -25,50 +25,133 @@ import ml_dtypes
 import numpy as np
 
 __all__ = ["attention", "attention_backward", "attention_in_dtype", "attention_backward_in_dtype", "causal_mask",
-           "rounding", "tolerance"]
+           "mask", "rounding", "tolerance"]
 
 
 def causal_mask(seqlen_q: int, seqlen_k: int) -> np.ndarray:
     """``(seqlen_q, seqlen_k)`` bool: True where query i sees key j (bottom-right aligned)."""
-    i = np.arange(seqlen_q)[:, None]
-    j = np.arange(seqlen_k)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+    return mask(seqlen_q, seqlen_k, causal=True)
+
+
+def mask(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size=(-1, -1),
+         alignment: str = "bottom_right") -> np.ndarray:
+    """``(seqlen_q, seqlen_k)`` bool: True where query i sees key j, FlashAttention's rule: with ``diagonal``
+    ``seqlen_k - seqlen_q`` (bottom_right) or 0 (top_left), ``i + diagonal - left <= j <= i + diagonal +
+    right``, a side of -1 unbounded, ``causal`` setting right to 0."""
+    left, right = window_size
+    if causal:
+        right = 0
+    diagonal = seqlen_k - seqlen_q if alignment == "bottom_right" else 0
+    rel = np.arange(seqlen_k)[None, :] - np.arange(seqlen_q)[:, None] - diagonal  # j - (i + diagonal)
+    visible = np.ones((seqlen_q, seqlen_k), bool)
+    if left >= 0:
+        visible &= rel >= -left
+    if right >= 0:
+        visible &= rel <= right
+    return visible
 
 
 def _host(x) -> np.ndarray:
     return x.get() if hasattr(x, "get") else np.asarray(x)  # a CuPy array comes to the host
 
 
-def _as64(x) -> np.ndarray:
-    x = x.get() if hasattr(x, "get") else x  # a CuPy array comes to the host
-    return np.asarray(x).astype(np.float64)
+def _keep_all(x):
+    return x
 
 
-def _scores(q, k, causal, softmax_scale):
-    q, k = _as64(q), _as64(k)
-    heads, heads_kv = q.shape[2], k.shape[2]
+def _options(q, k, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+             dropout_p=0.0, dropout_mask=None, alignment="bottom_right"):
+    """The options of attention as plain values: scale, visible (sq, sk), softcap, ALiBi bias (b|1, h, sq, sk),
+    sinks (1, h, 1, 1), dropout factor (b, h, sq, sk) or None."""
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
-    k = np.repeat(k, heads // heads_kv, axis=2) if heads_kv else k
-    s = np.einsum("bihd,bjhd->bhij", q, k) * scale
-    visible = causal_mask(q.shape[1], k.shape[1]) if causal else np.ones((q.shape[1], k.shape[1]), bool)
-    return s, visible, scale
+    visible = mask(seqlen_q, seqlen_k, causal, window_size, alignment)
+    bias = None
+    if alibi_slopes is not None:
+        diagonal = seqlen_k - seqlen_q if alignment == "bottom_right" else 0
+        distance = np.abs(np.arange(seqlen_q)[:, None] + diagonal - np.arange(seqlen_k)[None, :])
+        slopes = _host(alibi_slopes).astype(np.float64)
+        slopes = slopes.reshape((1,) * (2 - slopes.ndim) + slopes.shape)  # (b or 1, h)
+        bias = -slopes[..., None, None] * distance
+    sink = None if sinks is None else _host(sinks).astype(np.float64).reshape(1, -1, 1, 1)
+    factor = None
+    if dropout_p:
+        if dropout_mask is None:
+            raise ValueError("dropout_p > 0 needs the dropout_mask (cuflash.dropout_mask) to apply")
+        factor = _host(dropout_mask).astype(np.float64) / (1.0 - dropout_p)
+    return scale, visible, float(softcap), bias, sink, factor
 
 
-def _softmax(s, visible):
-    """Safe softmax over the last axis of ``s`` restricted to ``visible``; rows with nothing visible -> 0."""
+def _forward(q, k, v, causal, softmax_scale, options, rnd, work):
+    """out, lse and the backward's saved values (p, dy/dx of the softcap, dropout factor, scale), computed in
+    ``work`` with every stored intermediate passed through ``rnd``."""
+    scale, visible, softcap, bias, sink, factor = _options(q, k, causal, softmax_scale, **options)
+    q, k, v = (_host(x).astype(work) for x in (q, k, v))
+    heads, heads_kv = q.shape[2], k.shape[2]
+    group = heads // heads_kv if heads_kv else 1
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        masked = np.where(visible, s, -np.inf)
-        any_visible = visible.any(axis=-1)  # (seqlen_q,)
-        m = masked.max(axis=-1, keepdims=True) if s.shape[-1] else np.zeros(s.shape[:-1] + (1,))
-        m = np.where(any_visible[:, None], m, 0.0)
-        e = np.where(visible, np.exp(masked - m), 0.0)
+        y = rnd(np.einsum("bihd,bjhd->bhij", q, k) * work(scale))  # scores, (b, h, sq, sk)
+        dy = None
+        if softcap:
+            tanh = np.tanh(y / work(softcap))
+            y, dy = rnd(work(softcap) * tanh), 1 - tanh * tanh
+        if bias is not None:
+            y = rnd(y + bias.astype(work))
+        z = np.where(visible, y, -np.inf)
+        m = z.max(axis=-1, keepdims=True) if z.shape[-1] else np.full(z.shape[:-1] + (1,), -np.inf, work)
+        if sink is not None:
+            m = np.maximum(m, sink.astype(work))
+        m = np.where(m == -np.inf, work(0), m)  # safe max: a row that sees nothing (and has no sink)
+        e = np.where(visible, np.exp(z - m), work(0))
         l = e.sum(axis=-1, keepdims=True)
-        p = np.where(any_visible[:, None], e / np.where(any_visible[:, None], l, 1.0), 0.0)
-        lse = np.where(any_visible, (m + np.log(l))[..., 0], -np.inf)
-    return p, lse
+        if sink is not None:
+            l = l + np.exp(sink.astype(work) - m)
+        p = rnd(np.where(l == 0, work(0), e / np.where(l == 0, 1, l)))  # NaN stays NaN
+        lse = np.where(l[..., 0] == 0, -np.inf, (m + np.log(l))[..., 0])
+        kept = p if factor is None else rnd(p * factor.astype(work))
+        out = rnd(np.einsum("bhij,bjhd->bihd", kept, v))
+    return out, lse, (p, dy, factor, scale, sink)
 
 
-def attention(q, k, v, causal: bool = False, softmax_scale=None):
+def _backward(dout, q, k, v, out, causal, softmax_scale, options, rnd, work):
+    """dq, dk, dv and (with sinks) dsinks; ``out`` None: delta from the probabilities themselves."""
+    _, lse, (p, dy, factor, scale, sink) = _forward(q, k, v, causal, softmax_scale, options, rnd, work)
+    q, k, v, dout = (_host(x).astype(work) for x in (q, k, v, dout))
+    heads, heads_kv = q.shape[2], k.shape[2]
+    group = heads // heads_kv if heads_kv else 1
+    k_rep, v_rep = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    with np.errstate(invalid="ignore", over="ignore"):
+        kept = p if factor is None else rnd(p * factor.astype(work))
+        dv = rnd(np.einsum("bhij,bihd->bjhd", kept, dout))
+        dkept = rnd(np.einsum("bihd,bjhd->bhij", dout, v_rep))  # d loss / d (kept probability)
+        dp = dkept if factor is None else dkept * factor.astype(work)
+        if out is None:
+            delta = (p * dp).sum(axis=-1, keepdims=True)  # rowsum(dout * out), exactly
+        else:
+            delta = (_host(out).astype(work) * dout).sum(axis=-1).transpose(0, 2, 1)[..., None]
+        ds = rnd(p * (dp - delta))
+        if dy is not None:
+            ds = rnd(ds * dy)  # through the softcap: d tanh
+        dq = rnd(np.einsum("bhij,bjhd->bihd", ds, k_rep) * work(scale))
+        dk = rnd(np.einsum("bhij,bihd->bjhd", ds, q) * work(scale))
+
+    def fold(x):  # sum the query heads of each group onto their kv head
+        b, n, _, d = x.shape
+        return x.reshape(b, n, heads_kv, group, d).sum(axis=3)
+
+    grads = (dq, fold(dk), fold(dv))
+    if sink is None:
+        return grads
+    with np.errstate(invalid="ignore", over="ignore"):
+        sink_p = np.exp(sink[..., 0] - lse)  # (b, h, sq): the sink's probability in each row
+        dsinks = -(np.where(np.isfinite(lse), sink_p, 0) * delta[..., 0]).sum(axis=(0, 2))
+    return (*grads, dsinks)
+
+
+def attention(q, k, v, causal: bool = False, softmax_scale=None, *, window_size=(-1, -1), softcap: float = 0.0,
+              alibi_slopes=None, sinks=None, dropout_p: float = 0.0, dropout_mask=None,
+              alignment: str = "bottom_right"):
     """Exact attention in float64.
 
     Parameters
@@ -78,22 +161,30 @@ def attention(q, k, v, causal: bool = False, softmax_scale=None):
     causal : bool
     softmax_scale : float, optional
         Defaults to ``1/sqrt(head_dim)``.
+    window_size, softcap, alibi_slopes, sinks, dropout_p, alignment
+        As in :func:`cuflash.attention`: the score of a visible pair is ``softcap * tanh(scale q.k /
+        softcap)`` (the product itself where softcap is 0) ``- slope * |i + diagonal - j|``; a sink joins
+        each row's denominator.
+    dropout_mask : bool array (batch, heads, seqlen_q, seqlen_k), needed where dropout_p > 0
+        True where a probability is kept (:func:`cuflash.dropout_mask` gives cuflash's); kept ones are
+        scaled by ``1 / (1 - dropout_p)``. The lse does not see dropout.
 
     Returns
     -------
     out : numpy.ndarray, float64, (batch, seqlen_q, heads, head_dim)
     lse : numpy.ndarray, float64, (batch, heads, seqlen_q)
-        Natural-log logsumexp of the scaled scores over the visible keys; -inf where none is visible.
+        Natural-log logsumexp of the scores over the visible keys (and the sink); -inf where nothing is
+        visible.
     """
-    s, visible, _ = _scores(q, k, causal, softmax_scale)
-    p, lse = _softmax(s, visible)
-    v = _as64(v)
-    v = np.repeat(v, s.shape[1] // v.shape[2], axis=2) if v.shape[2] else v
-    out = np.einsum("bhij,bjhd->bihd", p, v)
+    options = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                   dropout_p=dropout_p, dropout_mask=dropout_mask, alignment=alignment)
+    out, lse, _ = _forward(q, k, v, causal, softmax_scale, options, _keep_all, np.float64)
     return out, lse
 
 
-def attention_backward(dout, q, k, v, causal: bool = False, softmax_scale=None):
+def attention_backward(dout, q, k, v, causal: bool = False, softmax_scale=None, *, window_size=(-1, -1),
+                       softcap: float = 0.0, alibi_slopes=None, sinks=None, dropout_p: float = 0.0,
+                       dropout_mask=None, alignment: str = "bottom_right"):
     """Gradients of :func:`attention` in float64, from the materialized softmax.
 
     Parameters
@@ -101,32 +192,19 @@ def attention_backward(dout, q, k, v, causal: bool = False, softmax_scale=None):
     dout : array, (batch, seqlen_q, heads, head_dim)
     q : array, (batch, seqlen_q, heads, head_dim)
     k, v : array, (batch, seqlen_k, heads_kv, head_dim)
-    causal : bool
-    softmax_scale : float, optional
+    causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, alignment
+        As given to :func:`attention`.
 
     Returns
     -------
     dq : numpy.ndarray, float64, (batch, seqlen_q, heads, head_dim)
     dk, dv : numpy.ndarray, float64, (batch, seqlen_k, heads_kv, head_dim)
         Summed over the query heads that share a kv head.
+    dsinks : numpy.ndarray, float64, (heads,), only with ``sinks``
     """
-    s, visible, scale = _scores(q, k, causal, softmax_scale)
-    p, _ = _softmax(s, visible)
-    q, k, v, dout = _as64(q), _as64(k), _as64(v), _as64(dout)
-    heads, heads_kv = q.shape[2], k.shape[2]
-    group = heads // heads_kv if heads_kv else 1
-    k_rep, v_rep = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
-    dv_rep = np.einsum("bhij,bihd->bjhd", p, dout)
-    dp = np.einsum("bihd,bjhd->bhij", dout, v_rep)
-    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
-    dq = scale * np.einsum("bhij,bjhd->bihd", ds, k_rep)
-    dk_rep = scale * np.einsum("bhij,bihd->bjhd", ds, q)
-
-    def fold(x):  # sum the query heads of each group onto their kv head
-        b, n, _, d = x.shape
-        return x.reshape(b, n, heads_kv, group, d).sum(axis=3)
-
-    return dq, fold(dk_rep), fold(dv_rep)
+    options = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                   dropout_p=dropout_p, dropout_mask=dropout_mask, alignment=alignment)
+    return _backward(dout, q, k, v, None, causal, softmax_scale, options, _keep_all, np.float64)
 
 
 def _round(x: np.ndarray, dtype) -> np.ndarray:
@@ -134,63 +212,21 @@ def _round(x: np.ndarray, dtype) -> np.ndarray:
     return x.astype(dtype).astype(np.float32)
 
 
-def _grouped_repeat(x: np.ndarray, heads: int) -> np.ndarray:
-    return np.repeat(x, heads // x.shape[2], axis=2)
-
-
-def attention_in_dtype(q, k, v, causal, softmax_scale, dtype):
+def attention_in_dtype(q, k, v, causal, softmax_scale, dtype, **options):
     """The same math with every stored intermediate in ``dtype`` (float32 accumulation inside products,
-    as a framework's half-precision matmul and softmax do). Returns float32 (out, lse)."""
-    q, k, v = (_host(x).astype(np.float32) for x in (q, k, v))
-    heads = q.shape[2]
-    scale = 1 / math.sqrt(q.shape[3]) if softmax_scale is None else softmax_scale
-    k, v = _grouped_repeat(k, heads), _grouped_repeat(v, heads)
-    s = _round(np.einsum("bihd,bjhd->bhij", q, k) * np.float32(scale), dtype)
-    visible = causal_mask(q.shape[1], k.shape[1]) if causal else np.ones(s.shape[-2:], bool)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        s = np.where(visible, s, -np.inf)
-        m = s.max(axis=-1, keepdims=True) if s.shape[-1] else np.zeros(s.shape[:-1] + (1,), np.float32)
-        m = np.where(np.isfinite(m), m, 0)
-        e = np.exp(s - m)
-        l = e.sum(axis=-1, keepdims=True)
-        p = _round(np.where(l > 0, e / l, 0), dtype)
-        lse = np.where(l[..., 0] > 0, (m + np.log(l))[..., 0], -np.inf)
-    out = _round(np.einsum("bhij,bjhd->bihd", p, v), dtype)
+    as a framework's half-precision matmul and softmax do); ``options`` are :func:`attention`'s keywords.
+    Returns float32 (out, lse)."""
+    out, lse, _ = _forward(q, k, v, causal, softmax_scale, options, lambda x: _round(x, dtype), np.float32)
     return out, lse
 
 
-def attention_backward_in_dtype(dout, q, k, v, out, causal, softmax_scale, dtype):
-    """Gradients with every stored intermediate in ``dtype``; float32 (dq, dk, dv).
+def attention_backward_in_dtype(dout, q, k, v, out, causal, softmax_scale, dtype, **options):
+    """Gradients with every stored intermediate in ``dtype``; float32 (dq, dk, dv), and dsinks with sinks.
 
     ``out`` is the forward output handed to the backward, stored in ``dtype``: the backward's
     rowsum(dout * out) inherits its rounding, so the low-precision math uses the same ``out``.
     """
-    delta = (_host(out).astype(np.float32) * _host(dout).astype(np.float32)).sum(axis=-1)
-    delta = delta.transpose(0, 2, 1)[..., None]  # (batch, heads, seqlen_q, 1)
-    q, k, v, dout = (_host(x).astype(np.float32) for x in (q, k, v, dout))
-    heads, heads_kv = q.shape[2], k.shape[2]
-    scale = np.float32(1 / math.sqrt(q.shape[3]) if softmax_scale is None else softmax_scale)
-    kr, vr = _grouped_repeat(k, heads), _grouped_repeat(v, heads)
-    s = np.einsum("bihd,bjhd->bhij", q, kr) * scale
-    visible = causal_mask(q.shape[1], k.shape[1]) if causal else np.ones(s.shape[-2:], bool)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        s = np.where(visible, _round(s, dtype), -np.inf)
-        m = s.max(axis=-1, keepdims=True)
-        m = np.where(np.isfinite(m), m, 0)
-        e = np.exp(s - m)
-        l = e.sum(axis=-1, keepdims=True)
-        p = _round(np.where(l > 0, e / l, 0), dtype)
-    dv = _round(np.einsum("bhij,bihd->bjhd", p, dout), dtype)
-    dp = _round(np.einsum("bihd,bjhd->bhij", dout, vr), dtype)
-    ds = _round(p * (dp - delta), dtype)
-    dq = _round(np.einsum("bhij,bjhd->bihd", ds, kr) * scale, dtype)
-    dk = _round(np.einsum("bhij,bihd->bjhd", ds, q) * scale, dtype)
-
-    def fold(x):
-        b, n, _, d = x.shape
-        return x.reshape(b, n, heads_kv, heads // heads_kv, d).sum(axis=3)
-
-    return dq, fold(dk), fold(dv)
+    return _backward(dout, q, k, v, out, causal, softmax_scale, options, lambda x: _round(x, dtype), np.float32)
 
 
 def rounding(ref: np.ndarray, dtype) -> float:

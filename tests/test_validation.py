@@ -216,3 +216,80 @@ class TestBackward:
         args["dout"] = 1.0
         with pytest.raises(TypeError, match="dout must be a numpy.ndarray"):
             cuflash.attention_backward(**args)
+
+
+class TestFeatureArguments:
+    """window_size, softcap, alibi_slopes, sinks, dropout_p, seed, offset and alignment (test_features checks
+    their values); validation comes before the GPU path's refusal of options it does not take yet."""
+
+    @pytest.mark.parametrize("window", [(-2, 0), (0, -5)])
+    def test_window_sides_below_minus_one(self, qkv, window):
+        with pytest.raises(ValueError, match="window_size's (left|right) side must be -1 \\(unbounded\\) or at least 0"):
+            _fwd(*qkv, window_size=window)
+
+    @pytest.mark.parametrize("window", [5, (1, 2, 3), "abc", None])
+    def test_window_not_a_pair(self, qkv, window):
+        with pytest.raises(TypeError, match="window_size must be a pair"):
+            _fwd(*qkv, window_size=window)
+
+    @pytest.mark.parametrize("window", [(1.5, 0), (True, 0), (0, "1")])
+    def test_window_sides_not_ints(self, qkv, window):
+        with pytest.raises(TypeError, match="window_size's (left|right) side must be an int"):
+            _fwd(*qkv, window_size=window)
+
+    @pytest.mark.parametrize("softcap", [-1.0, math.nan, math.inf])
+    def test_softcap_values(self, qkv, softcap):
+        with pytest.raises(ValueError, match="softcap must be 0 \\(off\\) or positive and finite"):
+            _fwd(*qkv, softcap=softcap)
+
+    @pytest.mark.parametrize("softcap", ["30", None, True])
+    def test_softcap_types(self, qkv, softcap):
+        with pytest.raises(TypeError, match="softcap must be a real number"):
+            _fwd(*qkv, softcap=softcap)
+
+    @pytest.mark.parametrize("name,shape,match", [
+        ("alibi_slopes", (3,), "alibi_slopes must have shape \\(heads,\\) or \\(batch, heads\\)"),
+        ("alibi_slopes", (4, 2), "alibi_slopes must have shape"),
+        ("sinks", (2, 4), "sinks must have shape \\(heads,\\)"),
+        ("sinks", (2,), "sinks must have shape"),
+    ])
+    def test_vector_shapes(self, xp, qkv, name, shape, match):
+        with pytest.raises(ValueError, match=match):
+            _fwd(*qkv, **{name: xp.zeros(shape, np.float32)})
+
+    @pytest.mark.parametrize("name", ["alibi_slopes", "sinks"])
+    def test_vector_dtypes_and_kinds(self, xp, qkv, name):
+        with pytest.raises(TypeError, match=f"{name} must be float32, got float16"):
+            _fwd(*qkv, **{name: xp.zeros(4, np.float16)})
+        with pytest.raises(TypeError, match=f"{name} must be a numpy.ndarray or cupy.ndarray, got builtins.list"):
+            _fwd(*qkv, **{name: [0.1] * 4})
+
+    @pytest.mark.parametrize("p", [1.0, -0.1, 1.5, math.nan])
+    def test_dropout_p_range(self, qkv, p):
+        with pytest.raises(ValueError, match="dropout_p must be in \\[0, 1\\)"):
+            _fwd(*qkv, dropout_p=p, seed=1)
+
+    def test_dropout_needs_a_seed(self, qkv):
+        with pytest.raises(ValueError, match="seed must be given with dropout_p > 0"):
+            _fwd(*qkv, dropout_p=0.1)
+
+    @pytest.mark.parametrize("name,value,error", [("seed", -1, ValueError), ("seed", 2**64, ValueError),
+                                                  ("seed", 1.0, TypeError), ("offset", 2**32, ValueError),
+                                                  ("offset", "0", TypeError)])
+    def test_seed_and_offset(self, qkv, name, value, error):
+        kw = dict(seed=3, offset=0)
+        kw[name] = value
+        with pytest.raises(error, match=f"{name} must be"):
+            _fwd(*qkv, dropout_p=0.1, **kw)
+
+    def test_alignment(self, qkv):
+        with pytest.raises(ValueError, match="alignment must be one of \\('bottom_right', 'top_left'\\), got 'top'"):
+            _fwd(*qkv, alignment="top")
+
+    def test_backward_validates_the_same_options(self, xp, qkv):
+        q, k, v = qkv
+        out, lse = cuflash.attention(q, k, v, return_lse=True)
+        with pytest.raises(ValueError, match="softcap must be 0"):
+            cuflash.attention_backward(out, q, k, v, out, lse, softcap=-2.0)
+        with pytest.raises(ValueError, match="sinks must have shape"):
+            cuflash.attention_backward(out, q, k, v, out, lse, sinks=xp.zeros(3, np.float32))

@@ -1,0 +1,78 @@
+"""The dropout mask: Philox4x32-10 (Salmon et al., SC'11; the generator of cuRAND and FlashAttention),
+counter-based, so every element's bit is a pure function of (seed, offset, batch, head, row, column).
+
+One Philox call gives four 32-bit words. The words of a call go to the elements that one thread holds
+in an mma accumulator tile: rows ``r`` and ``r + 8`` of a 16-row group, columns ``2c`` and ``2c + 1``.
+Element (b, h, i, j) of a call with ``heads`` query heads reads
+
+    counter = (j >> 1, (i >> 4) * 8 + (i & 7), b * heads + h, offset)
+    key     = (seed & 0xffffffff, seed >> 32)
+    word    = 2 * ((i >> 3) & 1) + (j & 1)
+
+and is kept when the word is at least ``floor(dropout_p * 2**32)``. The CUDA kernels compute the same
+function (``philox4x32`` in kernels/common.cuh), so the mask does not depend on tiles, launch order or
+the GPU, and the NumPy path draws it bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85
+_LOW32 = np.uint64(0xFFFFFFFF)
+_SHIFT = np.uint64(32)
+ROUNDS = 10
+MAX_SEED = 2**64
+MAX_OFFSET = 2**32
+
+
+def philox4x32(counter: tuple, key: tuple[int, int]) -> tuple[np.ndarray, ...]:
+    """Philox4x32-10 of ``counter`` (four uint32 arrays or ints, broadcast together) under ``key`` (two
+    uint32 ints): four uint32 arrays."""
+    c0, c1, c2, c3 = (np.asarray(c, np.uint64) & _LOW32 for c in counter)
+    k0, k1 = key
+    for r in range(ROUNDS):
+        if r:
+            k0, k1 = (k0 + _W0) & 0xFFFFFFFF, (k1 + _W1) & 0xFFFFFFFF
+        p0, p1 = _M0 * c0, _M1 * c2  # full 64-bit products of 32-bit factors
+        c0, c1, c2, c3 = ((p1 >> _SHIFT) ^ c1 ^ np.uint64(k0), p1 & _LOW32,
+                          (p0 >> _SHIFT) ^ c3 ^ np.uint64(k1), p0 & _LOW32)
+    return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))
+
+
+def keep_threshold(dropout_p: float) -> int:
+    """The least 32-bit word that keeps an element: floor(dropout_p * 2**32)."""
+    return int(dropout_p * 2.0**32)
+
+
+def keep(seed: int, offset: int, bh, rows, cols, dropout_p: float) -> np.ndarray:
+    """Bool, broadcast of ``bh`` (b * heads + h), ``rows`` and ``cols``: True where the element is kept."""
+    rows, cols = np.asarray(rows, np.int64), np.asarray(cols, np.int64)
+    counter = (cols >> 1, (rows >> 4) * 8 + (rows & 7), np.asarray(bh, np.int64), offset)
+    words = philox4x32(counter, (seed & 0xFFFFFFFF, seed >> 32))
+    which = 2 * ((rows >> 3) & 1) + (cols & 1)
+    word = np.choose(np.broadcast_to(which, np.broadcast_shapes(which.shape, words[0].shape)), words)
+    return word >= np.uint32(keep_threshold(dropout_p))
+
+
+def dropout_mask(batch: int, heads: int, seqlen_q: int, seqlen_k: int, dropout_p: float, seed: int,
+                 offset: int = 0) -> np.ndarray:
+    """The dropout mask that :func:`cuflash.attention` applies with these arguments: a NumPy bool array
+    ``(batch, heads, seqlen_q, seqlen_k)``, True where the probability is kept (and scaled by
+    ``1 / (1 - dropout_p)``). The same on every GPU and on the NumPy path, whatever the tiles.
+
+    Examples
+    --------
+    >>> import cuflash
+    >>> m = cuflash.dropout_mask(1, 2, 3, 4, dropout_p=0.5, seed=7)
+    >>> m.shape, m.dtype
+    ((1, 2, 3, 4), dtype('bool'))
+    """
+    from ._validate import check_dropout
+
+    dropout_p, seed, offset = check_dropout(dropout_p, seed, offset)
+    bh = np.arange(batch * heads).reshape(batch, heads, 1, 1)
+    rows = np.arange(seqlen_q).reshape(1, 1, seqlen_q, 1)
+    cols = np.arange(seqlen_k).reshape(1, 1, 1, seqlen_k)
+    return keep(seed, offset, bh, rows, cols, dropout_p)

@@ -1,0 +1,285 @@
+"""Sliding window, alignment, softcap, ALiBi, sinks and dropout, forward and backward, against the float64
+reference (on the NumPy path, and on the CuPy path where its kernels take the option; where they do not
+yet, the call must be refused with NotImplementedError and nothing computed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import cuflash
+from cuflash import _philox, reference
+from cuflash._validate import check_forward
+
+from ._checks import (BF16, DTYPES, assert_fa_close, lowp_attention, lowp_attention_backward, make_qkv,
+                      max_abs_finite, poison_pool, to_numpy)
+
+# name -> options of attention (alibi: "heads" or "batch_heads" draws slopes of that shape; sinks: True
+# draws one logit per head)
+FEATURES = {
+    "window": dict(window_size=(37, 11)),
+    "window_left_only": dict(window_size=(20, -1)),
+    "window_right_only": dict(window_size=(-1, 5)),
+    "window_zero": dict(window_size=(0, 0)),  # the diagonal key alone
+    "causal_window": dict(causal=True, window_size=(45, -1)),
+    "causal_top_left": dict(causal=True, alignment="top_left"),
+    "window_top_left": dict(window_size=(16, 3), alignment="top_left"),
+    "softcap": dict(softcap=2.5),
+    "alibi": dict(alibi="heads"),
+    "alibi_per_batch": dict(alibi="batch_heads", causal=True),
+    "sinks": dict(sinks=True),
+    "sinks_causal": dict(sinks=True, causal=True),
+    "dropout": dict(dropout_p=0.17),
+    "dropout_causal": dict(dropout_p=0.5, causal=True),
+    "everything": dict(causal=True, window_size=(40, -1), softcap=3.0, alibi="heads", sinks=True, dropout_p=0.1),
+    "everything_top_left": dict(window_size=(30, 7), softcap=20.0, alibi="batch_heads", sinks=True, dropout_p=0.3,
+                                alignment="top_left"),
+}
+# (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim): both seqlen orders, GQA and MQA, odd head dims,
+# tiles +- 1
+FEATURE_SHAPES = [
+    (2, 113, 203, 2, 2, 64),
+    (1, 203, 113, 4, 2, 128),  # seqlen_q > seqlen_k: bottom-right rows before 90 see no key under causal
+    (1, 65, 129, 4, 1, 40),
+    (1, 130, 130, 2, 2, 256),
+    (1, 1, 70, 2, 1, 32),
+]
+
+
+def make_options(xp, rng, batch, heads, spec: dict):
+    """attention's keywords for ``spec``: slopes and sinks drawn fresh; a seed and offset for dropout."""
+    options = {name: value for name, value in spec.items() if name not in ("alibi", "sinks", "causal")}
+    if spec.get("alibi"):
+        shape = (heads,) if spec["alibi"] == "heads" else (batch, heads)
+        options["alibi_slopes"] = xp.asarray(rng.uniform(0.01, 0.5, shape).astype(np.float32))
+    if spec.get("sinks"):
+        options["sinks"] = xp.asarray((2 * rng.standard_normal(heads)).astype(np.float32))
+    if spec.get("dropout_p"):
+        options["seed"] = int(rng.integers(0, 2**64, dtype=np.uint64))
+        options["offset"] = int(rng.integers(0, 2**32))
+    return options
+
+
+def reference_options(q, k, options: dict) -> dict:
+    """The reference's keywords for attention's: the dropout mask materialized instead of seed and offset."""
+    ref = {name: value for name, value in options.items() if name not in ("seed", "offset")}
+    if options.get("dropout_p"):
+        ref["dropout_mask"] = cuflash.dropout_mask(q.shape[0], q.shape[2], q.shape[1], k.shape[1], options["dropout_p"],
+                                                   options["seed"], options["offset"])
+    return ref
+
+
+def gpu_refuses(q, k, v, causal, options) -> bool:
+    """Do the CUDA kernels not take these options yet?"""
+    from cuflash import _cupy_path
+
+    p = check_forward(q, k, v, causal, None, **{n: o for n, o in options.items() if n not in ("seed", "offset")})
+    try:
+        _cupy_path.check_supported(p)
+    except NotImplementedError:
+        return True
+    return False
+
+
+def check_features(xp, rng, shape, dtype, spec, backward=True, deterministic=False):
+    batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim = shape
+    causal = spec.get("causal", False)
+    q, k, v = make_qkv(xp, rng, batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype)
+    options = make_options(xp, rng, batch, heads, spec)
+    if xp is not np and gpu_refuses(q, k, v, causal, options):
+        with pytest.raises(NotImplementedError, match="not yet on CuPy"):
+            cuflash.attention(q, k, v, causal=causal, **options)
+        return
+    poison_pool(xp)
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, **options)
+    ref_options = reference_options(q, k, options)
+    ref_out, ref_lse = reference.attention(q, k, v, causal, **ref_options)
+    lp_out, lp_lse = lowp_attention(q, k, v, causal, None, dtype, **ref_options)
+    max_score = max_abs_finite(ref_lse)
+    assert_fa_close(out, ref_out, lp_out, dtype, 2, "out", max_score)
+    assert_fa_close(lse, ref_lse, lp_lse, np.float32, 2, "lse", max_score)
+    if not backward:
+        return
+    dout = xp.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(dtype))
+    poison_pool(xp)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal, deterministic=deterministic, **options)
+    refs = reference.attention_backward(dout, q, k, v, causal, **ref_options)
+    lowps = lowp_attention_backward(dout, q, k, v, out, causal, None, dtype, **ref_options)
+    names = ("dq", "dk", "dv", "dsinks")
+    assert len(grads) == len(refs) == (4 if spec.get("sinks") else 3)
+    for name, grad, ref, lowp in zip(names, grads, refs, lowps):
+        assert type(grad) is type(q) and grad.shape == ref.shape, name
+        assert grad.dtype == (np.float32 if name == "dsinks" else q.dtype), name
+        # dsinks is float32 but sums rows of delta = rowsum(dout * out), out stored in dtype: it carries that
+        # dtype's rounding, so the rule's rounding term is dtype's for it too
+        assert_fa_close(grad, ref, lowp, dtype, 3, name, max_score)
+
+
+@pytest.mark.parametrize("spec", FEATURES.values(), ids=FEATURES.keys())
+@pytest.mark.parametrize("shape", FEATURE_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_features(xp, rng, shape, dtype, spec):
+    check_features(xp, rng, shape, dtype, spec)
+
+
+@pytest.mark.parametrize("spec", [FEATURES["everything"], FEATURES["causal_window"]], ids=["everything", "causal_window"])
+def test_features_deterministic_backward_is_bitwise_reproducible(xp, rng, spec):
+    shape = (2, 150, 170, 4, 2, 64)
+    q, k, v = make_qkv(xp, rng, shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], BF16)
+    options = make_options(xp, rng, shape[0], shape[3], spec)
+    causal = spec.get("causal", False)
+    if xp is not np and gpu_refuses(q, k, v, causal, options):
+        pytest.skip("the CUDA kernels do not take these options yet (test_features checks the refusal)")
+    out, lse = cuflash.attention(q, k, v, causal, return_lse=True, **options)
+    dout = xp.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(BF16))
+    first = [to_numpy(g) for g in cuflash.attention_backward(dout, q, k, v, out, lse, causal, deterministic=True,
+                                                                **options)]
+    again = [to_numpy(g) for g in cuflash.attention_backward(dout, q, k, v, out, lse, causal, deterministic=True,
+                                                                **options)]
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_rows_that_see_no_key_give_zero_output_and_the_sink_as_lse(xp, rng):
+    q, k, v = make_qkv(xp, rng, 1, 40, 10, 2, 2, 32, np.float32)
+    sinks = xp.asarray(np.array([0.5, -1.5], np.float32))
+    out, lse = cuflash.attention(q, k, v, causal=True, sinks=sinks, return_lse=True) if xp is np else (None, None)
+    if out is None:
+        if gpu_refuses(q, k, v, True, dict(sinks=sinks)):
+            return
+        out, lse = cuflash.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    out, lse = to_numpy(out), to_numpy(lse)
+    assert np.all(out[:, :30] == 0)
+    np.testing.assert_array_equal(lse[:, :, :30], np.broadcast_to(np.array([0.5, -1.5], np.float32)[:, None], (1, 2, 30)))
+
+
+def test_no_keys_with_sinks(xp, rng):
+    q, k, v = make_qkv(xp, rng, 1, 5, 0, 2, 2, 16, np.float16)
+    sinks = xp.asarray(np.array([0.25, 3.0], np.float32))
+    out, lse = cuflash.attention(q, k, v, sinks=sinks, return_lse=True)
+    assert np.all(to_numpy(out) == 0)
+    np.testing.assert_array_equal(to_numpy(lse), np.broadcast_to(np.array([0.25, 3.0], np.float32)[:, None], (1, 2, 5)))
+    grads = cuflash.attention_backward(out, q, k, v, out, lse, sinks=sinks)
+    assert len(grads) == 4 and np.all(to_numpy(grads[3]) == 0)
+
+
+def test_window_equals_a_causal_mask_where_they_agree(rng):
+    # window (-1, 0) is causal; (seqlen_k, seqlen_k) sees everything
+    q, k, v = make_qkv(np, rng, 1, 50, 70, 2, 1, 32, np.float32)
+    np.testing.assert_array_equal(cuflash.attention(q, k, v, window_size=(-1, 0)), cuflash.attention(q, k, v, True))
+    np.testing.assert_array_equal(cuflash.attention(q, k, v, window_size=(70, 70)), cuflash.attention(q, k, v))
+
+
+def test_alignment_only_moves_the_diagonal(rng):
+    # top-left alignment of (sq, sk) is bottom-right alignment with the keys' diagonal shifted: equal when sq == sk
+    q, k, v = make_qkv(np, rng, 1, 64, 64, 2, 2, 32, np.float32)
+    for options in (dict(causal=True), dict(window_size=(5, 9)), dict(alibi_slopes=np.float32([0.3, 0.1]))):
+        np.testing.assert_array_equal(cuflash.attention(q, k, v, alignment="top_left", **options),
+                                      cuflash.attention(q, k, v, **options))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Dropout: the mask, exactly
+
+
+def test_philox_known_answers():
+    # Random123's known-answer vectors of Philox4x32-10 (kat_vectors)
+    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+             ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for counter, key, want in cases:
+        assert tuple(int(w) for w in _philox.philox4x32(counter, key)) == want
+
+
+def test_dropout_mask_keeps_its_share_and_depends_on_every_key_part():
+    m = cuflash.dropout_mask(2, 3, 200, 300, dropout_p=0.3, seed=12345, offset=6)
+    assert m.shape == (2, 3, 200, 300) and m.dtype == bool
+    assert abs(m.mean() - 0.7) < 0.005  # 360000 draws: 5 standard deviations
+    assert (m == cuflash.dropout_mask(2, 3, 200, 300, dropout_p=0.3, seed=12345, offset=6)).all()
+    for other in (cuflash.dropout_mask(2, 3, 200, 300, 0.3, 12346, 6), cuflash.dropout_mask(2, 3, 200, 300, 0.3, 12345, 7),
+                  cuflash.dropout_mask(2, 3, 200, 300, 0.3, 12345 + 2**32, 6)):
+        assert 0.35 < (m != other).mean() < 0.49  # independent masks differ in 2 * 0.3 * 0.7 of the elements
+    # batch, head, row and column each move the bits: no two (b, h) planes and no two rows repeat
+    flat = m.reshape(6, 200, 300)
+    assert all((flat[i] != flat[j]).any() for i in range(6) for j in range(i))
+    assert len({row.tobytes() for row in m[0, 0]}) == 200
+    # a mask of a larger problem contains the smaller one (no dependence on the sequence lengths)
+    assert (cuflash.dropout_mask(2, 3, 100, 150, 0.3, 12345, 6) == m[:, :, :100, :150]).all()
+
+
+def test_dropout_on_the_numpy_path_is_exact_against_the_materialized_mask(rng):
+    # float32 inputs: the NumPy path matches the float64 reference with that mask to float32 rounding,
+    # which a single wrong bit of the mask (one probability of ~1/50 times 1/(1 - p)) would exceed
+    q, k, v = make_qkv(np, rng, 1, 60, 50, 2, 2, 16, np.float32)
+    options = dict(dropout_p=0.25, seed=99, offset=3)
+    out = cuflash.attention(q, k, v, **options)
+    mask = cuflash.dropout_mask(1, 2, 60, 50, 0.25, 99, 3)
+    ref, _ = reference.attention(q, k, v, dropout_p=0.25, dropout_mask=mask)
+    assert np.abs(out - ref).max() < 1e-5
+    flipped = mask.copy()
+    flipped[0, 1, 17, 23] ^= True
+    wrong, _ = reference.attention(q, k, v, dropout_p=0.25, dropout_mask=flipped)
+    assert np.abs(wrong - ref).max() > 1e-3
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The reference's derivatives: central differences in float64
+
+
+@pytest.mark.parametrize("spec", [FEATURES["everything"], FEATURES["everything_top_left"], FEATURES["softcap"],
+                                  FEATURES["window_right_only"]], ids=["everything", "everything_top_left", "softcap",
+                                                                       "window"])
+def test_reference_gradients_match_finite_differences(rng, spec):
+    batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim = 2, 9, 13, 4, 2, 5
+    q, k, v = (rng.standard_normal(s) for s in ((batch, seqlen_q, heads, head_dim),
+                                                (batch, seqlen_k, heads_kv, head_dim), (batch, seqlen_k, heads_kv, head_dim)))
+    dout = rng.standard_normal(q.shape)
+    causal = spec.get("causal", False)
+    options = reference_options(q, k, make_options(np, rng, batch, heads, spec))
+    sinks = options.get("sinks")
+
+    def loss(q_, k_, v_, sinks_):
+        opts = dict(options, sinks=sinks_) if sinks is not None else options
+        return float((reference.attention(q_, k_, v_, causal, 0.7, **opts)[0] * dout).sum())
+
+    grads = reference.attention_backward(dout, q, k, v, causal, 0.7, **options)
+    arrays = [q, k, v] + ([sinks.astype(np.float64)] if sinks is not None else [])
+    eps = 1e-6
+    for which, (x, grad) in enumerate(zip(arrays, grads)):
+        numeric = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            plus, minus = [a.copy() for a in arrays], [a.copy() for a in arrays]
+            plus[which][idx] += eps
+            minus[which][idx] -= eps
+            pad = [None] * (4 - len(arrays))
+            numeric[idx] = (loss(*plus, *pad) - loss(*minus, *pad)) / (2 * eps)
+        np.testing.assert_allclose(grad, numeric, atol=1e-6, rtol=1e-5, err_msg=f"gradient {which}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fuzzed: every option at once, drawn
+
+feature_draws = st.fixed_dictionaries({
+    "causal": st.booleans(),
+    "window_size": st.one_of(st.just((-1, -1)), st.tuples(st.integers(-1, 150), st.integers(-1, 150))),
+    "softcap": st.sampled_from([0.0, 0.0, 1.5, 30.0]),
+    "alibi": st.sampled_from([None, None, "heads", "batch_heads"]),
+    "sinks": st.booleans(),
+    "dropout_p": st.sampled_from([0.0, 0.0, 0.1, 0.6]),
+    "alignment": st.sampled_from(["bottom_right", "top_left"]),
+})
+
+
+@given(shape=st.tuples(st.integers(1, 2), st.integers(1, 160), st.integers(1, 160),
+                       st.sampled_from([(1, 1), (2, 2), (4, 2), (4, 1)]), st.integers(1, 256)),
+       dtype=st.sampled_from(DTYPES), spec=feature_draws, seed=st.integers(0, 2**32 - 1))
+@example(shape=(1, 1, 1, (1, 1), 1), dtype=DTYPES[0],
+         spec=dict(causal=True, window_size=(0, 0), softcap=1.5, alibi="heads", sinks=True, dropout_p=0.6,
+                   alignment="top_left"), seed=0)
+def test_fuzzed_features(xp, shape, dtype, spec, seed):
+    batch, seqlen_q, seqlen_k, (heads, heads_kv), head_dim = shape
+    check_features(xp, np.random.default_rng(seed), (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim), dtype,
+                   spec)
