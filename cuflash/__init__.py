@@ -159,6 +159,8 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     ((1, 5, 2, 16), (1, 2, 5))
     >>> out = cuflash.attention(q, q, q, window_size=(2, 0), softcap=30.0)
     """
+    if dropout_p:  # seed and offset change per call: checked on every call, before a plan can refuse dropout
+        _, seed, offset = check_dropout(dropout_p, seed, offset)
     try:
         key = (_FORWARD, _array_key(q), _array_key(k), _array_key(v), causal, causal.__class__, softmax_scale,
                softmax_scale.__class__, window_size, softcap, softcap.__class__, _optional_key(alibi_slopes),
@@ -171,8 +173,6 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
                                             sinks, dropout_p, alignment))
     if return_lse.__class__ is not bool:
         check_flag("return_lse", return_lse)
-    if dropout_p:
-        _, seed, offset = check_dropout(dropout_p, seed, offset)
     out, lse = plan(q, k, v, alibi_slopes, sinks, seed, offset, return_lse)
     return (out, lse) if return_lse else out
 
@@ -216,6 +216,8 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_sc
     dsinks : array, float32, (heads,), only with ``sinks``
         Summed over the batch and the rows.
     """
+    if dropout_p:
+        _, seed, offset = check_dropout(dropout_p, seed, offset)
     try:
         key = (_BACKWARD, _array_key(dout), _array_key(q), _array_key(k), _array_key(v), _array_key(out),
                _array_key(lse), causal, causal.__class__, softmax_scale, softmax_scale.__class__, deterministic,
@@ -227,6 +229,4 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_sc
     if plan is None:
         plan = _remember(key, _plan_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
                                              window_size, softcap, alibi_slopes, sinks, dropout_p, alignment))
-    if dropout_p:
-        _, seed, offset = check_dropout(dropout_p, seed, offset)
     return plan(dout, q, k, v, out, lse, alibi_slopes, sinks, seed, offset)

@@ -102,7 +102,7 @@ class KernelSpec:
     kernel: str
     dtype: np.dtype
     head_dim: int = 0  # padded head dim of the specialization (0: not a template argument)
-    causal: bool = False
+    causal: bool = False  # the masked specialization (MASKED in the kernels): a causal mask or a sliding window
     block_m: int = 0
     block_n: int = 0
     threads: int = SIMT_THREADS
@@ -471,6 +471,8 @@ def choose_config(head_dim: int, dtype, causal: bool, device: DeviceProps) -> At
     dtype : numpy dtype
         float16, bfloat16 or float32.
     causal : bool
+        The masked kernels: a causal mask or a sliding window (``Problem.masked``); the table's "causal"
+        measurements are of them.
     device : DeviceProps
 
     Returns

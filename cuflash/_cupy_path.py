@@ -99,12 +99,18 @@ def _banded_grid(tiles_per_head: int, pairs: int, device_id: int) -> tuple[int, 
 
 def check_supported(p: Problem):
     """NotImplementedError for the options the CUDA kernels do not take yet (the NumPy path takes them all)."""
-    missing = [name for name, used in (("window_size", p.masked and not p.causal or p.window_left >= 0),
-                                       ("alignment='top_left'", p.causal and p.diagonal != p.seqlen_k - p.seqlen_q),
-                                       ("softcap", p.softcap), ("alibi_slopes", p.alibi_shape), ("sinks", p.sinks),
+    missing = [name for name, used in (("softcap", p.softcap), ("alibi_slopes", p.alibi_shape), ("sinks", p.sinks),
                                        ("dropout_p", p.dropout_p)) if used]
     if missing:
         raise NotImplementedError(f"{', '.join(missing)}: not yet on CuPy arrays (the NumPy path computes them)")
+
+
+def _window(p: Problem) -> tuple[int, int, int]:
+    """The kernels' Window (kernels/common.cuh): diagonal, left, right, an unbounded side as seqlen_q + seqlen_k
+    (no |key - row - diagonal| reaches it)."""
+    unbounded = p.seqlen_q + p.seqlen_k
+    return (p.diagonal, unbounded if p.window_left < 0 else min(p.window_left, unbounded),
+            unbounded if p.window_right < 0 else min(p.window_right, unbounded))
 
 
 def _run_on(device_id: int, run, *args):
@@ -124,7 +130,7 @@ class ForwardPlan:
         self.device_id = device_id
         self.copies = tuple(_needs_copy(x) for x in (q, k, v))
         if spec is None:
-            spec = _config.choose_config(p.head_dim, p.dtype, p.causal, device_props(device_id)).forward
+            spec = _config.choose_config(p.head_dim, p.dtype, p.masked, device_props(device_id)).forward
         with cupy.cuda.Device(device_id):
             self.kernel = get_kernel(spec, device_id)
         self.grid = _grid(-(-p.seqlen_q // spec.block_m) * p.batch * p.heads)
@@ -137,9 +143,9 @@ class ForwardPlan:
         strides.append(_contiguous_strides(q.shape))  # out
         self.strides_vector_ok = _strides_vector_ok(p.head_dim, itemsize, *strides)
         self.head = tuple(_by_value(s, np.int64) for triple in strides for s in triple) + tuple(
-            _int32(n) for n in (p.batch, p.heads, p.group, p.seqlen_q, p.seqlen_k, p.head_dim)) + (
+            _int32(n) for n in (p.batch, p.heads, p.group, p.seqlen_q, p.seqlen_k, p.head_dim, *_window(p))) + (
             _by_value(p.softmax_scale * LOG2E, np.float32),)
-        self.tail = (_int32(_config.forward_query_blocks_fastest(spec.head_dim, p.causal)),)
+        self.tail = (_int32(_config.forward_query_blocks_fastest(spec.head_dim, p.masked)),)
 
     def run(self, q, k, v, alibi_slopes=None, sinks=None, seed=0, offset=0, with_lse: bool = True):
         """out, and lse where ``with_lse`` (else None: the kernel stores none), on CuPy's current stream."""
@@ -190,7 +196,7 @@ class BackwardPlan:
         self.copy_lse = not lse.flags.c_contiguous
         props = device_props(device_id)
         if cfg is None:
-            cfg = _config.choose_config(p.head_dim, p.dtype, p.causal, props)
+            cfg = _config.choose_config(p.head_dim, p.dtype, p.masked, props)
         pairs = p.batch * p.heads_kv
         dq_splits = _config.deterministic_dq_splits(cfg, pairs, p.seqlen_k, props.sm_count) if deterministic else 0
         self.adds_dq = bool(cfg.bwd_dkdv_atomic) and (not deterministic or dq_splits > 0)
@@ -219,7 +225,7 @@ class BackwardPlan:
             self.preprocess_strides_ok = _strides_vector_ok(p.head_dim, itemsize, dout_s, out_s)
 
             self.head = int64s(q_s, k_s, v_s, dout_s, dq_s, dk_s) + tuple(
-                _int32(n) for n in (p.batch, p.heads, p.group, p.seqlen_q, p.seqlen_k, p.head_dim)) + (
+                _int32(n) for n in (p.batch, p.heads, p.group, p.seqlen_q, p.seqlen_k, p.head_dim, *_window(p))) + (
                 _by_value(p.softmax_scale, np.float32), _by_value(p.softmax_scale * LOG2E, np.float32))
             self.strides_vector_ok = _strides_vector_ok(p.head_dim, itemsize, q_s, k_s, v_s, dout_s)
             self.splits = _int32(dq_splits)

@@ -5,8 +5,7 @@
 //   k, v, dk, dv     : (batch, seqlen_k, heads_kv, head_dim), same
 //   lse, delta       : float32 (batch, heads, seqlen_q), contiguous; lse is the natural-log logsumexp
 // Query head h reads kv head h / (heads / heads_kv).
-// The causal mask is aligned to the bottom-right corner: query i sees key j when
-// j <= i + (seqlen_k - seqlen_q).
+// Masks (causal, sliding windows) follow Window below.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -56,16 +55,38 @@ __device__ __forceinline__ float warp_sum(float x) {
 // masked keys has m_i = -inf, and exp2(-inf - (-inf)) would be NaN; use 0 so every p is exp2(-inf) = 0.
 __device__ __forceinline__ float safe_max(float m) { return m == -CUFLASH_INF ? 0.f : m; }
 
-// Number of key positions, from 0, that any of the query rows [row_begin, row_end) may see.
-template <bool CAUSAL>
-__device__ __forceinline__ int visible_key_end(int row_end, int seqlen_k, int causal_offset) {
-    if (!CAUSAL) return seqlen_k;
-    return max(0, min(seqlen_k, row_end + causal_offset));
-}
+// The window of visible keys, one rule for causal masks and sliding windows (FlashAttention's): query i
+// sees key j when -left <= j - (i + diagonal) <= right, with diagonal = seqlen_k - seqlen_q (bottom-right
+// alignment) or 0 (top-left). The host encodes an unbounded side as seqlen_q + seqlen_k, which no
+// |j - i - diagonal| reaches, so neither side needs a branch; causal is right = 0, left unbounded. The
+// kernels' MASKED specializations apply it; the others see every key.
+struct Window {
+    int diagonal, left, right;
+    // The keys [key_begin(row_begin), key_end(row_end)) hold every key that a row of [row_begin, row_end) sees.
+    __device__ __forceinline__ int key_begin(int row_begin) const { return max(0, row_begin + diagonal - left); }
+    __device__ __forceinline__ int key_end(int row_end, int seqlen_k) const {
+        return max(0, min(seqlen_k, row_end + diagonal + right));
+    }
+    // The rows [row_begin(key_begin), row_end(key_end)) hold every row that sees a key of [key_begin, key_end).
+    __device__ __forceinline__ int row_begin(int key_begin) const { return max(0, key_begin - diagonal - right); }
+    __device__ __forceinline__ int row_end(int key_end, int seqlen_q) const {
+        return max(0, min(seqlen_q, key_end - diagonal + left));
+    }
+    __device__ __forceinline__ bool visible(int row, int key) const {
+        const int rel = key - row - diagonal;
+        return rel >= -left && rel <= right;
+    }
+    // Does every row of [row_begin, row_end) see every key of [key_begin, key_end)? Then a tile needs no
+    // element mask (but for rows and keys past the sequences).
+    __device__ __forceinline__ bool covers(int row_begin, int row_end, int key_begin, int key_end) const {
+        return key_begin >= row_end - 1 + diagonal - left && key_end - 1 <= row_begin + diagonal + right;
+    }
+};
 
-__device__ __forceinline__ bool key_visible(bool causal, int row, int key, int seqlen_k,
-                                            int causal_offset) {
-    return key < seqlen_k && (!causal || key <= row + causal_offset);
+// Is `key` within the keys and, in a MASKED specialization, inside row `row`'s window?
+template <bool MASKED>
+__device__ __forceinline__ bool key_visible(const Window& window, int row, int key, int seqlen_k) {
+    return key < seqlen_k && (!MASKED || window.visible(row, key));
 }
 
 // The query block of a thread block in the kernels that walk key tiles per query block (forward, dQ):
@@ -157,7 +178,8 @@ struct DqAccum {
     }
 };
 
-// The parameters of every backward kernel (bwd_mma.cu, simt.cu): one list, one launch path. dq_accum is
+// The parameters of every backward kernel (bwd_mma.cu, simt.cu): one list, one launch path. diagonal,
+// window_left and window_right are Window's fields (read by the MASKED specializations). dq_accum is
 // float32 in the DqAccum layout above, zeroed, for the kernels that add dQ with atomics; null for the
 // others. dq_splits and dq_pass select KeyBlock's grid (dq_splits 0: banded; else the split grid's
 // pass dq_pass, one copy of dq_accum per split).
@@ -169,7 +191,7 @@ struct DqAccum {
         long long k_sh, long long v_sb, long long v_ss, long long v_sh, long long do_sb,              \
         long long do_ss, long long do_sh, long long dq_sb, long long dq_ss, long long dq_sh,          \
         long long dk_sb, long long dk_ss, long long dk_sh, int batch, int heads, int group,           \
-        int seqlen_q, int seqlen_k, int head_dim, float scale, float scale_log2, int vec_ok,          \
-        int dq_splits, int dq_pass
+        int seqlen_q, int seqlen_k, int head_dim, int diagonal, int window_left, int window_right,     \
+        float scale, float scale_log2, int vec_ok, int dq_splits, int dq_pass
 
 }  // namespace cuflash

@@ -28,13 +28,14 @@ constexpr float kRescaleSlack = 8.f;
 // blocks of two atoms per warp at head_dim 128 reach 255 registers and spill; with none, one-atom
 // 128-thread blocks (sm_8x, head_dim 128) stop at 168 registers and spill 24 bytes, and a minimum of
 // two lets them keep everything in registers.
-template <typename T, int HEAD_DIM, bool CAUSAL, int BLOCK_M, int BLOCK_N, int WARPS, int KEY_SPLIT>
+template <typename T, int HEAD_DIM, bool MASKED, int BLOCK_M, int BLOCK_N, int WARPS, int KEY_SPLIT>
 __global__ void __launch_bounds__(WARPS * 32, WARPS >= 8 ? 1 : BLOCK_M / WARPS == 16 ? 2 : 0)
 fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
         float* __restrict__ lse, long long q_sb, long long q_ss, long long q_sh, long long k_sb,
         long long k_ss, long long k_sh, long long v_sb, long long v_ss, long long v_sh, long long o_sb,
         long long o_ss, long long o_sh, int batch, int heads, int group, int seqlen_q, int seqlen_k,
-        int head_dim, float scale_log2, int vec_ok, int query_blocks_fastest) {
+        int head_dim, int diagonal, int window_left, int window_right, float scale_log2, int vec_ok,
+        int query_blocks_fastest) {
     constexpr int kThreads = WARPS * 32;
     // KEY_SPLIT warps share each group of query rows (a pair where KEY_SPLIT = 2): each computes S for its
     // half of the tile's keys and P.V for its half of the head dim, trading row maxima and P with its
@@ -79,13 +80,15 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 
     const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, query_blocks_fastest);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
-    const int causal_offset = seqlen_k - seqlen_q;
+    const Window window{diagonal, window_left, window_right};
 
     const T* q_head = q + b * q_sb + h * q_sh;
     const T* k_head = k + b * k_sb + h_kv * k_sh;
     const T* v_head = v + b * v_sb + h_kv * v_sh;
-    const int n_end = visible_key_end<CAUSAL>(m0 + BLOCK_M, seqlen_k, causal_offset);
-    const int n_tiles = (n_end + BLOCK_N - 1) / BLOCK_N;   // causal tiles above the diagonal: skipped
+    // Under a mask the block walks only the key tiles its rows see: key_first, then n_tiles tiles.
+    const int key_first = MASKED ? window.key_begin(m0) / BLOCK_N * BLOCK_N : 0;
+    const int n_end = MASKED ? window.key_end(m0 + BLOCK_M, seqlen_k) : seqlen_k;
+    const int n_tiles = (n_end - key_first + BLOCK_N - 1) / BLOCK_N;   // <= 0 where no row sees a key
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
@@ -114,8 +117,10 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 
     load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads, Row>(q_s, q_head, q_ss, m0, seqlen_q, head_dim, vec_ok, tid);
     if (n_tiles > 0) {
-        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(k_s, k_head, k_ss, 0, seqlen_k, head_dim, vec_ok, tid);
-        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(v_s, v_head, v_ss, 0, seqlen_k, head_dim, vec_ok, tid);
+        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(k_s, k_head, k_ss, key_first, seqlen_k, head_dim, vec_ok,
+                                                              tid);
+        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(v_s, v_head, v_ss, key_first, seqlen_k, head_dim, vec_ok,
+                                                              tid);
     }
     cp_async_commit();
 
@@ -145,7 +150,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     for (int j = 0; j < n_tiles; ++j) {
         const int stage = j & 1;
         if (j + 1 < n_tiles) {
-            const int nxt = (j + 1) * BLOCK_N;
+            const int nxt = key_first + (j + 1) * BLOCK_N;
             load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(k_s + (stage ^ 1) * BLOCK_N * kRow, k_head, k_ss,
                                                                   nxt, seqlen_k, head_dim, vec_ok, tid);
             load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(v_s + (stage ^ 1) * BLOCK_N * kRow, v_head, v_ss,
@@ -197,11 +202,11 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                 }
             }
 
-            // Online softmax, base 2. Only the tiles that straddle the causal diagonal or the end of the
-            // keys are masked; the first row of the block sees the fewest keys. The row max is taken on the
-            // raw scores (scale_log2 > 0 keeps the order); one FMA then scales and subtracts.
-            const int n0 = j * BLOCK_N + sub * kSubN;
-            const bool need_mask = n0 + kSubN > seqlen_k || (CAUSAL && n0 + kSubN - 1 > m0 + causal_offset);
+            // Online softmax, base 2. Only the tiles that straddle an edge of the window or the end of the
+            // keys are masked. The row max is taken on the raw scores (scale_log2 > 0 keeps the order); one
+            // FMA then scales and subtracts.
+            const int n0 = key_first + j * BLOCK_N + sub * kSubN;
+            const bool need_mask = n0 + kSubN > seqlen_k || (MASKED && !window.covers(m0, m0 + BLOCK_M, n0, n0 + kSubN));
             float tile_max[kMAtoms][2];   // per row: the max of the scaled scores of the sub-tile's keys
             auto take_row_max = [&](int ma) {
                 if (need_mask) {
@@ -211,7 +216,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
                             const int key = n0 + share * kWarpKeys + nb * 8 + 2 * t + (e & 1);
-                            if (!key_visible(CAUSAL, row0 + 8 * (e / 2), key, seqlen_k, causal_offset))
+                            if (!key_visible<MASKED>(window, row0 + 8 * (e / 2), key, seqlen_k))
                                 s[ma][nb][e] = -CUFLASH_INF;
                         }
                     }
