@@ -27,6 +27,12 @@ SUPPORTED_DTYPES = tuple(CUDA_TYPES)
 
 #: threads of every SIMT (CUDA-core) kernel; mirrors ``kSimtThreads`` in kernels/simt.cu
 SIMT_THREADS = 256
+#: The mask kinds a kernel is specialized for (``MaskKind`` in kernels/common.cuh, whose Window applies
+#: them): none; causal (keys up to a right side past the diagonal: causal masks, windows (-1, right));
+#: a sliding window (both sides). Causal kernels carry no left side: as a runtime bound it cost the causal
+#: forwards 2-3% (bench/NOTES.md, masks w1).
+MASK_NONE, MASK_CAUSAL, MASK_WINDOW = 0, 1, 2
+MASK_KINDS = (MASK_NONE, MASK_CAUSAL, MASK_WINDOW)
 #: rows of one warp's mma tile in the tensor-core forward
 MMA_ROWS_PER_WARP = 16
 
@@ -102,7 +108,7 @@ class KernelSpec:
     kernel: str
     dtype: np.dtype
     head_dim: int = 0  # padded head dim of the specialization (0: not a template argument)
-    causal: bool = False  # the masked specialization (MASKED in the kernels): a causal mask or a sliding window
+    mask: int = 0  # MASK_NONE, MASK_CAUSAL or MASK_WINDOW (the kernels' MASK, MaskKind in kernels/common.cuh)
     block_m: int = 0
     block_n: int = 0
     threads: int = SIMT_THREADS
@@ -124,7 +130,7 @@ class KernelSpec:
         elif self.kernel == "bwd_dq_convert":
             args = [ctype, str(self.head_dim)]
         else:
-            args = [ctype, str(self.head_dim), "true" if self.causal else "false", str(self.block_m), str(self.block_n)]
+            args = [ctype, str(self.head_dim), str(int(self.mask)), str(self.block_m), str(self.block_n)]
             if self.kernel not in MMA_KERNELS:
                 args.append(str(self.smem_bytes))
             if self.kernel in ("fwd_mma", "bwd_dq_mma"):
@@ -139,13 +145,13 @@ class KernelSpec:
 
     @property
     def cache_key(self) -> tuple:
-        return (self.kernel, np.dtype(self.dtype).name, self.head_dim, self.causal, self.block_m, self.block_n,
+        return (self.kernel, np.dtype(self.dtype).name, self.head_dim, int(self.mask), self.block_m, self.block_n,
                 self.threads, self.smem_bytes, self.part, self.atomic_dq, self.key_split)
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """The kernels of one (head dim, dtype, causal, device) problem.
+    """The kernels of one (head dim, dtype, mask kind, device) problem.
 
     The backward runs ``bwd_preprocess``, then either the deterministic pair (``bwd_dkdv``, then
     ``bwd_dq``) or, where ``bwd_dkdv_atomic`` is not empty (float16/bfloat16), the default: the dK/dV
@@ -211,7 +217,7 @@ def simt_smem_bytes(kernel: str, head_dim: int, block_m: int, block_n: int) -> i
     return 4 * floats
 
 
-def _mma_backward_tiles(kernel: str, head_dim: int) -> tuple[int, int]:
+def _mma_backward_tiles(kernel: str, head_dim: int, mask: int = MASK_NONE) -> tuple[int, int]:
     """(block_m, block_n) of the tensor-core backward kernels, before fitting shared memory.
 
     bwd_dkdv_mma: block_n keys, 8 warps tiling each product in 2-D (kernels/bwd_mma.cu); its tiles are
@@ -241,8 +247,12 @@ def _mma_backward_tiles(kernel: str, head_dim: int) -> tuple[int, int]:
         if head_dim > MMA_BACKWARD_FUSED_HEAD_DIM:
             return 16, 64
         # both modes: 64 query rows per step reuse each K/V fragment twice as often; at head_dim 128
-        # they spill (the atomic kernel's dS^T store adds nothing to the tile choice)
-        return (64, 64) if head_dim <= 64 else (32, 64)
+        # they spill (the atomic kernel's dS^T store adds nothing to the tile choice). A sliding window's
+        # left side takes one more register: with it the atomic kernel spills 4 bytes at 32 x 64 (sm_80,
+        # NVRTC 13.0) and 16 x 64 fits; not measured (no sm_8x GPU to hand).
+        if head_dim <= 64:
+            return 64, 64
+        return (16, 64) if mask == MASK_WINDOW else (32, 64)
     raise ValueError(f"not a dK/dV kernel: {kernel}")
 
 
@@ -269,7 +279,7 @@ def _mma_dq_tiles(head_dim: int) -> tuple[int, int, int]:
     return (64, 64, 4) if head_dim <= 128 else (64, 32, 4)
 
 
-def _tiled_dkdv_spec(dtype, head_dim: int, causal: bool, device: DeviceProps,
+def _tiled_dkdv_spec(dtype, head_dim: int, mask: int, device: DeviceProps,
                      atomic_dq: bool) -> KernelSpec | None:
     """bwd_dkdv_mma's spec, or None where it does not serve (head dim past 128, or too little shared
     memory for its tiles: A100, RTX 4090)."""
@@ -279,19 +289,19 @@ def _tiled_dkdv_spec(dtype, head_dim: int, causal: bool, device: DeviceProps,
     smem = mma_smem_bytes("bwd_dkdv_mma", head_dim, block_m, block_n, dtype.itemsize)
     if smem > device.max_smem_per_block:
         return None
-    return KernelSpec("bwd_dkdv_mma", dtype, head_dim, causal, block_m, block_n, DKDV_TILED_THREADS, smem,
+    return KernelSpec("bwd_dkdv_mma", dtype, head_dim, mask, block_m, block_n, DKDV_TILED_THREADS, smem,
                       atomic_dq=atomic_dq)
 
 
-def _mma_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DeviceProps, part: int = 0,
+def _mma_spec(kernel: str, dtype, head_dim: int, mask: int, device: DeviceProps, part: int = 0,
               atomic_dq: bool = False) -> KernelSpec:
     key_split = 1
     if kernel == "fwd_mma":
-        block_m, block_n, table_warps, key_split = _mma_forward_tiles(head_dim, causal, device)
+        block_m, block_n, table_warps, key_split = _mma_forward_tiles(head_dim, mask != MASK_NONE, device)
     elif kernel == "bwd_dq_mma":
         block_m, block_n, table_warps = _mma_dq_tiles(head_dim)
     else:
-        block_m, block_n = _mma_backward_tiles(kernel, head_dim)
+        block_m, block_n = _mma_backward_tiles(kernel, head_dim, mask)
     # Halve the streamed tile, then the resident one, until everything fits (head_dim 256 forward on
     # sm_80: 64 x 32). Tiles stay multiples of the 16 x 16 mma block.
     def fits(bm, bn):
@@ -315,7 +325,7 @@ def _mma_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DevicePro
     else:
         warps = block_n // MMA_ROWS_PER_WARP
     smem = mma_smem_bytes(kernel, head_dim, block_m, block_n, dtype.itemsize, atomic_dq, key_split)
-    return KernelSpec(kernel, dtype, head_dim, causal, block_m, block_n, warps * 32, smem, part, atomic_dq,
+    return KernelSpec(kernel, dtype, head_dim, mask, block_m, block_n, warps * 32, smem, part, atomic_dq,
                       key_split)
 
 
@@ -449,18 +459,18 @@ def deterministic_dq_splits(cfg: AttentionConfig, pairs: int, seqlen_k: int, sm_
     return 0
 
 
-def _simt_spec(kernel: str, dtype, head_dim: int, causal: bool, device: DeviceProps) -> KernelSpec:
+def _simt_spec(kernel: str, dtype, head_dim: int, mask: int, device: DeviceProps) -> KernelSpec:
     # 32 x 32 tiles keep 256 threads busy with 4 scores each; halve them where shared memory is short
     # (sm_86/89 allow 99 KB per block, too little for head_dim 256 at 32 x 32).
     for tile in (32, 16):
         smem = simt_smem_bytes(kernel, head_dim, tile, tile)
         if smem <= device.max_smem_per_block:
-            return KernelSpec(kernel, np.dtype(dtype), head_dim, causal, tile, tile, SIMT_THREADS, smem)
+            return KernelSpec(kernel, np.dtype(dtype), head_dim, mask, tile, tile, SIMT_THREADS, smem)
     raise ValueError(f"no {kernel} tile fits in {device.max_smem_per_block} bytes of shared memory")
 
 
 @functools.lru_cache(maxsize=1024)
-def choose_config(head_dim: int, dtype, causal: bool, device: DeviceProps) -> AttentionConfig:
+def choose_config(head_dim: int, dtype, mask: int, device: DeviceProps) -> AttentionConfig:
     """Pick the kernels for one problem. Pure: no GPU, no state (so its results are cached: a call's
     host time matters at small shapes, bench's overhead suite).
 
@@ -470,9 +480,9 @@ def choose_config(head_dim: int, dtype, causal: bool, device: DeviceProps) -> At
         The user's head dim, 1..256.
     dtype : numpy dtype
         float16, bfloat16 or float32.
-    causal : bool
-        The masked kernels: a causal mask or a sliding window (``Problem.masked``); the table's "causal"
-        measurements are of them.
+    mask : int
+        MASK_NONE, MASK_CAUSAL or MASK_WINDOW (``Problem.mask_kind``; a bool reads as none or causal). The
+        table's "causal" measurements are of the causal kernels; windows share their tiles.
     device : DeviceProps
 
     Returns
@@ -485,24 +495,26 @@ def choose_config(head_dim: int, dtype, causal: bool, device: DeviceProps) -> At
     if device.compute_capability < 80:
         raise ValueError(f"cuflash needs compute capability 8.0 or newer, got {device.arch}")
     d = padded_head_dim(head_dim)
-    causal = bool(causal)
+    mask = int(mask)
+    if mask not in MASK_KINDS:
+        raise ValueError(f"mask must be one of {MASK_KINDS}, got {mask}")
     half = dtype != np.float32  # float32 stays exact: CUDA cores, no tf32
-    forward = _mma_spec("fwd_mma", dtype, d, causal, device) if half else _simt_spec("fwd_simt", dtype, d, causal, device)
+    forward = _mma_spec("fwd_mma", dtype, d, mask, device) if half else _simt_spec("fwd_simt", dtype, d, mask, device)
     if half:
-        tiled = _tiled_dkdv_spec(dtype, d, causal, device, atomic_dq=False)
+        tiled = _tiled_dkdv_spec(dtype, d, mask, device, atomic_dq=False)
         if tiled is not None:
             bwd_dkdv = (tiled,)
             bwd_dkdv_atomic = (dataclasses.replace(tiled, atomic_dq=True),)
         else:
-            bwd_dkdv = tuple(_mma_spec("bwd_dkdv_rows_mma", dtype, d, causal, device, part, adds_dq)
+            bwd_dkdv = tuple(_mma_spec("bwd_dkdv_rows_mma", dtype, d, mask, device, part, adds_dq)
                              for part, adds_dq in rows_dkdv_launches(d, atomic_dq=False))
-            bwd_dkdv_atomic = tuple(_mma_spec("bwd_dkdv_rows_mma", dtype, d, causal, device, part, adds_dq)
+            bwd_dkdv_atomic = tuple(_mma_spec("bwd_dkdv_rows_mma", dtype, d, mask, device, part, adds_dq)
                                     for part, adds_dq in rows_dkdv_launches(d, atomic_dq=True))
-        bwd_dq = _mma_spec("bwd_dq_mma", dtype, d, causal, device)
+        bwd_dq = _mma_spec("bwd_dq_mma", dtype, d, mask, device)
         bwd_dq_convert = KernelSpec("bwd_dq_convert", dtype, d)
     else:  # float32: CUDA cores, always the deterministic pair
-        bwd_dkdv = (_simt_spec("bwd_dkdv_simt", dtype, d, causal, device),)
-        bwd_dq = _simt_spec("bwd_dq_simt", dtype, d, causal, device)
+        bwd_dkdv = (_simt_spec("bwd_dkdv_simt", dtype, d, mask, device),)
+        bwd_dq = _simt_spec("bwd_dq_simt", dtype, d, mask, device)
         bwd_dkdv_atomic, bwd_dq_convert = (), None
     return AttentionConfig(forward=forward, bwd_preprocess=KernelSpec("bwd_preprocess", dtype),
                            bwd_dkdv=bwd_dkdv, bwd_dq=bwd_dq, bwd_dkdv_atomic=bwd_dkdv_atomic,
@@ -514,8 +526,8 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
     specs = {}
     for dtype in SUPPORTED_DTYPES:
         for d in HEAD_DIMS:
-            for causal in (False, True):
-                cfg = choose_config(d, dtype, causal, device)
+            for mask in MASK_KINDS:
+                cfg = choose_config(d, dtype, mask, device)
                 for spec in cfg.specs:
                     specs[spec.cache_key] = spec
     return list(specs.values())

@@ -130,7 +130,7 @@ class ForwardPlan:
         self.device_id = device_id
         self.copies = tuple(_needs_copy(x) for x in (q, k, v))
         if spec is None:
-            spec = _config.choose_config(p.head_dim, p.dtype, p.masked, device_props(device_id)).forward
+            spec = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device_props(device_id)).forward
         with cupy.cuda.Device(device_id):
             self.kernel = get_kernel(spec, device_id)
         self.grid = _grid(-(-p.seqlen_q // spec.block_m) * p.batch * p.heads)
@@ -196,7 +196,7 @@ class BackwardPlan:
         self.copy_lse = not lse.flags.c_contiguous
         props = device_props(device_id)
         if cfg is None:
-            cfg = _config.choose_config(p.head_dim, p.dtype, p.masked, props)
+            cfg = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, props)
         pairs = p.batch * p.heads_kv
         dq_splits = _config.deterministic_dq_splits(cfg, pairs, p.seqlen_k, props.sm_count) if deterministic else 0
         self.adds_dq = bool(cfg.bwd_dkdv_atomic) and (not deterministic or dq_splits > 0)

@@ -12,7 +12,7 @@ import numbers
 
 import numpy as np
 
-from ._config import MAX_HEAD_DIM, SUPPORTED_DTYPES
+from ._config import MASK_CAUSAL, MASK_NONE, MASK_WINDOW, MAX_HEAD_DIM, SUPPORTED_DTYPES
 from ._philox import MAX_OFFSET, MAX_SEED
 
 BOTTOM_RIGHT, TOP_LEFT = "bottom_right", "top_left"
@@ -89,6 +89,13 @@ class Problem:
     def masked(self) -> bool:
         """Does some (row, key) pair within the sequences fall outside the window?"""
         return self.window_left >= 0 or self.window_right >= 0
+
+    @property
+    def mask_kind(self) -> int:
+        """The kernels' mask specialization: none, causal (a right side only) or window (a left side)."""
+        if not self.masked:
+            return MASK_NONE
+        return MASK_CAUSAL if self.window_left < 0 else MASK_WINDOW
 
     @property
     def plain(self) -> bool:

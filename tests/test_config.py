@@ -30,13 +30,13 @@ def test_padded_head_dim_rejects_out_of_range(head_dim):
 @pytest.mark.parametrize("device", DEVICES.values(), ids=DEVICES.keys())
 @pytest.mark.parametrize("dtype", _config.SUPPORTED_DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("head_dim", range(1, 257, 7))
-@pytest.mark.parametrize("causal", [False, True])
-def test_every_config_fits_the_device(device, dtype, head_dim, causal):
-    cfg = choose_config(head_dim, dtype, causal, device)
+@pytest.mark.parametrize("mask", _config.MASK_KINDS)
+def test_every_config_fits_the_device(device, dtype, head_dim, mask):
+    cfg = choose_config(head_dim, dtype, mask, device)
     for spec in (cfg.forward, *cfg.bwd_dkdv, cfg.bwd_dq, *cfg.bwd_dkdv_atomic):
         assert spec.head_dim == padded_head_dim(head_dim) >= head_dim
         assert spec.smem_bytes <= device.max_smem_per_block
-        assert spec.causal == causal and np.dtype(spec.dtype) == dtype
+        assert spec.mask == mask and np.dtype(spec.dtype) == dtype
         assert spec.threads % 32 == 0 and spec.threads <= 1024
     if dtype == np.float32:  # float32 stays exact: no tensor cores, no tf32
         assert {s.kernel for s in cfg.specs} == {"fwd_simt", "bwd_preprocess", "bwd_dkdv_simt", "bwd_dq_simt"}
@@ -115,9 +115,15 @@ def test_small_smem_devices_get_smaller_simt_tiles():
 
 
 def test_choose_config_is_pure():
-    a = choose_config(100, np.float16, True, _config.H100)
-    b = choose_config(100, np.float16, True, _config.H100)
-    assert a == b and hash(a) == hash(b)
+    # the cached table equals a fresh evaluation of the uncached function, for every mask kind
+    for mask in _config.MASK_KINDS:
+        cached = choose_config(100, np.float16, mask, _config.H100)
+        fresh = choose_config.__wrapped__(100, np.float16, mask, _config.H100)
+        assert cached is not fresh and cached == fresh and hash(cached) == hash(fresh)
+    assert choose_config(100, np.float16, True, _config.H100) == choose_config(100, np.float16, _config.MASK_CAUSAL,
+                                                                               _config.H100)
+    with pytest.raises(ValueError, match="mask must be one of"):
+        choose_config(100, np.float16, 3, _config.H100)
 
 
 def test_rejects_old_gpus_and_bad_dtypes():
@@ -129,18 +135,20 @@ def test_rejects_old_gpus_and_bad_dtypes():
 
 def test_spec_names_are_template_instances():
     cfg = choose_config(64, np.float16, True, _config.H100)
-    assert cfg.forward.name == "cuflash::fwd_mma<__half, 64, true, 128, 64, 4, 1>"
+    assert cfg.forward.name == "cuflash::fwd_mma<__half, 64, 1, 128, 64, 4, 1>"
     pairs = choose_config(256, np.float16, False, _config.H100).forward
-    assert pairs.name == "cuflash::fwd_mma<__half, 256, false, 128, 64, 8, 2>"
+    assert pairs.name == "cuflash::fwd_mma<__half, 256, 0, 128, 64, 8, 2>"
+    window = choose_config(64, np.float16, _config.MASK_WINDOW, _config.H100).forward
+    assert window.name == "cuflash::fwd_mma<__half, 64, 2, 128, 64, 4, 1>"
     assert cfg.bwd_preprocess.name == "cuflash::bwd_preprocess<__half>"
-    assert cfg.bwd_dkdv[0].name == "cuflash::bwd_dkdv_mma<__half, 64, true, 128, 128, false>"
+    assert cfg.bwd_dkdv[0].name == "cuflash::bwd_dkdv_mma<__half, 64, 1, 128, 128, false>"
     assert cfg.bwd_dkdv_atomic[0].name.endswith(", 128, 128, true>")
     rows = choose_config(256, np.float16, True, _config.H100).bwd_dkdv_atomic
-    assert [s.name for s in rows] == ["cuflash::bwd_dkdv_rows_mma<__half, 256, true, 16, 64, 1, false>",
-                                      "cuflash::bwd_dkdv_rows_mma<__half, 256, true, 16, 64, 2, true>"]
+    assert [s.name for s in rows] == ["cuflash::bwd_dkdv_rows_mma<__half, 256, 1, 16, 64, 1, false>",
+                                      "cuflash::bwd_dkdv_rows_mma<__half, 256, 1, 16, 64, 2, true>"]
     assert cfg.bwd_dq_convert.name == "cuflash::bwd_dq_convert<__half, 64>"
     simt = choose_config(64, np.float32, True, _config.H100).bwd_dq
-    assert simt.name == f"cuflash::bwd_dq_simt<float, 64, true, 32, 32, {simt.smem_bytes}>"
+    assert simt.name == f"cuflash::bwd_dq_simt<float, 64, 1, 32, 32, {simt.smem_bytes}>"
 
 
 def test_all_specs_are_distinct_and_cover_the_table():
@@ -153,8 +161,9 @@ def test_all_specs_are_distinct_and_cover_the_table():
     fused = sum(d <= _config.MMA_BACKWARD_FUSED_HEAD_DIM for d in _config.HEAD_DIMS)
     split = len(_config.HEAD_DIMS) - fused
     atomic = len(_config.HEAD_DIMS)
-    half = 2 * (2 * len(_config.HEAD_DIMS) + fused + 2 * split + atomic) + 1 + len(_config.HEAD_DIMS)
-    single = 2 * 3 * len(_config.HEAD_DIMS) + 1
+    masks = len(_config.MASK_KINDS)
+    half = masks * (2 * len(_config.HEAD_DIMS) + fused + 2 * split + atomic) + 1 + len(_config.HEAD_DIMS)
+    single = masks * 3 * len(_config.HEAD_DIMS) + 1
     assert len(specs) == 2 * half + single
 
 

@@ -44,7 +44,8 @@ DETERMINISTIC_BWD_CANDIDATES = {  # head_dim: ((dkdv kernel, block_m, block_n), 
 def mma_spec(kernel, d, causal, bm, bn, warps, part=0, atomic_dq=False, key_split=1):
     dtype = cp.dtype("bfloat16")
     smem = _config.mma_smem_bytes(kernel, d, bm, bn, dtype.itemsize, atomic_dq, key_split)
-    return _config.KernelSpec(kernel, dtype, d, causal, bm, bn, warps * 32, smem, part, atomic_dq, key_split)
+    return _config.KernelSpec(kernel, dtype, d, _config.MASK_CAUSAL if causal else _config.MASK_NONE, bm, bn,
+                              warps * 32, smem, part, atomic_dq, key_split)
 
 
 def dkdv_specs(kernel, d, causal, bm, bn, atomic):

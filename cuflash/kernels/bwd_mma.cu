@@ -113,7 +113,7 @@ __device__ __forceinline__ void store_tile_smem(T* tile, int row_elems, const fl
 //                            the accumulators live in registers for the whole block
 //   dQ += dS K             : warps 4 (queries) x 2 (head dim), tiles (BLOCK_M / 4) x (HEAD_DIM / 2)
 // P and dS cross between the layouts through shared memory ([BLOCK_M][BLOCK_N], padded rows).
-template <typename T, int HEAD_DIM, bool MASKED, int BLOCK_M, int BLOCK_N, bool ATOMIC_DQ>
+template <typename T, int HEAD_DIM, int MASK, int BLOCK_M, int BLOCK_N, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
     constexpr int kThreads = 256;
     constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
@@ -140,10 +140,10 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
     const KeyBlock blk(BLOCK_N, heads / group, seqlen_k, dq_splits, dq_pass);
     if (blk.n0 >= seqlen_k) return;   // the split grid's last pass: this split has no key block left
     const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
-    const Window window{diagonal, window_left, window_right};
+    const Window<MASK> window{diagonal, window_left, window_right};
     // the query tiles whose rows see some key of the block
-    const int m_begin = MASKED ? window.row_begin(n0) / BLOCK_M * BLOCK_M : 0;
-    const int m_end = MASKED ? window.row_end(n0 + BLOCK_N, seqlen_q) : seqlen_q;
+    const int m_begin = window.row_begin(n0) / BLOCK_M * BLOCK_M;
+    const int m_end = window.row_end(n0 + BLOCK_N, seqlen_q);
     const int m_tiles = m_begin < m_end ? (m_end - m_begin + BLOCK_M - 1) / BLOCK_M : 0;
     const int steps = m_tiles * group;   // (head in group, query tile), query tile fastest
 
@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
         // (queries x keys) tile of each.
         {
             const bool need_mask = m0 + BLOCK_M > seqlen_q || n0 + BLOCK_N > seqlen_k ||
-                                   (MASKED && !window.covers(m0, m0 + BLOCK_M, n0, n0 + BLOCK_N));
+                                   !window.covers(m0, m0 + BLOCK_M, n0, n0 + BLOCK_N);
             float p[kSM / 16][kSN / 8][4];
             zero(p);
             warp_mma<T, kSM / 16, kSN / 8, HEAD_DIM / 16>(
@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
                         const int col = s_col0 + nb * 8 + 2 * t + (e % 2);   // in the key block
                         float x = exp2f(p[ma][nb][e] * scale_log2 - row_lse2);
                         if (need_mask && (m0 + row >= seqlen_q ||
-                                          !key_visible<MASKED>(window, m0 + row, n0 + col, seqlen_k)))
+                                          !window.sees(m0 + row, n0 + col, seqlen_k)))
                             x = 0.f;
                         p[ma][nb][e] = x;
                     }
@@ -319,7 +319,7 @@ enum DkdvPart { kDkAndDv = 0, kDvOnly = 1, kDkOnly = 2 };
 // With ATOMIC_DQ (a launch that computes dK), each warp also stores its dS^T rows to shared memory;
 // the block then computes dQ[query tile] += dS K over its BLOCK_N keys as items of (16 query rows,
 // kDqCols columns) spread over the warps, and adds them into dq_accum.
-template <typename T, int HEAD_DIM, bool MASKED, int BLOCK_M, int BLOCK_N, int PART, bool ATOMIC_DQ>
+template <typename T, int HEAD_DIM, int MASK, int BLOCK_M, int BLOCK_N, int PART, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLASH_BWD_PARAMS) {
     constexpr bool kDk = PART != kDvOnly, kDv = PART != kDkOnly;
     static_assert(!ATOMIC_DQ || kDk, "dQ needs dS, which only a launch computing dK has");
@@ -347,10 +347,10 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
 
     const KeyBlock blk(BLOCK_N, heads / group, seqlen_k, 0, 0);   // the banded grid
     const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
-    const Window window{diagonal, window_left, window_right};
+    const Window<MASK> window{diagonal, window_left, window_right};
     // the query tiles whose rows see some key of the block
-    const int m_begin = MASKED ? window.row_begin(n0) / BLOCK_M * BLOCK_M : 0;
-    const int m_end = MASKED ? window.row_end(n0 + BLOCK_N, seqlen_q) : seqlen_q;
+    const int m_begin = window.row_begin(n0) / BLOCK_M * BLOCK_M;
+    const int m_end = window.row_end(n0 + BLOCK_N, seqlen_q);
     const int m_tiles = m_begin < m_end ? (m_end - m_begin + BLOCK_M - 1) / BLOCK_M : 0;
     const int steps = m_tiles * group;   // (head in group, query tile), query tile fastest
 
@@ -405,7 +405,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
         zero(p);
         warp_gemm_rows_rows<T, HEAD_DIM, kMTiles>(p, k_s + warp * 16 * kRow, q_tile, lane);
         const bool need_mask = m0 + BLOCK_M > seqlen_q || n0 + BLOCK_N > seqlen_k ||
-                               (MASKED && !window.covers(m0, m0 + BLOCK_M, n0, n0 + BLOCK_N));
+                               !window.covers(m0, m0 + BLOCK_M, n0, n0 + BLOCK_N);
 #pragma unroll
         for (int mb = 0; mb < kMTiles; ++mb) {
 #pragma unroll
@@ -414,7 +414,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
                 float x = exp2f(p[mb][e] * scale_log2 - lse2_tile[col]);
                 if (need_mask) {
                     const int key = e < 2 ? key_a : key_b;
-                    if (m0 + col >= seqlen_q || !key_visible<MASKED>(window, m0 + col, key, seqlen_k)) x = 0.f;
+                    if (m0 + col >= seqlen_q || !window.sees(m0 + col, key, seqlen_k)) x = 0.f;
                 }
                 p[mb][e] = x;
             }
@@ -483,7 +483,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
 // stacked 16-row atoms) per warp, so every K and V fragment read from shared memory feeds kMAtoms mma
 // instructions. Q and dO stay in shared memory while K and V tiles of BLOCK_N keys stream through two
 // cp.async stages (the forward's structure). dS stays in registers as the A operand of dS K.
-template <typename T, int HEAD_DIM, bool MASKED, int BLOCK_M, int BLOCK_N, int WARPS>
+template <typename T, int HEAD_DIM, int MASK, int BLOCK_M, int BLOCK_N, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) {
     constexpr int kThreads = WARPS * 32;
     constexpr int kRowsPerWarp = BLOCK_M / WARPS;
@@ -502,10 +502,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) 
 
     const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, false);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
-    const Window window{diagonal, window_left, window_right};
+    const Window<MASK> window{diagonal, window_left, window_right};
     // the key tiles this block's rows see: key_first, then n_tiles tiles
-    const int key_first = MASKED ? window.key_begin(m0) / BLOCK_N * BLOCK_N : 0;
-    const int n_end = MASKED ? window.key_end(m0 + BLOCK_M, seqlen_k) : seqlen_k;
+    const int key_first = window.key_begin(m0) / BLOCK_N * BLOCK_N;
+    const int n_end = window.key_end(m0 + BLOCK_M, seqlen_k);
     const int n_tiles = (n_end - key_first + BLOCK_N - 1) / BLOCK_N;   // <= 0 where no row sees a key
     const T* k_head = k + b * k_sb + h_kv * k_sh;
     const T* v_head = v + b * v_sb + h_kv * v_sh;
@@ -553,7 +553,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) 
         const T* v_tile = v_s + stage * BLOCK_N * kRow;
         const int n0 = key_first + j * BLOCK_N;
         const bool need_mask = m0 + BLOCK_M > seqlen_q || n0 + BLOCK_N > seqlen_k ||
-                               (MASKED && !window.covers(m0, m0 + BLOCK_M, n0, n0 + BLOCK_N));
+                               !window.covers(m0, m0 + BLOCK_M, n0, n0 + BLOCK_N);
 
         // P = exp2(S * scale_log2 - lse2), S = Q K^T
         float p[kMAtoms][kNTiles][4];
@@ -574,7 +574,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) 
                     if (need_mask) {
                         const int row = m0 + warp_row0 + ma * 16 + g + 8 * (e / 2);
                         const int key = n0 + nb * 8 + 2 * t + (e & 1);
-                        if (row >= seqlen_q || !key_visible<MASKED>(window, row, key, seqlen_k)) x = 0.f;
+                        if (row >= seqlen_q || !window.sees(row, key, seqlen_k)) x = 0.f;
                     }
                     p[ma][nb][e] = x;
                 }

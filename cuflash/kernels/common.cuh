@@ -55,39 +55,51 @@ __device__ __forceinline__ float warp_sum(float x) {
 // masked keys has m_i = -inf, and exp2(-inf - (-inf)) would be NaN; use 0 so every p is exp2(-inf) = 0.
 __device__ __forceinline__ float safe_max(float m) { return m == -CUFLASH_INF ? 0.f : m; }
 
+// The kinds of mask a kernel is specialized for (its MASK template argument; _config.MASK_*).
+enum MaskKind : int {
+    kMaskNone = 0,     // every key within the sequences is visible
+    kMaskCausal = 1,   // keys up to `right` past the diagonal (causal: right = 0); no left side
+    kMaskWindow = 2,   // a sliding window: both sides (a side may still be unbounded)
+};
+
 // The window of visible keys, one rule for causal masks and sliding windows (FlashAttention's): query i
 // sees key j when -left <= j - (i + diagonal) <= right, with diagonal = seqlen_k - seqlen_q (bottom-right
 // alignment) or 0 (top-left). The host encodes an unbounded side as seqlen_q + seqlen_k, which no
-// |j - i - diagonal| reaches, so neither side needs a branch; causal is right = 0, left unbounded. The
-// kernels' MASKED specializations apply it; the others see every key.
-struct Window {
+// |j - i - diagonal| reaches, so neither side needs a branch. Only kMaskWindow reads `left`: a causal
+// kernel's code has no left side at all (as a runtime bound it cost the causal forwards 2-3%,
+// bench/NOTES.md), and kMaskNone reads nothing.
+template <int MASK> struct Window {
+    static_assert(MASK == kMaskNone || MASK == kMaskCausal || MASK == kMaskWindow, "a MaskKind");
+    static constexpr bool kMasked = MASK != kMaskNone;
+    static constexpr bool kLeft = MASK == kMaskWindow;
     int diagonal, left, right;
     // The keys [key_begin(row_begin), key_end(row_end)) hold every key that a row of [row_begin, row_end) sees.
-    __device__ __forceinline__ int key_begin(int row_begin) const { return max(0, row_begin + diagonal - left); }
+    __device__ __forceinline__ int key_begin(int row_begin) const {
+        return kLeft ? max(0, row_begin + diagonal - left) : 0;
+    }
     __device__ __forceinline__ int key_end(int row_end, int seqlen_k) const {
-        return max(0, min(seqlen_k, row_end + diagonal + right));
+        return kMasked ? max(0, min(seqlen_k, row_end + diagonal + right)) : seqlen_k;
     }
     // The rows [row_begin(key_begin), row_end(key_end)) hold every row that sees a key of [key_begin, key_end).
-    __device__ __forceinline__ int row_begin(int key_begin) const { return max(0, key_begin - diagonal - right); }
+    __device__ __forceinline__ int row_begin(int key_begin) const {
+        return kMasked ? max(0, key_begin - diagonal - right) : 0;
+    }
     __device__ __forceinline__ int row_end(int key_end, int seqlen_q) const {
-        return max(0, min(seqlen_q, key_end - diagonal + left));
+        return kLeft ? max(0, min(seqlen_q, key_end - diagonal + left)) : seqlen_q;
     }
-    __device__ __forceinline__ bool visible(int row, int key) const {
-        const int rel = key - row - diagonal;
-        return rel >= -left && rel <= right;
+    // Is `key` within the keys and inside row `row`'s window? (diagonal + right and diagonal - left are
+    // loop invariants: one add and one compare per side and element.)
+    __device__ __forceinline__ bool sees(int row, int key, int seqlen_k) const {
+        return key < seqlen_k && (!kMasked || (key <= row + (diagonal + right) &&
+                                               (!kLeft || key >= row + (diagonal - left))));
     }
-    // Does every row of [row_begin, row_end) see every key of [key_begin, key_end)? Then a tile needs no
-    // element mask (but for rows and keys past the sequences).
+    // Does every row of [row_begin, row_end) see every key of [key_begin, key_end) (those within the keys)?
+    // Then a tile needs no element mask for the window.
     __device__ __forceinline__ bool covers(int row_begin, int row_end, int key_begin, int key_end) const {
-        return key_begin >= row_end - 1 + diagonal - left && key_end - 1 <= row_begin + diagonal + right;
+        return !kMasked || (key_end - 1 <= row_begin + diagonal + right &&
+                            (!kLeft || key_begin >= row_end - 1 + diagonal - left));
     }
 };
-
-// Is `key` within the keys and, in a MASKED specialization, inside row `row`'s window?
-template <bool MASKED>
-__device__ __forceinline__ bool key_visible(const Window& window, int row, int key, int seqlen_k) {
-    return key < seqlen_k && (!MASKED || window.visible(row, key));
-}
 
 // The query block of a thread block in the kernels that walk key tiles per query block (forward, dQ):
 // one block per (query block, batch, head), in one of two orders (the host picks:
@@ -179,7 +191,7 @@ struct DqAccum {
 };
 
 // The parameters of every backward kernel (bwd_mma.cu, simt.cu): one list, one launch path. diagonal,
-// window_left and window_right are Window's fields (read by the MASKED specializations). dq_accum is
+// window_left and window_right are Window's fields (read by the masked specializations). dq_accum is
 // float32 in the DqAccum layout above, zeroed, for the kernels that add dQ with atomics; null for the
 // others. dq_splits and dq_pass select KeyBlock's grid (dq_splits 0: banded; else the split grid's
 // pass dq_pass, one copy of dq_accum per split).

@@ -28,7 +28,7 @@ constexpr float kRescaleSlack = 8.f;
 // blocks of two atoms per warp at head_dim 128 reach 255 registers and spill; with none, one-atom
 // 128-thread blocks (sm_8x, head_dim 128) stop at 168 registers and spill 24 bytes, and a minimum of
 // two lets them keep everything in registers.
-template <typename T, int HEAD_DIM, bool MASKED, int BLOCK_M, int BLOCK_N, int WARPS, int KEY_SPLIT>
+template <typename T, int HEAD_DIM, int MASK, int BLOCK_M, int BLOCK_N, int WARPS, int KEY_SPLIT>
 __global__ void __launch_bounds__(WARPS * 32, WARPS >= 8 ? 1 : BLOCK_M / WARPS == 16 ? 2 : 0)
 fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
         float* __restrict__ lse, long long q_sb, long long q_ss, long long q_sh, long long k_sb,
@@ -80,14 +80,14 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 
     const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, query_blocks_fastest);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
-    const Window window{diagonal, window_left, window_right};
+    const Window<MASK> window{diagonal, window_left, window_right};
 
     const T* q_head = q + b * q_sb + h * q_sh;
     const T* k_head = k + b * k_sb + h_kv * k_sh;
     const T* v_head = v + b * v_sb + h_kv * v_sh;
     // Under a mask the block walks only the key tiles its rows see: key_first, then n_tiles tiles.
-    const int key_first = MASKED ? window.key_begin(m0) / BLOCK_N * BLOCK_N : 0;
-    const int n_end = MASKED ? window.key_end(m0 + BLOCK_M, seqlen_k) : seqlen_k;
+    const int key_first = window.key_begin(m0) / BLOCK_N * BLOCK_N;
+    const int n_end = window.key_end(m0 + BLOCK_M, seqlen_k);
     const int n_tiles = (n_end - key_first + BLOCK_N - 1) / BLOCK_N;   // <= 0 where no row sees a key
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -206,7 +206,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
             // keys are masked. The row max is taken on the raw scores (scale_log2 > 0 keeps the order); one
             // FMA then scales and subtracts.
             const int n0 = key_first + j * BLOCK_N + sub * kSubN;
-            const bool need_mask = n0 + kSubN > seqlen_k || (MASKED && !window.covers(m0, m0 + BLOCK_M, n0, n0 + kSubN));
+            const bool need_mask = n0 + kSubN > seqlen_k || !window.covers(m0, m0 + BLOCK_M, n0, n0 + kSubN);
             float tile_max[kMAtoms][2];   // per row: the max of the scaled scores of the sub-tile's keys
             auto take_row_max = [&](int ma) {
                 if (need_mask) {
@@ -216,7 +216,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
                             const int key = n0 + share * kWarpKeys + nb * 8 + 2 * t + (e & 1);
-                            if (!key_visible<MASKED>(window, row0 + 8 * (e / 2), key, seqlen_k))
+                            if (!window.sees(row0 + 8 * (e / 2), key, seqlen_k))
                                 s[ma][nb][e] = -CUFLASH_INF;
                         }
                     }

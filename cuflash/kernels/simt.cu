@@ -48,7 +48,7 @@ __device__ __forceinline__ float dot_rows(const float* a, const float* b) {
 // Forward, float32. One block: BLOCK_M query rows of one (batch, head). S and P of the current key tile
 // live in shared memory; m_i and l_i per row in shared memory; acc in registers, each thread owning
 // one row and every kThreadsPerRow-th column of it. A null lse stores none.
-template <typename T, int HEAD_DIM, bool MASKED, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
+template <typename T, int HEAD_DIM, int MASK, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
 __global__ void __launch_bounds__(kSimtThreads, 1)
 fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
          float* __restrict__ lse, long long q_sb, long long q_ss, long long q_sh, long long k_sb,
@@ -75,11 +75,11 @@ fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
     const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, query_blocks_fastest);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
-    const Window window{diagonal, window_left, window_right};
+    const Window<MASK> window{diagonal, window_left, window_right};
     const T* k_head = k + b * k_sb + h_kv * k_sh;
     const T* v_head = v + b * v_sb + h_kv * v_sh;
-    const int n_begin = MASKED ? window.key_begin(m0) / BLOCK_N * BLOCK_N : 0;
-    const int n_end = MASKED ? window.key_end(m0 + BLOCK_M, seqlen_k) : seqlen_k;
+    const int n_begin = window.key_begin(m0) / BLOCK_N * BLOCK_N;
+    const int n_end = window.key_end(m0 + BLOCK_M, seqlen_k);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
     load_rows_f32<T, BLOCK_M, HEAD_DIM>(q_s, q + b * q_sb + h * q_sh, q_ss, m0, seqlen_q, head_dim);
@@ -97,7 +97,7 @@ fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
         for (int i = tid; i < BLOCK_M * BLOCK_N; i += kSimtThreads) {
             const int r = i / BLOCK_N, c = i % BLOCK_N;
             const float x = dot_rows<HEAD_DIM>(q_s + r * kRow, k_s + c * kRow) * scale_log2;
-            p_s[r * kScoreRow + c] = key_visible<MASKED>(window, m0 + r, n0 + c, seqlen_k) ? x : -CUFLASH_INF;
+            p_s[r * kScoreRow + c] = window.sees(m0 + r, n0 + c, seqlen_k) ? x : -CUFLASH_INF;
         }
         __syncthreads();
         for (int r = warp; r < BLOCK_M; r += kSimtThreads / 32) {
@@ -191,16 +191,16 @@ bwd_preprocess(const T* __restrict__ dout, const T* __restrict__ out, float* __r
 
 // The shared step of both backward kernels: for the staged query tile (rows m0..) and key tile (n0..)
 // write P and dS to shared memory. Invisible pairs (mask, rows or keys out of range) get P = 0.
-template <int HEAD_DIM, bool MASKED, int BLOCK_M, int BLOCK_N>
+template <int HEAD_DIM, int MASK, int BLOCK_M, int BLOCK_N>
 __device__ __forceinline__ void recompute_p_ds(const float* q_s, const float* do_s, const float* k_s,
                                                const float* v_s, const float* lse2_s, const float* delta_s,
-                                               float* p_s, float* ds_s, const Window& window, int m0,
+                                               float* p_s, float* ds_s, const Window<MASK>& window, int m0,
                                                int n0, int seqlen_q, int seqlen_k, float scale_log2) {
     using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
     constexpr int kRow = Tiles::kRow, kScoreRow = Tiles::kScoreRow;
     for (int i = threadIdx.x; i < BLOCK_M * BLOCK_N; i += kSimtThreads) {
         const int r = i / BLOCK_N, c = i % BLOCK_N;
-        const bool visible = m0 + r < seqlen_q && key_visible<MASKED>(window, m0 + r, n0 + c, seqlen_k);
+        const bool visible = m0 + r < seqlen_q && window.sees(m0 + r, n0 + c, seqlen_k);
         float p = 0.f, ds = 0.f;
         if (visible) {
             p = exp2f(dot_rows<HEAD_DIM>(q_s + r * kRow, k_s + c * kRow) * scale_log2 - lse2_s[r]);
@@ -225,7 +225,7 @@ __device__ __forceinline__ void load_row_stats(float* lse2_s, float* delta_s, co
 // dK, dV: one block per (batch, kv head, BLOCK_N keys). It walks every query head of the group and
 // every query tile that can see its keys, accumulating in registers (thread: one key row, every
 // kThreadsPerRow-th column). dk and dv share strides (both allocated by cuflash).
-template <typename T, int HEAD_DIM, bool MASKED, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
+template <typename T, int HEAD_DIM, int MASK, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
 __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_BWD_PARAMS) {
     using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
     static_assert(Tiles::kBwdFloats * 4 == SMEM_BYTES, "launch shared memory must match the tile plan");
@@ -246,10 +246,10 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_BWD_PAR
 
     const KeyBlock blk(BLOCK_N, heads / group, seqlen_k, 0, 0);   // the banded grid
     const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
-    const Window window{diagonal, window_left, window_right};
+    const Window<MASK> window{diagonal, window_left, window_right};
     // the query tiles whose rows see some key of the block
-    const int m_begin = MASKED ? window.row_begin(n0) / BLOCK_M * BLOCK_M : 0;
-    const int m_end = MASKED ? window.row_end(n0 + BLOCK_N, seqlen_q) : seqlen_q;
+    const int m_begin = window.row_begin(n0) / BLOCK_M * BLOCK_M;
+    const int m_end = window.row_end(n0 + BLOCK_N, seqlen_q);
 
     load_rows_f32<T, BLOCK_N, HEAD_DIM>(k_s, k + b * k_sb + h_kv * k_sh, k_ss, n0, seqlen_k, head_dim);
     load_rows_f32<T, BLOCK_N, HEAD_DIM>(v_s, v + b * v_sb + h_kv * v_sh, v_ss, n0, seqlen_k, head_dim);
@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_BWD_PAR
             load_rows_f32<T, BLOCK_M, HEAD_DIM>(do_s, do_head, do_ss, m0, seqlen_q, head_dim);
             load_row_stats<BLOCK_M>(lse2_s, delta_s, lse + bh * seqlen_q, delta + bh * seqlen_q, m0, seqlen_q);
             __syncthreads();
-            recompute_p_ds<HEAD_DIM, MASKED, BLOCK_M, BLOCK_N>(q_s, do_s, k_s, v_s, lse2_s, delta_s, p_s, ds_s, window,
+            recompute_p_ds<HEAD_DIM, MASK, BLOCK_M, BLOCK_N>(q_s, do_s, k_s, v_s, lse2_s, delta_s, p_s, ds_s, window,
                                                                m0, n0, seqlen_q, seqlen_k, scale_log2);
             __syncthreads();
 #pragma unroll 2
@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_BWD_PAR
 }
 
 // dQ: one block per (batch, head, BLOCK_M queries), walking the key tiles it can see; no atomics.
-template <typename T, int HEAD_DIM, bool MASKED, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
+template <typename T, int HEAD_DIM, int MASK, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
 __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dq_simt(CUFLASH_BWD_PARAMS) {
     using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
     static_assert(Tiles::kBwdFloats * 4 == SMEM_BYTES, "launch shared memory must match the tile plan");
@@ -320,9 +320,9 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dq_simt(CUFLASH_BWD_PARAM
 
     const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, false);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
-    const Window window{diagonal, window_left, window_right};
-    const int n_begin = MASKED ? window.key_begin(m0) / BLOCK_N * BLOCK_N : 0;
-    const int n_end = MASKED ? window.key_end(m0 + BLOCK_M, seqlen_k) : seqlen_k;
+    const Window<MASK> window{diagonal, window_left, window_right};
+    const int n_begin = window.key_begin(m0) / BLOCK_N * BLOCK_N;
+    const int n_end = window.key_end(m0 + BLOCK_M, seqlen_k);
     const T* k_head = k + b * k_sb + h_kv * k_sh;
     const T* v_head = v + b * v_sb + h_kv * v_sh;
 
@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dq_simt(CUFLASH_BWD_PARAM
         load_rows_f32<T, BLOCK_N, HEAD_DIM>(k_s, k_head, k_ss, n0, seqlen_k, head_dim);
         load_rows_f32<T, BLOCK_N, HEAD_DIM>(v_s, v_head, v_ss, n0, seqlen_k, head_dim);
         __syncthreads();
-        recompute_p_ds<HEAD_DIM, MASKED, BLOCK_M, BLOCK_N>(q_s, do_s, k_s, v_s, lse2_s, delta_s, p_s, ds_s, window,
+        recompute_p_ds<HEAD_DIM, MASK, BLOCK_M, BLOCK_N>(q_s, do_s, k_s, v_s, lse2_s, delta_s, p_s, ds_s, window,
                                                            m0, n0, seqlen_q, seqlen_k, scale_log2);
         __syncthreads();
 #pragma unroll 2
