@@ -29,8 +29,9 @@ def main(argv=None) -> int:
     info = commands.add_parser("info", help="versions of cuflash, CuPy, NumPy, CUDA and NVRTC; the GPU or why "
                                             "there is none; the kernel cache")
     info.set_defaults(run=_info)
-    warmup = commands.add_parser("warmup", help="compile every kernel specialization for the current GPU, in "
-                                                "parallel, into CuPy's on-disk cache")
+    warmup = commands.add_parser("warmup", help="compile the kernels (every head dim, dtype and mask; the score "
+                                                "modifiers all at once) for the current GPU, in parallel, into "
+                                                "CuPy's on-disk cache")
     warmup.add_argument("--jobs", type=int, default=None, help="compiler processes (default: CPU count)")
     warmup.set_defaults(run=_warmup)
     args = parser.parse_args(argv)

@@ -33,6 +33,16 @@ SIMT_THREADS = 256
 #: forwards 2-3% (bench/NOTES.md, masks w1).
 MASK_NONE, MASK_CAUSAL, MASK_WINDOW = 0, 1, 2
 MASK_KINDS = (MASK_NONE, MASK_CAUSAL, MASK_WINDOW)
+#: Score modifiers, bits of a kernel's MODS template argument (``ModBits`` in kernels/common.cuh, applied by
+#: its ScoreMod): softcap, ALiBi, attention sinks (the forward's epilogue only: the backward reads them
+#: through the lse).
+MOD_SOFTCAP, MOD_ALIBI, MOD_SINKS = 1, 2, 4
+ALL_MODS = MOD_SOFTCAP | MOD_ALIBI | MOD_SINKS
+#: the modifiers that change the scores (the sinks change only the forward's epilogue)
+SCORE_MODS = MOD_SOFTCAP | MOD_ALIBI
+#: kernels whose template has MASK and MODS (every one but the row reductions)
+_MASKED_KERNELS = frozenset({"fwd_mma", "fwd_simt", "bwd_dkdv_simt", "bwd_dq_simt", "bwd_dkdv_mma",
+                             "bwd_dkdv_rows_mma", "bwd_dq_mma"})
 #: rows of one warp's mma tile in the tensor-core forward
 MMA_ROWS_PER_WARP = 16
 
@@ -116,6 +126,7 @@ class KernelSpec:
     part: int = 0  # bwd_dkdv_rows_mma only: 0 dK and dV, 1 dV only, 2 dK only (DkdvPart in bwd_mma.cu)
     atomic_dq: bool = False  # the dK/dV kernels only: also add dQ into a float32 buffer with atomics
     key_split: int = 1  # fwd_mma only: warps that share each group of query rows (KEY_SPLIT in fwd_mma.cu)
+    mods: int = 0  # MOD_* bits (the kernels' MODS)
 
     @property
     def source_file(self) -> str:
@@ -130,7 +141,7 @@ class KernelSpec:
         elif self.kernel == "bwd_dq_convert":
             args = [ctype, str(self.head_dim)]
         else:
-            args = [ctype, str(self.head_dim), str(int(self.mask)), str(self.block_m), str(self.block_n)]
+            args = [ctype, str(self.head_dim), str(int(self.mask)), str(self.mods), str(self.block_m), str(self.block_n)]
             if self.kernel not in MMA_KERNELS:
                 args.append(str(self.smem_bytes))
             if self.kernel in ("fwd_mma", "bwd_dq_mma"):
@@ -146,7 +157,7 @@ class KernelSpec:
     @property
     def cache_key(self) -> tuple:
         return (self.kernel, np.dtype(self.dtype).name, self.head_dim, int(self.mask), self.block_m, self.block_n,
-                self.threads, self.smem_bytes, self.part, self.atomic_dq, self.key_split)
+                self.threads, self.smem_bytes, self.part, self.atomic_dq, self.key_split, self.mods)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,7 +291,7 @@ def _mma_dq_tiles(head_dim: int) -> tuple[int, int, int]:
 
 
 def _tiled_dkdv_spec(dtype, head_dim: int, mask: int, device: DeviceProps,
-                     atomic_dq: bool) -> KernelSpec | None:
+                     atomic_dq: bool, mods: int = 0) -> KernelSpec | None:
     """bwd_dkdv_mma's spec, or None where it does not serve (head dim past 128, or too little shared
     memory for its tiles: A100, RTX 4090)."""
     if head_dim > MMA_BACKWARD_FUSED_HEAD_DIM:
@@ -290,14 +301,14 @@ def _tiled_dkdv_spec(dtype, head_dim: int, mask: int, device: DeviceProps,
     if smem > device.max_smem_per_block:
         return None
     return KernelSpec("bwd_dkdv_mma", dtype, head_dim, mask, block_m, block_n, DKDV_TILED_THREADS, smem,
-                      atomic_dq=atomic_dq)
+                      atomic_dq=atomic_dq, mods=mods)
 
 
 def _mma_spec(kernel: str, dtype, head_dim: int, mask: int, device: DeviceProps, part: int = 0,
-              atomic_dq: bool = False) -> KernelSpec:
+              atomic_dq: bool = False, mods: int = 0) -> KernelSpec:
     key_split = 1
     if kernel == "fwd_mma":
-        block_m, block_n, table_warps, key_split = _mma_forward_tiles(head_dim, mask != MASK_NONE, device)
+        block_m, block_n, table_warps, key_split = _mma_forward_tiles(head_dim, mask != MASK_NONE, device, mods)
     elif kernel == "bwd_dq_mma":
         block_m, block_n, table_warps = _mma_dq_tiles(head_dim)
     else:
@@ -326,10 +337,10 @@ def _mma_spec(kernel: str, dtype, head_dim: int, mask: int, device: DeviceProps,
         warps = block_n // MMA_ROWS_PER_WARP
     smem = mma_smem_bytes(kernel, head_dim, block_m, block_n, dtype.itemsize, atomic_dq, key_split)
     return KernelSpec(kernel, dtype, head_dim, mask, block_m, block_n, warps * 32, smem, part, atomic_dq,
-                      key_split)
+                      key_split, mods)
 
 
-def _mma_forward_tiles(head_dim: int, causal: bool, device: DeviceProps) -> tuple[int, int, int, int]:
+def _mma_forward_tiles(head_dim: int, causal: bool, device: DeviceProps, mods: int = 0) -> tuple[int, int, int, int]:
     """(block_m, block_n, warps, key_split) of the tensor-core forward, before fitting shared memory.
 
     A warp owns block_m / warps query rows (16 per mma atom); with key_split 2, a pair of warps owns
@@ -360,8 +371,9 @@ def _mma_forward_tiles(head_dim: int, causal: bool, device: DeviceProps) -> tupl
     per 16 rows, bfloat16, seqlen 512 / 1k / 2k / 4k / 8k / 16k, medians of six interleaved rounds (FA2
     in the same rounds 284 / 307 / 318 / 324 / 328 / 326): 275 / 309 / 328 / 339 / 342 / 343 against
     269 / 299 / 317 / 326 / 330 / 333 (float16 2k-16k 328 / 337 / 337 / 343 against 317 / 326 / 328 /
-    330). Pairs only on sm_90 without the mask: under it ptxas spills 28 bytes; on sm_8x (where head_dim
-    256 fits 32 keys per tile) it is not measured.
+    330). Pairs only on sm_90 without the mask and without score modifiers: under the mask ptxas spills 28
+    bytes, with a softcap and ALiBi 20 (NVRTC 13.0); on sm_8x (where head_dim 256 fits 32 keys per tile) it
+    is not measured. Modifiers otherwise share the plain kernels' tiles.
     """
     if head_dim <= 64:
         return 128, 64, 4, 1
@@ -371,7 +383,7 @@ def _mma_forward_tiles(head_dim: int, causal: bool, device: DeviceProps) -> tupl
         if device.compute_capability < 90:
             return 64, 32, 4, 1
         return (128, 64, 4, 1) if head_dim == 128 else (128, 32, 4, 1)
-    if head_dim == 256 and not causal and device.compute_capability >= 90:
+    if head_dim == 256 and not causal and not mods & SCORE_MODS and device.compute_capability >= 90:
         return 128, 64, 8, 2
     return 128, 64, 8, 1
 
@@ -459,18 +471,18 @@ def deterministic_dq_splits(cfg: AttentionConfig, pairs: int, seqlen_k: int, sm_
     return 0
 
 
-def _simt_spec(kernel: str, dtype, head_dim: int, mask: int, device: DeviceProps) -> KernelSpec:
+def _simt_spec(kernel: str, dtype, head_dim: int, mask: int, device: DeviceProps, mods: int = 0) -> KernelSpec:
     # 32 x 32 tiles keep 256 threads busy with 4 scores each; halve them where shared memory is short
     # (sm_86/89 allow 99 KB per block, too little for head_dim 256 at 32 x 32).
     for tile in (32, 16):
         smem = simt_smem_bytes(kernel, head_dim, tile, tile)
         if smem <= device.max_smem_per_block:
-            return KernelSpec(kernel, np.dtype(dtype), head_dim, mask, tile, tile, SIMT_THREADS, smem)
+            return KernelSpec(kernel, np.dtype(dtype), head_dim, mask, tile, tile, SIMT_THREADS, smem, mods=mods)
     raise ValueError(f"no {kernel} tile fits in {device.max_smem_per_block} bytes of shared memory")
 
 
 @functools.lru_cache(maxsize=1024)
-def choose_config(head_dim: int, dtype, mask: int, device: DeviceProps) -> AttentionConfig:
+def choose_config(head_dim: int, dtype, mask: int, device: DeviceProps, mods: int = 0) -> AttentionConfig:
     """Pick the kernels for one problem. Pure: no GPU, no state (so its results are cached: a call's
     host time matters at small shapes, bench's overhead suite).
 
@@ -484,6 +496,9 @@ def choose_config(head_dim: int, dtype, mask: int, device: DeviceProps) -> Atten
         MASK_NONE, MASK_CAUSAL or MASK_WINDOW (``Problem.mask_kind``; a bool reads as none or causal). The
         table's "causal" measurements are of the causal kernels; windows share their tiles.
     device : DeviceProps
+    mods : int
+        MOD_* bits (``Problem.mods``): the forward takes them all, the backward all but MOD_SINKS. The
+        modifiers share the plain kernels' tiles.
 
     Returns
     -------
@@ -498,23 +513,32 @@ def choose_config(head_dim: int, dtype, mask: int, device: DeviceProps) -> Atten
     mask = int(mask)
     if mask not in MASK_KINDS:
         raise ValueError(f"mask must be one of {MASK_KINDS}, got {mask}")
+    if mods & ~ALL_MODS:
+        raise ValueError(f"mods must be a combination of the MOD_* bits ({ALL_MODS:#x}), got {mods:#x}")
+    bwd_mods = mods & ~MOD_SINKS
     half = dtype != np.float32  # float32 stays exact: CUDA cores, no tf32
-    forward = _mma_spec("fwd_mma", dtype, d, mask, device) if half else _simt_spec("fwd_simt", dtype, d, mask, device)
+    forward = (_mma_spec("fwd_mma", dtype, d, mask, device, mods=mods) if half else
+               _simt_spec("fwd_simt", dtype, d, mask, device, mods))
     if half:
-        tiled = _tiled_dkdv_spec(dtype, d, mask, device, atomic_dq=False)
+        # Up to the fused head dim, a softcap's atomic-dQ dK/dV kernels spill (the tiled one 4-16 bytes on
+        # sm_90, the rows one 40 on sm_80 at head_dim 128: P * (1 - tanh^2) beside the dQ products; NVRTC
+        # 13.0): there the softcap's backward runs the deterministic pair (dK/dV, then the dQ kernel) in
+        # both modes. Past it (dK and dV in two launches) the atomic kernels fit.
+        atomic_fits = not (bwd_mods & MOD_SOFTCAP and d <= MMA_BACKWARD_FUSED_HEAD_DIM)
+        tiled = _tiled_dkdv_spec(dtype, d, mask, device, atomic_dq=False, mods=bwd_mods)
         if tiled is not None:
             bwd_dkdv = (tiled,)
-            bwd_dkdv_atomic = (dataclasses.replace(tiled, atomic_dq=True),)
+            bwd_dkdv_atomic = (dataclasses.replace(tiled, atomic_dq=True),) if atomic_fits else ()
         else:
-            bwd_dkdv = tuple(_mma_spec("bwd_dkdv_rows_mma", dtype, d, mask, device, part, adds_dq)
+            bwd_dkdv = tuple(_mma_spec("bwd_dkdv_rows_mma", dtype, d, mask, device, part, adds_dq, bwd_mods)
                              for part, adds_dq in rows_dkdv_launches(d, atomic_dq=False))
-            bwd_dkdv_atomic = tuple(_mma_spec("bwd_dkdv_rows_mma", dtype, d, mask, device, part, adds_dq)
-                                    for part, adds_dq in rows_dkdv_launches(d, atomic_dq=True))
-        bwd_dq = _mma_spec("bwd_dq_mma", dtype, d, mask, device)
+            bwd_dkdv_atomic = tuple(_mma_spec("bwd_dkdv_rows_mma", dtype, d, mask, device, part, adds_dq, bwd_mods)
+                                    for part, adds_dq in rows_dkdv_launches(d, atomic_dq=True)) if atomic_fits else ()
+        bwd_dq = _mma_spec("bwd_dq_mma", dtype, d, mask, device, mods=bwd_mods)
         bwd_dq_convert = KernelSpec("bwd_dq_convert", dtype, d)
     else:  # float32: CUDA cores, always the deterministic pair
-        bwd_dkdv = (_simt_spec("bwd_dkdv_simt", dtype, d, mask, device),)
-        bwd_dq = _simt_spec("bwd_dq_simt", dtype, d, mask, device)
+        bwd_dkdv = (_simt_spec("bwd_dkdv_simt", dtype, d, mask, device, bwd_mods),)
+        bwd_dq = _simt_spec("bwd_dq_simt", dtype, d, mask, device, bwd_mods)
         bwd_dkdv_atomic, bwd_dq_convert = (), None
     return AttentionConfig(forward=forward, bwd_preprocess=KernelSpec("bwd_preprocess", dtype),
                            bwd_dkdv=bwd_dkdv, bwd_dq=bwd_dq, bwd_dkdv_atomic=bwd_dkdv_atomic,
@@ -522,12 +546,21 @@ def choose_config(head_dim: int, dtype, mask: int, device: DeviceProps) -> Atten
 
 
 def all_specs(device: DeviceProps) -> list[KernelSpec]:
-    """Every distinct kernel the dispatcher can choose on ``device`` (for the compile check)."""
+    """The kernels the compile check compiles for ``device``: every plain kernel the dispatcher can choose
+    (each dtype, head dim and mask kind), and a covering set of the modifier kernels: all modifiers at
+    once (the most registers), without a mask and under a window, at every head dim, for bfloat16 (float16
+    is the same code) and float32. Not the cross product of the modifiers: 8 combinations per kernel."""
     specs = {}
-    for dtype in SUPPORTED_DTYPES:
-        for d in HEAD_DIMS:
+
+    def add(dtype, d, mask, mods):
+        for spec in choose_config(d, dtype, mask, device, mods).specs:
+            specs[spec.cache_key] = spec
+
+    for d in HEAD_DIMS:
+        for dtype in SUPPORTED_DTYPES:
             for mask in MASK_KINDS:
-                cfg = choose_config(d, dtype, mask, device)
-                for spec in cfg.specs:
-                    specs[spec.cache_key] = spec
+                add(dtype, d, mask, 0)
+        for dtype in (BFLOAT16, np.dtype(np.float32)):
+            for mask in (MASK_NONE, MASK_WINDOW):
+                add(dtype, d, mask, ALL_MODS)
     return list(specs.values())

@@ -99,8 +99,7 @@ def _banded_grid(tiles_per_head: int, pairs: int, device_id: int) -> tuple[int, 
 
 def check_supported(p: Problem):
     """NotImplementedError for the options the CUDA kernels do not take yet (the NumPy path takes them all)."""
-    missing = [name for name, used in (("softcap", p.softcap), ("alibi_slopes", p.alibi_shape), ("sinks", p.sinks),
-                                       ("dropout_p", p.dropout_p)) if used]
+    missing = [name for name, used in (("dropout_p", p.dropout_p),) if used]
     if missing:
         raise NotImplementedError(f"{', '.join(missing)}: not yet on CuPy arrays (the NumPy path computes them)")
 
@@ -111,6 +110,20 @@ def _window(p: Problem) -> tuple[int, int, int]:
     unbounded = p.seqlen_q + p.seqlen_k
     return (p.diagonal, unbounded if p.window_left < 0 else min(p.window_left, unbounded),
             unbounded if p.window_right < 0 else min(p.window_right, unbounded))
+
+
+def _modifiers(p: Problem) -> tuple:
+    """The kernels' ScoreMod arguments (kernels/common.cuh) after the window: ALiBi's batch stride (0 for
+    slopes of shape (heads,)), softcap_in = scale / softcap and softcap_out = softcap * log2(e)."""
+    alibi_batch_stride = p.heads if p.alibi_shape is not None and len(p.alibi_shape) == 2 else 0
+    softcap_in = p.softmax_scale / p.softcap if p.softcap else 0.0
+    return (_int32(alibi_batch_stride), _by_value(softcap_in, np.float32),
+            _by_value(p.softcap * LOG2E, np.float32))
+
+
+def _vector(x):
+    """A float32 vector argument (ALiBi slopes, sinks) as the kernels read it: contiguous, or null."""
+    return _NULL if x is None else cupy.ascontiguousarray(x)
 
 
 def _run_on(device_id: int, run, *args):
@@ -130,7 +143,7 @@ class ForwardPlan:
         self.device_id = device_id
         self.copies = tuple(_needs_copy(x) for x in (q, k, v))
         if spec is None:
-            spec = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device_props(device_id)).forward
+            spec = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device_props(device_id), p.mods).forward
         with cupy.cuda.Device(device_id):
             self.kernel = get_kernel(spec, device_id)
         self.grid = _grid(-(-p.seqlen_q // spec.block_m) * p.batch * p.heads)
@@ -144,14 +157,16 @@ class ForwardPlan:
         self.strides_vector_ok = _strides_vector_ok(p.head_dim, itemsize, *strides)
         self.head = tuple(_by_value(s, np.int64) for triple in strides for s in triple) + tuple(
             _int32(n) for n in (p.batch, p.heads, p.group, p.seqlen_q, p.seqlen_k, p.head_dim, *_window(p))) + (
-            _by_value(p.softmax_scale * LOG2E, np.float32),)
+            *_modifiers(p), _by_value(p.softmax_scale * LOG2E, np.float32))
         self.tail = (_int32(_config.forward_query_blocks_fastest(spec.head_dim, p.masked)),)
 
     def run(self, q, k, v, alibi_slopes=None, sinks=None, seed=0, offset=0, with_lse: bool = True):
-        """out, and lse where ``with_lse`` (else None: the kernel stores none), on CuPy's current stream."""
-        return _run_on(self.device_id, self._launch, q, k, v, with_lse)
+        """out, and lse where ``with_lse`` (else None: the kernel stores none), on CuPy's current stream.
+        ``alibi_slopes`` and ``sinks`` are read where the problem has them; ``seed`` and ``offset`` are
+        dropout's, which check_supported refuses until the kernels take it."""
+        return _run_on(self.device_id, self._launch, q, k, v, alibi_slopes, sinks, with_lse)
 
-    def _launch(self, q, k, v, with_lse):
+    def _launch(self, q, k, v, alibi_slopes, sinks, with_lse):
         copy_q, copy_k, copy_v = self.copies
         if copy_q or copy_k or copy_v:
             q, k, v = _readable(q, copy_q), _readable(k, copy_k), _readable(v, copy_v)
@@ -159,8 +174,9 @@ class ForwardPlan:
         out = cupy.ndarray(self.out_shape, self.dtype)
         lse = cupy.ndarray(self.lse_shape, np.float32) if with_lse else None
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k.data.ptr | v.data.ptr) & 15
-        self.kernel(self.grid, self.block, (q, k, v, out, _NULL if lse is None else lse) + self.head
-                    + (_VECTOR_OK[vector_ok],) + self.tail, shared_mem=self.smem)
+        self.kernel(self.grid, self.block, (q, k, v, out, _NULL if lse is None else lse, _vector(alibi_slopes),
+                                            _vector(sinks)) + self.head + (_VECTOR_OK[vector_ok],) + self.tail,
+                    shared_mem=self.smem)
         return out, lse
 
 
@@ -196,7 +212,7 @@ class BackwardPlan:
         self.copy_lse = not lse.flags.c_contiguous
         props = device_props(device_id)
         if cfg is None:
-            cfg = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, props)
+            cfg = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, props, p.mods)
         pairs = p.batch * p.heads_kv
         dq_splits = _config.deterministic_dq_splits(cfg, pairs, p.seqlen_k, props.sm_count) if deterministic else 0
         self.adds_dq = bool(cfg.bwd_dkdv_atomic) and (not deterministic or dq_splits > 0)
@@ -226,7 +242,7 @@ class BackwardPlan:
 
             self.head = int64s(q_s, k_s, v_s, dout_s, dq_s, dk_s) + tuple(
                 _int32(n) for n in (p.batch, p.heads, p.group, p.seqlen_q, p.seqlen_k, p.head_dim, *_window(p))) + (
-                _by_value(p.softmax_scale, np.float32), _by_value(p.softmax_scale * LOG2E, np.float32))
+                *_modifiers(p), _by_value(p.softmax_scale, np.float32), _by_value(p.softmax_scale * LOG2E, np.float32))
             self.strides_vector_ok = _strides_vector_ok(p.head_dim, itemsize, q_s, k_s, v_s, dout_s)
             self.splits = _int32(dq_splits)
             self.dkdv = []
@@ -250,10 +266,10 @@ class BackwardPlan:
                                   (self.splits, _int32(0)))
 
     def run(self, dout, q, k, v, out, lse, alibi_slopes=None, sinks=None, seed=0, offset=0):
-        """dq, dk, dv on CuPy's current stream."""
-        return _run_on(self.device_id, self._launch, dout, q, k, v, out, lse)
+        """dq, dk, dv (and dsinks, float32 (heads,), with sinks) on CuPy's current stream."""
+        return _run_on(self.device_id, self._launch, dout, q, k, v, out, lse, alibi_slopes, sinks)
 
-    def _launch(self, dout, q, k, v, out, lse):
+    def _launch(self, dout, q, k, v, out, lse, alibi_slopes, sinks):
         if any(self.copies):
             dout, q, k, v, out = (_readable(x, c) for x, c in zip((dout, q, k, v, out), self.copies))
         if self.copy_lse:
@@ -267,11 +283,18 @@ class BackwardPlan:
         vector_ok = self.preprocess_strides_ok and not (dout.data.ptr | out.data.ptr) & 15
         self.preprocess((dout, out, delta) + self.preprocess_head + (_VECTOR_OK[vector_ok],))
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k.data.ptr | v.data.ptr | dout.data.ptr) & 15
-        args = (q, k, v, dout, lse, delta, dq, dk, dv, dq_accum) + self.head + (_VECTOR_OK[vector_ok],)
+        args = (q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, _vector(alibi_slopes)) + self.head + (
+            _VECTOR_OK[vector_ok],)
         for launch in self.dkdv:
             launch(args)
         self.dq((dq_accum, dq) if self.adds_dq else args)
-        return dq, dk, dv
+        if sinks is None:
+            return dq, dk, dv
+        # d loss / d sink = -sum over (batch, row) of exp(sink - lse) * delta: the sink's probability times
+        # rowsum(dout * out) (CuPy's reductions sum in a fixed order: deterministic)
+        # (a row with lse -inf saw nothing and has a sink of -inf: its sink probability is 0)
+        sink_p = cupy.where(cupy.isneginf(lse), 0, cupy.exp(sinks[None, :, None] - lse))
+        return dq, dk, dv, -(sink_p * delta).sum(axis=(0, 2))
 
 
 def forward(q, k, v, p: Problem, spec: _config.KernelSpec | None = None):

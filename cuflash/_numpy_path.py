@@ -175,6 +175,6 @@ def backward(dout, q, k, v, out, lse, p: Problem, alibi_slopes=None, sinks=None,
         if sinks is None:
             return grads
         # d lse / d sink is the sink's probability exp(sink - lse); d out / d sink = -that * out
-        sink_p = np.exp2(_grouped_sinks(sinks, p)[..., None] - lse2)
+        sink_p = np.where(lse2 == -np.inf, np.float32(0), np.exp2(_grouped_sinks(sinks, p)[..., None] - lse2))
         dsinks = -(sink_p * delta).sum(axis=(0, 3)).reshape(p.heads)
     return (*grads, dsinks.astype(np.float32))

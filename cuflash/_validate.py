@@ -12,7 +12,8 @@ import numbers
 
 import numpy as np
 
-from ._config import MASK_CAUSAL, MASK_NONE, MASK_WINDOW, MAX_HEAD_DIM, SUPPORTED_DTYPES
+from ._config import (MASK_CAUSAL, MASK_NONE, MASK_WINDOW, MAX_HEAD_DIM, MOD_ALIBI, MOD_SINKS, MOD_SOFTCAP,
+                      SUPPORTED_DTYPES)
 from ._philox import MAX_OFFSET, MAX_SEED
 
 BOTTOM_RIGHT, TOP_LEFT = "bottom_right", "top_left"
@@ -96,6 +97,12 @@ class Problem:
         if not self.masked:
             return MASK_NONE
         return MASK_CAUSAL if self.window_left < 0 else MASK_WINDOW
+
+    @property
+    def mods(self) -> int:
+        """The kernels' score-modifier bits (_config.MOD_*)."""
+        return ((MOD_SOFTCAP if self.softcap else 0) | (MOD_ALIBI if self.alibi_shape is not None else 0)
+                | (MOD_SINKS if self.sinks else 0))
 
     @property
     def plain(self) -> bool:

@@ -184,7 +184,7 @@ def attention(q, k, v, causal: bool = False, softmax_scale=None, *, window_size=
 
 def attention_backward(dout, q, k, v, causal: bool = False, softmax_scale=None, *, window_size=(-1, -1),
                        softcap: float = 0.0, alibi_slopes=None, sinks=None, dropout_p: float = 0.0,
-                       dropout_mask=None, alignment: str = "bottom_right"):
+                       dropout_mask=None, alignment: str = "bottom_right", out=None):
     """Gradients of :func:`attention` in float64, from the materialized softmax.
 
     Parameters
@@ -194,6 +194,11 @@ def attention_backward(dout, q, k, v, causal: bool = False, softmax_scale=None, 
     k, v : array, (batch, seqlen_k, heads_kv, head_dim)
     causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, alignment
         As given to :func:`attention`.
+    out : array, (batch, seqlen_q, heads, head_dim), optional
+        The forward output a backward is handed: delta = rowsum(dout * out) from it, as a kernel's backward
+        computes it, instead of from the exact probabilities. Its difference from the exact gradients is
+        the error that receiving ``out`` rounded to its dtype causes by itself: large where dS cancels
+        (dP close to delta: one key and a sink or dropout).
 
     Returns
     -------
@@ -204,7 +209,7 @@ def attention_backward(dout, q, k, v, causal: bool = False, softmax_scale=None, 
     """
     options = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                    dropout_p=dropout_p, dropout_mask=dropout_mask, alignment=alignment)
-    return _backward(dout, q, k, v, None, causal, softmax_scale, options, _keep_all, np.float64)
+    return _backward(dout, q, k, v, out, causal, softmax_scale, options, _keep_all, np.float64)
 
 
 def _round(x: np.ndarray, dtype) -> np.ndarray:

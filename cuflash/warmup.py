@@ -1,4 +1,5 @@
-"""Compile every kernel specialization for the current GPU ahead of time, in parallel.
+"""Compile the kernels for the current GPU ahead of time, in parallel: every head dim, dtype and mask, and
+the score-modifier kernels with all modifiers at once (``_config.all_specs``).
 
 ``python -m cuflash warmup [--jobs N]`` (or ``python -m cuflash.warmup``) fills CuPy's on-disk kernel
 cache (``CUPY_CACHE_DIR``) so that no later process pays NVRTC time on a first call. Without it each new
@@ -26,7 +27,7 @@ def _compile_one(spec) -> tuple[str, float]:
 
 
 def warmup(jobs: int | None = None, verbose: bool = True) -> int:
-    """Compile all specializations for device 0; returns how many."""
+    """Compile ``_config.all_specs`` for device 0; returns how many."""
     from . import _config, _cupy_path
 
     specs = _config.all_specs(_cupy_path.device_props(0))

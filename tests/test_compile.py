@@ -1,4 +1,5 @@
-"""Every kernel the dispatcher can choose compiles with NVRTC for sm_80 and sm_90, without a GPU.
+"""The kernels compile with NVRTC for sm_80 and sm_90, without a GPU: every plain kernel the dispatcher can
+choose and a covering set of the score-modifier kernels (``_config.all_specs``).
 
 The float16/bfloat16 (tensor-core) kernels must not spill registers to local memory.
 """
@@ -40,9 +41,12 @@ def test_every_specialization_compiles(reports):
     device = TARGETS[reports[0].arch]
     assert {r.spec.cache_key for r in reports} == {s.cache_key for s in _config.all_specs(device)}
     kernels = collections.Counter(r.spec.kernel for r in reports)
-    # 8 head dims x 2 masks: half-precision forwards for 2 dtypes, SIMT forward for float32
-    assert kernels["fwd_mma"] == 2 * 2 * len(_config.HEAD_DIMS)
-    assert kernels["fwd_simt"] == 2 * len(_config.HEAD_DIMS)
+    # plain: 8 head dims x 3 mask kinds, half-precision forwards for 2 dtypes, the SIMT forward for float32;
+    # the covering set of the modifiers: 8 head dims x 2 mask kinds, bfloat16 and float32
+    masks, head_dims = len(_config.MASK_KINDS), len(_config.HEAD_DIMS)
+    assert kernels["fwd_mma"] == 2 * masks * head_dims + 2 * head_dims
+    assert kernels["fwd_simt"] == masks * head_dims + 2 * head_dims
+    assert {r.spec.mods for r in reports} == {0, _config.ALL_MODS, _config.ALL_MODS & ~_config.MOD_SINKS}
     assert all(r.registers > 0 for r in reports)
 
 

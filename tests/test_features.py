@@ -107,14 +107,19 @@ def check_features(xp, rng, shape, dtype, spec, backward=True, deterministic=Fal
     grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal, deterministic=deterministic, **options)
     refs = reference.attention_backward(dout, q, k, v, causal, **ref_options)
     lowps = lowp_attention_backward(dout, q, k, v, out, causal, None, dtype, **ref_options)
+    # What the rounded out costs by itself: with a sink or dropout a row's P can stay below 1 with one key,
+    # and dS = P (dP - delta) cancels; the low-precision math may round dP the way out was rounded and err
+    # far less by luck (bfloat16, one key, a sink: dq 13% off from delta alone, the dtype math 0.6%).
+    given_out = reference.attention_backward(dout, q, k, v, causal, **ref_options, out=out)
     names = ("dq", "dk", "dv", "dsinks")
     assert len(grads) == len(refs) == (4 if spec.get("sinks") else 3)
-    for name, grad, ref, lowp in zip(names, grads, refs, lowps):
+    for name, grad, ref, lowp, given in zip(names, grads, refs, lowps, given_out):
         assert type(grad) is type(q) and grad.shape == ref.shape, name
         assert grad.dtype == (np.float32 if name == "dsinks" else q.dtype), name
         # dsinks is float32 but sums rows of delta = rowsum(dout * out), out stored in dtype: it carries that
         # dtype's rounding, so the rule's rounding term is dtype's for it too
-        assert_fa_close(grad, ref, lowp, dtype, 3, name, max_score)
+        inherent = float(np.abs(given - ref).max()) if ref.size else 0.0
+        assert_fa_close(grad, ref, lowp, dtype, 3, name, max_score, inherent)
 
 
 @pytest.mark.parametrize("spec", FEATURES.values(), ids=FEATURES.keys())
@@ -279,6 +284,9 @@ feature_draws = st.fixed_dictionaries({
 @example(shape=(1, 1, 1, (1, 1), 1), dtype=DTYPES[0],
          spec=dict(causal=True, window_size=(0, 0), softcap=1.5, alibi="heads", sinks=True, dropout_p=0.6,
                    alignment="top_left"), seed=0)
+@example(shape=(1, 1, 2, (2, 2), 1), dtype=BF16,  # one key and a sink: dS cancels (check_features' inherent)
+         spec=dict(causal=True, window_size=(-1, -1), softcap=0.0, alibi=None, sinks=True, dropout_p=0.1,
+                   alignment="top_left"), seed=7)
 def test_fuzzed_features(xp, shape, dtype, spec, seed):
     batch, seqlen_q, seqlen_k, (heads, heads_kv), head_dim = shape
     check_features(xp, np.random.default_rng(seed), (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim), dtype,

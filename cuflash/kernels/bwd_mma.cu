@@ -113,7 +113,7 @@ __device__ __forceinline__ void store_tile_smem(T* tile, int row_elems, const fl
 //                            the accumulators live in registers for the whole block
 //   dQ += dS K             : warps 4 (queries) x 2 (head dim), tiles (BLOCK_M / 4) x (HEAD_DIM / 2)
 // P and dS cross between the layouts through shared memory ([BLOCK_M][BLOCK_N], padded rows).
-template <typename T, int HEAD_DIM, int MASK, int BLOCK_M, int BLOCK_N, bool ATOMIC_DQ>
+template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
     constexpr int kThreads = 256;
     constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
@@ -189,6 +189,8 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
         cp_async_commit();
         const int stage = s & 1;
         const int m0 = m_begin + m_step * BLOCK_M;
+        const ScoreMod<MODS> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b,
+                                 h_kv * group + h_step);
         const T* q_tile = q_s + stage * BLOCK_M * kRow;
         const T* do_tile = do_s + stage * BLOCK_M * kRow;
         const float* lse_tile = lse_s + stage * BLOCK_M;
@@ -209,24 +211,56 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
                 [&](unsigned (&bf)[4], int nb, int ks) {
                     load_b(bf, k_s + (s_col0 + nb * 8) * kRow + ks * 16, kRow, lane);
                 });
+            if constexpr (!ScoreMod<MODS>::kSoftcap) {
 #pragma unroll
-            for (int ma = 0; ma < kSM / 16; ++ma) {
+                for (int ma = 0; ma < kSM / 16; ++ma) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = s_row0 + ma * 16 + g + 8 * (e / 2);   // in the query tile
-                    const float row_lse2 = lse_tile[row] * kLog2e;
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = s_row0 + ma * 16 + g + 8 * (e / 2);   // in the query tile
+                        const float row_lse2 = lse_tile[row] * kLog2e;
 #pragma unroll
-                    for (int nb = 0; nb < kSN / 8; ++nb) {
-                        const int col = s_col0 + nb * 8 + 2 * t + (e % 2);   // in the key block
-                        float x = exp2f(p[ma][nb][e] * scale_log2 - row_lse2);
-                        if (need_mask && (m0 + row >= seqlen_q ||
-                                          !window.sees(m0 + row, n0 + col, seqlen_k)))
-                            x = 0.f;
-                        p[ma][nb][e] = x;
+                        for (int nb = 0; nb < kSN / 8; ++nb) {
+                            const int col = s_col0 + nb * 8 + 2 * t + (e % 2);   // in the key block
+                            float x = exp2f(mod.score(p[ma][nb][e], m0 + row, n0 + col, diagonal) - row_lse2);
+                            if (need_mask && (m0 + row >= seqlen_q ||
+                                              !window.sees(m0 + row, n0 + col, seqlen_k)))
+                                x = 0.f;
+                            p[ma][nb][e] = x;
+                        }
+                    }
+                }
+                store_tile_smem<T>(p_s + s_row0 * kPRow + s_col0, kPRow, p, lane);
+            } else {
+                // Under a softcap dS needs P * (1 - tanh^2) and dV needs P: each pair of P goes to shared
+                // memory as soon as it is made, and the registers keep P * (1 - tanh^2) (two arrays of the
+                // tile in registers spilled).
+#pragma unroll
+                for (int ma = 0; ma < kSM / 16; ++ma) {
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const int row = s_row0 + ma * 16 + g + 8 * half;   // in the query tile
+                        const float row_lse2 = lse_tile[row] * kLog2e;
+#pragma unroll
+                        for (int nb = 0; nb < kSN / 8; ++nb) {
+                            float pair[2];
+#pragma unroll
+                            for (int c = 0; c < 2; ++c) {
+                                const int col = s_col0 + nb * 8 + 2 * t + c;   // in the key block
+                                float grad;
+                                float x = exp2f(mod.score(p[ma][nb][2 * half + c], m0 + row, n0 + col, diagonal,
+                                                          grad) - row_lse2);
+                                if (need_mask && (m0 + row >= seqlen_q ||
+                                                  !window.sees(m0 + row, n0 + col, seqlen_k)))
+                                    x = 0.f;
+                                pair[c] = x;
+                                p[ma][nb][2 * half + c] = x * grad;
+                            }
+                            *reinterpret_cast<unsigned*>(p_s + row * kPRow + s_col0 + nb * 8 + 2 * t) =
+                                pack2<T>(pair[0], pair[1]);
+                        }
                     }
                 }
             }
-            store_tile_smem<T>(p_s + s_row0 * kPRow + s_col0, kPRow, p, lane);
             float dp[kSM / 16][kSN / 8][4];
             zero(dp);
             warp_mma<T, kSM / 16, kSN / 8, HEAD_DIM / 16>(
@@ -319,7 +353,7 @@ enum DkdvPart { kDkAndDv = 0, kDvOnly = 1, kDkOnly = 2 };
 // With ATOMIC_DQ (a launch that computes dK), each warp also stores its dS^T rows to shared memory;
 // the block then computes dQ[query tile] += dS K over its BLOCK_N keys as items of (16 query rows,
 // kDqCols columns) spread over the warps, and adds them into dq_accum.
-template <typename T, int HEAD_DIM, int MASK, int BLOCK_M, int BLOCK_N, int PART, bool ATOMIC_DQ>
+template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int PART, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLASH_BWD_PARAMS) {
     constexpr bool kDk = PART != kDvOnly, kDv = PART != kDkOnly;
     static_assert(!ATOMIC_DQ || kDk, "dQ needs dS, which only a launch computing dK has");
@@ -395,6 +429,8 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
         __syncthreads();
         const int stage = s & 1;
         const int m0 = m_begin + (s % m_tiles) * BLOCK_M;
+        const ScoreMod<MODS> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b,
+                                 h_kv * group + s / m_tiles);
         const T* q_tile = q_s + stage * BLOCK_M * kRow;
         const T* do_tile = do_s + stage * BLOCK_M * kRow;
         const float* lse2_tile = lse2_s + stage * BLOCK_M;
@@ -411,9 +447,9 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = mb * 8 + 2 * t + (e & 1);
-                float x = exp2f(p[mb][e] * scale_log2 - lse2_tile[col]);
+                const int key = e < 2 ? key_a : key_b;
+                float x = exp2f(mod.score(p[mb][e], m0 + col, key, diagonal) - lse2_tile[col]);
                 if (need_mask) {
-                    const int key = e < 2 ? key_a : key_b;
                     if (m0 + col >= seqlen_q || !window.sees(m0 + col, key, seqlen_k)) x = 0.f;
                 }
                 p[mb][e] = x;
@@ -423,6 +459,16 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
         if constexpr (kDv) {
             pack_a_fragments<T, kMTiles>(a, p);
             warp_gemm_frag_rows<T, HEAD_DIM, BLOCK_M / 16>(dv_acc, a, do_tile, lane);   // dV += P^T dO
+        }
+        if constexpr (kDk && ScoreMod<MODS>::kSoftcap) {   // dV is done with P: from here p holds P * (1 - tanh^2)
+#pragma unroll
+            for (int mb = 0; mb < kMTiles; ++mb) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = mb * 8 + 2 * t + (e & 1);
+                    p[mb][e] *= mod.softcap_grad(p[mb][e], lse2_tile[col], m0 + col, e < 2 ? key_a : key_b, diagonal);
+                }
+            }
         }
         if constexpr (kDk) {
             // dP^T = V dO^T -> dS^T = P^T * (dP^T - delta)
@@ -483,7 +529,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
 // stacked 16-row atoms) per warp, so every K and V fragment read from shared memory feeds kMAtoms mma
 // instructions. Q and dO stay in shared memory while K and V tiles of BLOCK_N keys stream through two
 // cp.async stages (the forward's structure). dS stays in registers as the A operand of dS K.
-template <typename T, int HEAD_DIM, int MASK, int BLOCK_M, int BLOCK_N, int WARPS>
+template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) {
     constexpr int kThreads = WARPS * 32;
     constexpr int kRowsPerWarp = BLOCK_M / WARPS;
@@ -503,6 +549,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) 
     const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, false);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const Window<MASK> window{diagonal, window_left, window_right};
+    const ScoreMod<MODS> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
     // the key tiles this block's rows see: key_first, then n_tiles tiles
     const int key_first = window.key_begin(m0) / BLOCK_N * BLOCK_N;
     const int n_end = window.key_end(m0 + BLOCK_M, seqlen_k);
@@ -570,13 +617,14 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) 
             for (int nb = 0; nb < kNTiles; ++nb) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    float x = exp2f(p[ma][nb][e] * scale_log2 - lse2[ma][e / 2]);
+                    const int row = m0 + warp_row0 + ma * 16 + g + 8 * (e / 2);
+                    const int key = n0 + nb * 8 + 2 * t + (e & 1);
+                    float grad;   // P only feeds dS here: p holds P * (1 - tanh^2) under a softcap
+                    float x = exp2f(mod.score(p[ma][nb][e], row, key, diagonal, grad) - lse2[ma][e / 2]);
                     if (need_mask) {
-                        const int row = m0 + warp_row0 + ma * 16 + g + 8 * (e / 2);
-                        const int key = n0 + nb * 8 + 2 * t + (e & 1);
                         if (row >= seqlen_q || !window.sees(row, key, seqlen_k)) x = 0.f;
                     }
-                    p[ma][nb][e] = x;
+                    p[ma][nb][e] = x * grad;
                 }
             }
         }

@@ -101,6 +101,65 @@ template <int MASK> struct Window {
     }
 };
 
+// Score modifiers a kernel is specialized for: bits of its MODS template argument (_config.MOD_*).
+enum ModBits : int {
+    kModSoftcap = 1,   // score = softcap * tanh(scale q.k / softcap)
+    kModAlibi = 2,     // score -= slope * |i + diagonal - j|
+    kModSinks = 4,     // a per-head logit joins each row's denominator (the forward's epilogue only)
+};
+
+// tanh on the MUFU unit (sm_75 and newer; relative error about 2^-11): one instruction, as the
+// exponential it sits beside, where tanhf is a long sequence. FlashAttention's softcap does the same.
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// The score of a (row, key) pair in base 2, from the raw product s = q . k: scale * s through the softcap
+// and ALiBi (applied in that order, the reference's), times log2(e). Without modifiers it is the plain
+// s * scale_log2 (the forward then never calls it: it folds the scale into its exponent's FMA).
+// Built per thread block: slope_log2 is this (batch, head)'s -slope * log2(e). EXACT (the float32
+// kernels) takes tanhf instead of the MUFU approximation, whose 2^-11 would show in float32 results.
+template <int MODS, bool EXACT = false> struct ScoreMod {
+    static constexpr bool kSoftcap = (MODS & kModSoftcap) != 0;
+    static constexpr bool kAlibi = (MODS & kModAlibi) != 0;
+    static constexpr bool kAny = kSoftcap || kAlibi;
+    float scale_log2, softcap_in, softcap_out, slope_log2;   // softcap_in = scale / softcap, out = softcap * log2(e)
+
+    __device__ __forceinline__ ScoreMod(float scale_log2_, float softcap_in_, float softcap_out_,
+                                        const float* alibi_slopes, int alibi_batch_stride, int b, int h)
+        : scale_log2(scale_log2_), softcap_in(softcap_in_), softcap_out(softcap_out_), slope_log2(0.f) {
+        if constexpr (kAlibi) slope_log2 = -alibi_slopes[b * alibi_batch_stride + h] * kLog2e;
+    }
+    __device__ __forceinline__ float alibi(int row, int key, int diagonal) const {
+        return kAlibi ? slope_log2 * fabsf(static_cast<float>(row + diagonal - key)) : 0.f;
+    }
+    __device__ __forceinline__ float tanh(float x) const { return EXACT ? tanhf(x) : tanh_approx(x); }
+    __device__ __forceinline__ float score(float s, int row, int key, int diagonal) const {
+        const float x = kSoftcap ? softcap_out * tanh(s * softcap_in) : s * scale_log2;
+        return kAlibi ? x + alibi(row, key, diagonal) : x;
+    }
+    // The score, and in `grad` d score / d (scale q.k): 1 - tanh^2 under the softcap, else 1.
+    __device__ __forceinline__ float score(float s, int row, int key, int diagonal, float& grad) const {
+        if constexpr (!kSoftcap) {
+            grad = 1.f;
+            return score(s, row, key, diagonal);
+        }
+        const float t = tanh(s * softcap_in);
+        grad = 1.f - t * t;
+        return kAlibi ? softcap_out * t + alibi(row, key, diagonal) : softcap_out * t;
+    }
+    // d score / d (scale q.k) of a pair whose probability is p = exp2(score - lse2): 1 - tanh^2 for the
+    // softcap (1 without it), for kernels that keep P, not the score (no registers for both): tanh comes
+    // back from P, score = log2(p) + lse2. A pair with p = 0 has dS = 0 whatever the factor.
+    __device__ __forceinline__ float softcap_grad(float p, float lse2, int row, int key, int diagonal) const {
+        if constexpr (!kSoftcap) return 1.f;
+        const float t = (__log2f(p) + lse2 - alibi(row, key, diagonal)) * __frcp_rn(softcap_out);
+        return p > 0.f ? 1.f - t * t : 0.f;
+    }
+};
+
 // The query block of a thread block in the kernels that walk key tiles per query block (forward, dQ):
 // one block per (query block, batch, head), in one of two orders (the host picks:
 // _config.forward_query_blocks_fastest):
@@ -191,7 +250,9 @@ struct DqAccum {
 };
 
 // The parameters of every backward kernel (bwd_mma.cu, simt.cu): one list, one launch path. diagonal,
-// window_left and window_right are Window's fields (read by the masked specializations). dq_accum is
+// window_left and window_right are Window's fields (read by the masked specializations); alibi_slopes
+// (float32, (batch, heads) with batch stride alibi_batch_stride, 0 for (heads,)), softcap_in and
+// softcap_out are ScoreMod's (read where MODS asks for them). dq_accum is
 // float32 in the DqAccum layout above, zeroed, for the kernels that add dQ with atomics; null for the
 // others. dq_splits and dq_pass select KeyBlock's grid (dq_splits 0: banded; else the split grid's
 // pass dq_pass, one copy of dq_accum per split).
@@ -199,11 +260,13 @@ struct DqAccum {
     const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,                        \
         const T *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ delta,   \
         T *__restrict__ dq, T *__restrict__ dk, T *__restrict__ dv, float *__restrict__ dq_accum,     \
+        const float *__restrict__ alibi_slopes,                                                       \
         long long q_sb, long long q_ss, long long q_sh, long long k_sb, long long k_ss,               \
         long long k_sh, long long v_sb, long long v_ss, long long v_sh, long long do_sb,              \
         long long do_ss, long long do_sh, long long dq_sb, long long dq_ss, long long dq_sh,          \
         long long dk_sb, long long dk_ss, long long dk_sh, int batch, int heads, int group,           \
         int seqlen_q, int seqlen_k, int head_dim, int diagonal, int window_left, int window_right,     \
-        float scale, float scale_log2, int vec_ok, int dq_splits, int dq_pass
+        int alibi_batch_stride, float softcap_in, float softcap_out, float scale, float scale_log2,   \
+        int vec_ok, int dq_splits, int dq_pass
 
 }  // namespace cuflash

@@ -28,14 +28,15 @@ constexpr float kRescaleSlack = 8.f;
 // blocks of two atoms per warp at head_dim 128 reach 255 registers and spill; with none, one-atom
 // 128-thread blocks (sm_8x, head_dim 128) stop at 168 registers and spill 24 bytes, and a minimum of
 // two lets them keep everything in registers.
-template <typename T, int HEAD_DIM, int MASK, int BLOCK_M, int BLOCK_N, int WARPS, int KEY_SPLIT>
+template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int WARPS, int KEY_SPLIT>
 __global__ void __launch_bounds__(WARPS * 32, WARPS >= 8 ? 1 : BLOCK_M / WARPS == 16 ? 2 : 0)
 fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
-        float* __restrict__ lse, long long q_sb, long long q_ss, long long q_sh, long long k_sb,
-        long long k_ss, long long k_sh, long long v_sb, long long v_ss, long long v_sh, long long o_sb,
-        long long o_ss, long long o_sh, int batch, int heads, int group, int seqlen_q, int seqlen_k,
-        int head_dim, int diagonal, int window_left, int window_right, float scale_log2, int vec_ok,
-        int query_blocks_fastest) {
+        float* __restrict__ lse, const float* __restrict__ alibi_slopes, const float* __restrict__ sinks,
+        long long q_sb, long long q_ss, long long q_sh, long long k_sb, long long k_ss, long long k_sh,
+        long long v_sb, long long v_ss, long long v_sh, long long o_sb, long long o_ss, long long o_sh,
+        int batch, int heads, int group, int seqlen_q, int seqlen_k, int head_dim, int diagonal,
+        int window_left, int window_right, int alibi_batch_stride, float softcap_in, float softcap_out,
+        float scale_log2, int vec_ok, int query_blocks_fastest) {
     constexpr int kThreads = WARPS * 32;
     // KEY_SPLIT warps share each group of query rows (a pair where KEY_SPLIT = 2): each computes S for its
     // half of the tile's keys and P.V for its half of the head dim, trading row maxima and P with its
@@ -81,6 +82,11 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, query_blocks_fastest);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const Window<MASK> window{diagonal, window_left, window_right};
+    using Mod = ScoreMod<MODS>;
+    const Mod mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
+    // the factor from raw products to base-2 scores inside the exponent: scale_log2, or 1 where the
+    // modifiers have already made the scores (ScoreMod)
+    const float score_factor = Mod::kAny ? 1.f : scale_log2;
 
     const T* q_head = q + b * q_sb + h * q_sh;
     const T* k_head = k + b * k_sb + h_kv * k_sh;
@@ -203,12 +209,24 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
             }
 
             // Online softmax, base 2. Only the tiles that straddle an edge of the window or the end of the
-            // keys are masked. The row max is taken on the raw scores (scale_log2 > 0 keeps the order); one
-            // FMA then scales and subtracts.
+            // keys are masked. Without modifiers the row max is taken on the raw products (scale_log2 > 0
+            // keeps the order) and one FMA then scales and subtracts; with them (a softcap, ALiBi) the
+            // scores are made first, and the max taken on them.
             const int n0 = key_first + j * BLOCK_N + sub * kSubN;
             const bool need_mask = n0 + kSubN > seqlen_k || !window.covers(m0, m0 + BLOCK_M, n0, n0 + kSubN);
             float tile_max[kMAtoms][2];   // per row: the max of the scaled scores of the sub-tile's keys
             auto take_row_max = [&](int ma) {
+                if constexpr (Mod::kAny) {
+                    const int row0 = m0 + warp_row0 + ma * 16 + g;
+#pragma unroll
+                    for (int nb = 0; nb < kNTiles; ++nb) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int key = n0 + share * kWarpKeys + nb * 8 + 2 * t + (e & 1);
+                            s[ma][nb][e] = mod.score(s[ma][nb][e], row0 + 8 * (e / 2), key, diagonal);
+                        }
+                    }
+                }
                 if (need_mask) {
                     const int row0 = m0 + warp_row0 + ma * 16 + g;
 #pragma unroll
@@ -228,7 +246,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                     for (int e = 0; e < 4; ++e) row_max[e / 2] = fmaxf(row_max[e / 2], s[ma][nb][e]);
                 }
 #pragma unroll
-                for (int r = 0; r < 2; ++r) tile_max[ma][r] = quad_max(row_max[r]) * scale_log2;
+                for (int r = 0; r < 2; ++r) tile_max[ma][r] = quad_max(row_max[r]) * score_factor;
             };
             unsigned p_frag[kMAtoms][kWarpKSteps][4];   // P of this warp's keys
             auto exponentiate = [&](int ma) {
@@ -253,15 +271,15 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                         }
                     }
                 }
-                // P = exp2(S * scale_log2 - m_i), packed straight into A fragments of P.V (no trip through
+                // P = exp2(S * score_factor - m_i), packed straight into A fragments of P.V (no trip through
                 // shared memory).
                 const float neg_base[2] = {-safe_max(m_i[ma][0]), -safe_max(m_i[ma][1])};
 #pragma unroll
                 for (int nb = 0; nb < kNTiles; ++nb) {
-                    const float p0 = exp2f(fmaf(s[ma][nb][0], scale_log2, neg_base[0]));
-                    const float p1 = exp2f(fmaf(s[ma][nb][1], scale_log2, neg_base[0]));
-                    const float p2 = exp2f(fmaf(s[ma][nb][2], scale_log2, neg_base[1]));
-                    const float p3 = exp2f(fmaf(s[ma][nb][3], scale_log2, neg_base[1]));
+                    const float p0 = exp2f(fmaf(s[ma][nb][0], score_factor, neg_base[0]));
+                    const float p1 = exp2f(fmaf(s[ma][nb][1], score_factor, neg_base[0]));
+                    const float p2 = exp2f(fmaf(s[ma][nb][2], score_factor, neg_base[1]));
+                    const float p3 = exp2f(fmaf(s[ma][nb][3], score_factor, neg_base[1]));
                     l_i[ma][0] += p0 + p1;
                     l_i[ma][1] += p2 + p3;
                     p_frag[ma][nb / 2][(nb % 2) * 2 + 0] = pack2<T>(p0, p1);
@@ -333,7 +351,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     // Epilogue: normalize, stage each warp's rows in its own rows of the Q tile (no longer read: the
     // barrier also lands Q's copies where no key tile was walked), and store them as 16-byte chunks,
     // consecutive lanes on consecutive chunks of a row. A row that saw no key has l = 0: output 0,
-    // lse = -inf.
+    // lse = -inf (with a sink: output 0, lse = the sink).
     cp_async_wait<0>();
     __syncthreads();
     // Where warps share rows, each holds the row sums of its own keys: the partners trade them (through
@@ -352,16 +370,24 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
             for (int r = 0; r < 2; ++r) partner_l[ma][r] = partner_value(ma, r);
     }
     float* lse_head = lse == nullptr ? nullptr : lse + static_cast<long long>(bh) * seqlen_q;
+    const float sink2 = (MODS & kModSinks) != 0 ? sinks[h] * kLog2e : 0.f;   // this head's sink, base 2
 #pragma unroll
     for (int ma = 0; ma < kMAtoms; ++ma) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float l = quad_sum(l_i[ma][r]);
             if constexpr (KEY_SPLIT > 1) l += partner_l[ma][r];
-            const float inv_l = l == 0.f ? 0.f : 1.f / l;
+            float m = m_i[ma][r], acc_factor = 1.f;
+            if constexpr ((MODS & kModSinks) != 0) {   // the sink joins the denominator: rescale to max(m, sink)
+                const float m_new = safe_max(fmaxf(m, sink2));
+                acc_factor = exp2f(m - m_new);
+                l = l * acc_factor + exp2f(sink2 - m_new);
+                m = m_new;
+            }
+            const float inv_l = l == 0.f ? 0.f : acc_factor / l;
             const int tile_row = warp_row0 + ma * 16 + g + 8 * r;
             if (lse_head != nullptr && t == 0 && share == 0 && m0 + tile_row < seqlen_q)
-                lse_head[m0 + tile_row] = l == 0.f ? -CUFLASH_INF : (m_i[ma][r] + log2f(l)) * kLn2;
+                lse_head[m0 + tile_row] = l == 0.f ? -CUFLASH_INF : (m + log2f(l)) * kLn2;
 #pragma unroll
             for (int db = 0; db < kDTiles; ++db)
                 *reinterpret_cast<unsigned*>(q_s + Row::offset(tile_row, share * kDTiles + db) + 2 * t) =

@@ -48,14 +48,14 @@ __device__ __forceinline__ float dot_rows(const float* a, const float* b) {
 // Forward, float32. One block: BLOCK_M query rows of one (batch, head). S and P of the current key tile
 // live in shared memory; m_i and l_i per row in shared memory; acc in registers, each thread owning
 // one row and every kThreadsPerRow-th column of it. A null lse stores none.
-template <typename T, int HEAD_DIM, int MASK, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
+template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
 __global__ void __launch_bounds__(kSimtThreads, 1)
 fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
-         float* __restrict__ lse, long long q_sb, long long q_ss, long long q_sh, long long k_sb,
+         float* __restrict__ lse, const float* __restrict__ alibi_slopes, const float* __restrict__ sinks, long long q_sb, long long q_ss, long long q_sh, long long k_sb,
          long long k_ss, long long k_sh, long long v_sb, long long v_ss, long long v_sh, long long o_sb,
          long long o_ss, long long o_sh, int batch, int heads, int group, int seqlen_q, int seqlen_k,
-         int head_dim, int diagonal, int window_left, int window_right, float scale_log2, int vec_ok,
-         int query_blocks_fastest) {
+         int head_dim, int diagonal, int window_left, int window_right, int alibi_batch_stride,
+         float softcap_in, float softcap_out, float scale_log2, int vec_ok, int query_blocks_fastest) {
     using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
     static_assert(Tiles::kFwdFloats * 4 == SMEM_BYTES, "launch shared memory must match the tile plan");
     constexpr int kRow = Tiles::kRow, kScoreRow = Tiles::kScoreRow;
@@ -76,6 +76,7 @@ fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
     const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, query_blocks_fastest);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const Window<MASK> window{diagonal, window_left, window_right};
+    const ScoreMod<MODS, true> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
     const T* k_head = k + b * k_sb + h_kv * k_sh;
     const T* v_head = v + b * v_sb + h_kv * v_sh;
     const int n_begin = window.key_begin(m0) / BLOCK_N * BLOCK_N;
@@ -96,7 +97,7 @@ fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
         __syncthreads();
         for (int i = tid; i < BLOCK_M * BLOCK_N; i += kSimtThreads) {
             const int r = i / BLOCK_N, c = i % BLOCK_N;
-            const float x = dot_rows<HEAD_DIM>(q_s + r * kRow, k_s + c * kRow) * scale_log2;
+            const float x = mod.score(dot_rows<HEAD_DIM>(q_s + r * kRow, k_s + c * kRow), m0 + r, n0 + c, diagonal);
             p_s[r * kScoreRow + c] = window.sees(m0 + r, n0 + c, seqlen_k) ? x : -CUFLASH_INF;
         }
         __syncthreads();
@@ -136,8 +137,15 @@ fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
 
     const int row = m0 + acc_row;
     if (row < seqlen_q) {
-        const float l = l_s[acc_row];
-        const float inv_l = l == 0.f ? 0.f : 1.f / l;
+        float l = l_s[acc_row], m = m_s[acc_row], acc_factor = 1.f;
+        if constexpr ((MODS & kModSinks) != 0) {   // the sink joins the denominator: rescale to max(m, sink)
+            const float sink2 = sinks[h] * kLog2e;
+            const float m_new = safe_max(fmaxf(m, sink2));
+            acc_factor = exp2f(m - m_new);
+            l = l * acc_factor + exp2f(sink2 - m_new);
+            m = m_new;
+        }
+        const float inv_l = l == 0.f ? 0.f : acc_factor / l;
         T* out_row = out + b * o_sb + h * o_sh + row * o_ss;
 #pragma unroll
         for (int i = 0; i < kColsPerThread; ++i) {
@@ -145,7 +153,7 @@ fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
             if (e < head_dim) out_row[e] = from_float<T>(acc[i] * inv_l);
         }
         if (lse != nullptr && acc_col0 == 0)
-            lse[static_cast<long long>(bh) * seqlen_q + row] = l == 0.f ? -CUFLASH_INF : (m_s[acc_row] + log2f(l)) * kLn2;
+            lse[static_cast<long long>(bh) * seqlen_q + row] = l == 0.f ? -CUFLASH_INF : (m + log2f(l)) * kLn2;
     }
 }
 
@@ -191,11 +199,12 @@ bwd_preprocess(const T* __restrict__ dout, const T* __restrict__ out, float* __r
 
 // The shared step of both backward kernels: for the staged query tile (rows m0..) and key tile (n0..)
 // write P and dS to shared memory. Invisible pairs (mask, rows or keys out of range) get P = 0.
-template <int HEAD_DIM, int MASK, int BLOCK_M, int BLOCK_N>
+template <int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N>
 __device__ __forceinline__ void recompute_p_ds(const float* q_s, const float* do_s, const float* k_s,
                                                const float* v_s, const float* lse2_s, const float* delta_s,
-                                               float* p_s, float* ds_s, const Window<MASK>& window, int m0,
-                                               int n0, int seqlen_q, int seqlen_k, float scale_log2) {
+                                               float* p_s, float* ds_s, const Window<MASK>& window,
+                                               const ScoreMod<MODS, true>& mod, int m0, int n0, int seqlen_q,
+                                               int seqlen_k) {
     using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
     constexpr int kRow = Tiles::kRow, kScoreRow = Tiles::kScoreRow;
     for (int i = threadIdx.x; i < BLOCK_M * BLOCK_N; i += kSimtThreads) {
@@ -203,8 +212,13 @@ __device__ __forceinline__ void recompute_p_ds(const float* q_s, const float* do
         const bool visible = m0 + r < seqlen_q && window.sees(m0 + r, n0 + c, seqlen_k);
         float p = 0.f, ds = 0.f;
         if (visible) {
-            p = exp2f(dot_rows<HEAD_DIM>(q_s + r * kRow, k_s + c * kRow) * scale_log2 - lse2_s[r]);
+            const float x = dot_rows<HEAD_DIM>(q_s + r * kRow, k_s + c * kRow);
+            p = exp2f(mod.score(x, m0 + r, n0 + c, window.diagonal) - lse2_s[r]);
             ds = p * (dot_rows<HEAD_DIM>(do_s + r * kRow, v_s + c * kRow) - delta_s[r]);
+            if constexpr (ScoreMod<MODS>::kSoftcap) {   // through the softcap: d tanh = 1 - tanh^2
+                const float t = mod.tanh(x * mod.softcap_in);
+                ds *= 1.f - t * t;
+            }
         }
         p_s[r * kScoreRow + c] = p;
         ds_s[r * kScoreRow + c] = ds;
@@ -225,7 +239,7 @@ __device__ __forceinline__ void load_row_stats(float* lse2_s, float* delta_s, co
 // dK, dV: one block per (batch, kv head, BLOCK_N keys). It walks every query head of the group and
 // every query tile that can see its keys, accumulating in registers (thread: one key row, every
 // kThreadsPerRow-th column). dk and dv share strides (both allocated by cuflash).
-template <typename T, int HEAD_DIM, int MASK, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
+template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
 __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_BWD_PARAMS) {
     using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
     static_assert(Tiles::kBwdFloats * 4 == SMEM_BYTES, "launch shared memory must match the tile plan");
@@ -262,14 +276,15 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_BWD_PAR
         const T* q_head = q + b * q_sb + h * q_sh;
         const T* do_head = dout + b * do_sb + h * do_sh;
         const long long bh = static_cast<long long>(b) * heads + h;
+        const ScoreMod<MODS, true> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
         for (int m0 = m_begin; m0 < m_end; m0 += BLOCK_M) {
             __syncthreads();
             load_rows_f32<T, BLOCK_M, HEAD_DIM>(q_s, q_head, q_ss, m0, seqlen_q, head_dim);
             load_rows_f32<T, BLOCK_M, HEAD_DIM>(do_s, do_head, do_ss, m0, seqlen_q, head_dim);
             load_row_stats<BLOCK_M>(lse2_s, delta_s, lse + bh * seqlen_q, delta + bh * seqlen_q, m0, seqlen_q);
             __syncthreads();
-            recompute_p_ds<HEAD_DIM, MASK, BLOCK_M, BLOCK_N>(q_s, do_s, k_s, v_s, lse2_s, delta_s, p_s, ds_s, window,
-                                                               m0, n0, seqlen_q, seqlen_k, scale_log2);
+            recompute_p_ds<HEAD_DIM, MASK, MODS, BLOCK_M, BLOCK_N>(q_s, do_s, k_s, v_s, lse2_s, delta_s, p_s, ds_s,
+                                                                     window, mod, m0, n0, seqlen_q, seqlen_k);
             __syncthreads();
 #pragma unroll 2
             for (int r = 0; r < BLOCK_M; ++r) {
@@ -299,7 +314,7 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_BWD_PAR
 }
 
 // dQ: one block per (batch, head, BLOCK_M queries), walking the key tiles it can see; no atomics.
-template <typename T, int HEAD_DIM, int MASK, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
+template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
 __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dq_simt(CUFLASH_BWD_PARAMS) {
     using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
     static_assert(Tiles::kBwdFloats * 4 == SMEM_BYTES, "launch shared memory must match the tile plan");
@@ -321,6 +336,7 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dq_simt(CUFLASH_BWD_PARAM
     const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, false);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const Window<MASK> window{diagonal, window_left, window_right};
+    const ScoreMod<MODS, true> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
     const int n_begin = window.key_begin(m0) / BLOCK_N * BLOCK_N;
     const int n_end = window.key_end(m0 + BLOCK_M, seqlen_k);
     const T* k_head = k + b * k_sb + h_kv * k_sh;
@@ -340,8 +356,8 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dq_simt(CUFLASH_BWD_PARAM
         load_rows_f32<T, BLOCK_N, HEAD_DIM>(k_s, k_head, k_ss, n0, seqlen_k, head_dim);
         load_rows_f32<T, BLOCK_N, HEAD_DIM>(v_s, v_head, v_ss, n0, seqlen_k, head_dim);
         __syncthreads();
-        recompute_p_ds<HEAD_DIM, MASK, BLOCK_M, BLOCK_N>(q_s, do_s, k_s, v_s, lse2_s, delta_s, p_s, ds_s, window,
-                                                           m0, n0, seqlen_q, seqlen_k, scale_log2);
+        recompute_p_ds<HEAD_DIM, MASK, MODS, BLOCK_M, BLOCK_N>(q_s, do_s, k_s, v_s, lse2_s, delta_s, p_s, ds_s,
+                                                                 window, mod, m0, n0, seqlen_q, seqlen_k);
         __syncthreads();
 #pragma unroll 2
         for (int c = 0; c < BLOCK_N; ++c) {
