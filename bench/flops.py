@@ -14,7 +14,7 @@ FORWARD_FLOPS_PER_SCORE_PER_DIM = 4
 
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool,
-                    pass_: str) -> float:
+                    pass_: str, visible: float | None = None) -> float:
     """FLOPs of one attention call.
 
     Parameters
@@ -25,6 +25,9 @@ def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_d
         Halves the count, as the papers do for square causal problems (the masked half of the score
         matrix is skipped).
     pass_ : {"fwd", "bwd", "fwd+bwd"}
+    visible : float, optional
+        Score entries per (batch, head) that the mask leaves visible (the features suite counts those
+        only); replaces ``seqlen_q * seqlen_k`` and the causal halving.
 
     Returns
     -------
@@ -34,9 +37,8 @@ def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_d
     """
     if pass_ not in PASS_FACTOR:
         raise ValueError(f"pass must be one of {PASSES}, got {pass_!r}")
-    forward = FORWARD_FLOPS_PER_SCORE_PER_DIM * batch * heads * seqlen_q * seqlen_k * head_dim
-    if causal:
-        forward /= 2
+    entries = seqlen_q * seqlen_k / (2 if causal else 1) if visible is None else visible
+    forward = FORWARD_FLOPS_PER_SCORE_PER_DIM * batch * heads * entries * head_dim
     return forward * PASS_FACTOR[pass_]
 
 

@@ -1,8 +1,10 @@
 """The implementations under test, all on the same CuPy input arrays (GPU; lazy imports).
 
-Each implementation turns (pass, inputs, causal) into a zero-argument callable that returns a tuple:
-``(out,)`` for fwd, ``(dq, dk, dv)`` for bwd, ``(out, dq, dk, dv)`` for fwd+bwd. Work the pass does
-not include (the forward before a timed backward) is done when the callable is made.
+Each implementation turns (pass, inputs, causal, feature) into a zero-argument callable that returns a
+tuple: ``(out,)`` for fwd, ``(dq, dk, dv)`` for bwd, ``(out, dq, dk, dv)`` for fwd+bwd. Work the pass does
+not include (the forward before a timed backward) is done when the callable is made. ``feature`` (the
+features suite's ``bench.features.Feature``, else None) is a mask or score modifier; an implementation
+without it raises :class:`Unfit` ("refused").
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from . import naive
 from .records import Shape
 from .report import fmt_bytes
 
-IMPL_NAMES = ("cuflash", "cuflash-deterministic", "naive-cupy", "torch-flash", "torch-cudnn", "torch-efficient")
+IMPL_NAMES = ("cuflash", "cuflash-deterministic", "naive-cupy", "torch-flash", "torch-cudnn", "torch-efficient",
+              "torch-flex")
 #: torch implementation -> member of torch.nn.attention.SDPBackend
 TORCH_BACKENDS = {"torch-flash": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENTION",
                   "torch-efficient": "EFFICIENT_ATTENTION"}
@@ -143,27 +146,37 @@ class CupyImpl:
         return result
 
 
+def _plain(feature) -> bool:
+    """Is ``feature`` absent or plain causal attention (no window, modifier or sink)?"""
+    return feature is None or feature == type(feature)(feature.name)
+
+
 class Cuflash(CupyImpl):
     """cuflash; it allocates only its outputs, lse, delta (and the float32 dQ buffer of the atomic
-    backward), so it tries every cell."""
+    backward), so it tries every cell, every feature included. With sinks its backward's dsinks is
+    computed and dropped (the passes' outputs are the other implementations')."""
 
     name = "cuflash"
     deterministic = False
 
-    def make_call(self, pass_: str, x: Inputs, causal: bool):
+    def make_call(self, pass_: str, x: Inputs, causal: bool, feature=None):
         import cuflash
 
+        options = feature.cuflash_options(x.shape.heads) if feature is not None else {}
+
+        def backward(out, lse):
+            return cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, causal=causal,
+                                              deterministic=self.deterministic, **options)[:3]
+
         if pass_ == "fwd":
-            return lambda: (cuflash.attention(x.q, x.k, x.v, causal=causal),)
+            return lambda: (cuflash.attention(x.q, x.k, x.v, causal=causal, **options),)
         if pass_ == "bwd":
-            out, lse = cuflash.attention(x.q, x.k, x.v, causal=causal, return_lse=True)
-            return lambda: cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, causal=causal,
-                                                      deterministic=self.deterministic)
+            out, lse = cuflash.attention(x.q, x.k, x.v, causal=causal, return_lse=True, **options)
+            return lambda: backward(out, lse)
 
         def forward_backward():
-            out, lse = cuflash.attention(x.q, x.k, x.v, causal=causal, return_lse=True)
-            return (out, *cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, causal=causal,
-                                                     deterministic=self.deterministic))
+            out, lse = cuflash.attention(x.q, x.k, x.v, causal=causal, return_lse=True, **options)
+            return (out, *backward(out, lse))
 
         return forward_backward
 
@@ -196,7 +209,9 @@ class NaiveCupy(CupyImpl):
         if need > free:
             raise Unfit("oom", f"needs ~{fmt_bytes(need)} for the score matrices, {fmt_bytes(free)} free")
 
-    def make_call(self, pass_: str, x: Inputs, causal: bool):
+    def make_call(self, pass_: str, x: Inputs, causal: bool, feature=None):
+        if not _plain(feature):
+            raise Unfit("refused", f"no {feature.name} in the naive baseline")
         if pass_ == "fwd":
             return lambda: (naive.forward(x.q, x.k, x.v, causal, x.scale)[0],)
         if pass_ == "bwd":
@@ -211,12 +226,8 @@ class NaiveCupy(CupyImpl):
 
 
 class TorchSdpa:
-    """``torch.nn.functional.scaled_dot_product_attention`` restricted to one backend.
-
-    The tensors are DLPack views of the CuPy inputs, transposed to SDPA's (batch, heads, seq, dim)
-    without a copy. Backward through autograd: ``torch.autograd.grad`` returns fresh gradients, so
-    nothing accumulates across repeats; the timed bwd reuses the forward's graph (``retain_graph``).
-    """
+    """``torch.nn.functional.scaled_dot_product_attention`` restricted to one backend, on DLPack views of
+    the CuPy inputs (``_autograd_calls``)."""
 
     framework = "torch"
     tolerance_factor = 1.0
@@ -226,15 +237,10 @@ class TorchSdpa:
 
     def context(self):
         """Pin the SDPA backend and put PyTorch on CuPy's current stream for a whole cell."""
-        import cupy
-        import torch
         from torch.nn.attention import sdpa_kernel
 
-        stack = contextlib.ExitStack()
+        stack = _on_cupy_stream()
         stack.enter_context(sdpa_kernel(_sdpa_backend(self.name)))
-        stream = cupy.cuda.get_current_stream().ptr
-        if torch.cuda.current_stream().cuda_stream != stream:
-            stack.enter_context(torch.cuda.stream(torch.cuda.ExternalStream(stream)))
         return stack
 
     def check_fits(self, shape: Shape, pass_: str):
@@ -243,35 +249,136 @@ class TorchSdpa:
         if shape.seqlen_q != shape.seqlen_k:
             raise Unfit("refused", "non-square shape: SDPA's causal mask is aligned differently")
 
-    def make_call(self, pass_: str, x: Inputs, causal: bool):
-        import torch
+    def make_call(self, pass_: str, x: Inputs, causal: bool, feature=None):
         import torch.nn.functional as F
 
-        def heads_first(a):
-            return torch.from_dlpack(a).transpose(1, 2)
+        if not _plain(feature):
+            raise Unfit("refused", f"no {feature.name} in scaled_dot_product_attention")
 
         def attend(q, k, v):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=x.scale)
 
-        q, k, v, dout = (heads_first(a) for a in (x.q, x.k, x.v, x.dout))
-        if pass_ == "fwd":
-            return lambda: (attend(q, k, v).transpose(1, 2),)
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        if pass_ == "bwd":
-            out = attend(*leaves)
-            return lambda: tuple(g.transpose(1, 2) for g in torch.autograd.grad(out, leaves, dout, retain_graph=True))
-
-        def forward_backward():
-            out = attend(*leaves)
-            grads = torch.autograd.grad(out, leaves, dout)
-            return tuple(t.detach().transpose(1, 2) for t in (out, *grads))
-
-        return forward_backward
+        return _autograd_calls(pass_, x, attend)
 
     def as_cupy(self, result: tuple) -> tuple:
-        import cupy
+        return _as_cupy(result)
 
-        return tuple(cupy.from_dlpack(t.detach()) for t in result)
+
+class TorchFlex:
+    """PyTorch's FlexAttention (``torch.nn.attention.flex_attention``) under ``torch.compile``: the
+    feature's mask as a block mask (causal, or causal within a window) and its modifiers as a score_mod
+    (softcap, ALiBi). It has no attention sinks. Square shapes only, as for SDPA (its causal mask is
+    written top-left here, which agrees with cuflash's bottom-right there)."""
+
+    name = "torch-flex"
+    framework = "torch"
+    tolerance_factor = 1.0
+
+    def context(self):
+        return _on_cupy_stream()
+
+    def check_fits(self, shape: Shape, pass_: str):
+        if shape.seqlen_q != shape.seqlen_k:
+            raise Unfit("refused", "non-square shape: the mask here is written for seqlen_q == seqlen_k")
+
+    def make_call(self, pass_: str, x: Inputs, causal: bool, feature=None):
+        import cupy
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        from .features import alibi_slopes
+
+        if feature is not None and feature.sinks:
+            raise Unfit("refused", "FlexAttention has no attention sinks")
+        window = feature.window_left if feature is not None else -1
+        softcap = feature.softcap if feature is not None else 0.0
+        slopes = (torch.from_dlpack(cupy.asarray(alibi_slopes(x.shape.heads)))
+                  if feature is not None and feature.alibi else None)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            visible = q_idx >= kv_idx
+            return visible & (q_idx - kv_idx <= window) if window >= 0 else visible
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            if softcap:
+                score = softcap * torch.tanh(score / softcap)
+            if slopes is not None:
+                score = score - slopes[h] * (q_idx - kv_idx).abs()
+            return score
+
+        block_mask = (create_block_mask(mask_mod, None, None, x.shape.seqlen_q, x.shape.seqlen_k) if causal
+                      else None)
+        modified = softcap or slopes is not None
+
+        def attend(q, k, v):
+            return _compiled_flex()(q, k, v, block_mask=block_mask, score_mod=score_mod if modified else None,
+                                    scale=x.scale)
+
+        return _autograd_calls(pass_, x, attend)
+
+    def as_cupy(self, result: tuple) -> tuple:
+        return _as_cupy(result)
+
+
+#: torch.compile recompiles flex_attention per (score_mod, block mask, shape): the features suite makes
+#: 4 features x 2 head dims x 4 seqlens x 2 passes of them, past dynamo's default of 8 cached graphs, after
+#: which it would fall back to eager FlexAttention (materialized scores).
+FLEX_RECOMPILES = 128
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, FLEX_RECOMPILES)
+    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit,
+                                                            FLEX_RECOMPILES)
+    return torch.compile(flex_attention)
+
+
+def _on_cupy_stream() -> contextlib.ExitStack:
+    """A context that puts PyTorch on CuPy's current stream (events recorded by bench.timing bracket it)."""
+    import cupy
+    import torch
+
+    stack = contextlib.ExitStack()
+    stream = cupy.cuda.get_current_stream().ptr
+    if torch.cuda.current_stream().cuda_stream != stream:
+        stack.enter_context(torch.cuda.stream(torch.cuda.ExternalStream(stream)))
+    return stack
+
+
+def _autograd_calls(pass_: str, x: Inputs, attend):
+    """The pass's callable for a PyTorch ``attend(q, k, v)`` on (batch, heads, seq, dim) tensors: DLPack
+    views of the CuPy inputs, transposed without a copy. Backward through autograd:
+    ``torch.autograd.grad`` returns fresh gradients, so nothing accumulates across repeats; the timed
+    bwd reuses the forward's graph (``retain_graph``)."""
+    import torch
+
+    def heads_first(a):
+        return torch.from_dlpack(a).transpose(1, 2)
+
+    q, k, v, dout = (heads_first(a) for a in (x.q, x.k, x.v, x.dout))
+    if pass_ == "fwd":
+        return lambda: (attend(q, k, v).transpose(1, 2),)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    if pass_ == "bwd":
+        out = attend(*leaves)
+        return lambda: tuple(g.transpose(1, 2) for g in torch.autograd.grad(out, leaves, dout, retain_graph=True))
+
+    def forward_backward():
+        out = attend(*leaves)
+        grads = torch.autograd.grad(out, leaves, dout)
+        return tuple(t.detach().transpose(1, 2) for t in (out, *grads))
+
+    return forward_backward
+
+
+def _as_cupy(result: tuple) -> tuple:
+    import cupy
+
+    return tuple(cupy.from_dlpack(t.detach()) for t in result)
 
 
 def _sdpa_backend(name: str):
@@ -285,16 +392,35 @@ def _sdpa_backend(name: str):
     return getattr(SDPBackend, TORCH_BACKENDS[name], None)
 
 
+@functools.lru_cache(maxsize=None)
+def flex_available() -> bool:
+    """PyTorch with CUDA and FlexAttention (PyTorch >= 2.5)."""
+    if not torch_available():
+        return False
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def default_impl_names() -> list[str]:
-    """Every implementation this machine can run: the torch ones need PyTorch with CUDA and the backend."""
-    return ["cuflash", "cuflash-deterministic", "naive-cupy"] + [name for name in TORCH_BACKENDS if _sdpa_backend(name) is not None]
+    """Every implementation this machine can run: the torch ones need PyTorch with CUDA and the backend
+    (FlexAttention runs in the features suite only, bench.suites.FEATURES_ONLY)."""
+    return (["cuflash", "cuflash-deterministic", "naive-cupy"]
+            + [name for name in TORCH_BACKENDS if _sdpa_backend(name) is not None]
+            + (["torch-flex"] if flex_available() else []))
 
 
 def make_impls(names: list[str]) -> list:
     """Implementation objects for ``names``; raises RuntimeError for one this machine cannot run."""
     impls = []
     for name in names:
-        if name in TORCH_BACKENDS:
+        if name == "torch-flex":
+            if not flex_available():
+                raise RuntimeError("torch-flex needs PyTorch >= 2.5 with CUDA (torch.nn.attention.flex_attention)")
+            impls.append(TorchFlex())
+        elif name in TORCH_BACKENDS:
             if _sdpa_backend(name) is None:
                 raise RuntimeError(f"{name} needs PyTorch >= 2.3 with CUDA and SDPBackend.{TORCH_BACKENDS[name]}")
             impls.append(TorchSdpa(name))

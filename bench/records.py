@@ -17,7 +17,8 @@ COMPILE_PASSES = ("compile-cold", "compile-warm")
 
 #: Every record has exactly these keys (plus the header's own keys for the header).
 RECORD_FIELDS = ("impl", "pass", "dtype", "batch", "seqlen_q", "seqlen_k", "heads", "heads_kv", "head_dim",
-                 "causal", "ms_median", "ms_min", "ms_max", "repeats", "tflops", "peak_bytes", "status", "note")
+                 "causal", "feature", "ms_median", "ms_min", "ms_max", "repeats", "tflops", "peak_bytes", "status",
+                 "note")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Shape:
 
 def make_record(impl: str, pass_: str, dtype: str, shape: Shape, causal: bool, status: str = "ok",
                 times_ms: list[float] | None = None, peak_bytes: int | None = None, with_tflops: bool = True,
-                note: str | None = None) -> dict:
+                note: str | None = None, feature: str = "", visible: float | None = None) -> dict:
     """One result row.
 
     Parameters
@@ -62,6 +63,10 @@ def make_record(impl: str, pass_: str, dtype: str, shape: Shape, causal: bool, s
         Derive TFLOP/s from the median time (only for event-timed fwd/bwd/fwd+bwd records).
     note : str, optional
         Why a cell was refused or skipped, or how it was measured.
+    feature : str
+        The features suite's mask or score modifier (``bench.features``); empty elsewhere.
+    visible : float, optional
+        Visible score entries per (batch, head), for TFLOP/s counted on those only (features suite).
 
     Returns
     -------
@@ -80,10 +85,10 @@ def make_record(impl: str, pass_: str, dtype: str, shape: Shape, causal: bool, s
         low, high = ordered[0], ordered[-1]
         if with_tflops and pass_ in PASSES:
             flops = attention_flops(shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k, shape.head_dim,
-                                    causal, pass_)
+                                    causal, pass_, visible)
             rate = tflops(flops, median)
     return {"impl": impl, "pass": pass_, "dtype": dtype, **dataclasses.asdict(shape), "causal": bool(causal),
-            "ms_median": median, "ms_min": low, "ms_max": high, "repeats": len(times_ms or ()),
+            "feature": feature, "ms_median": median, "ms_min": low, "ms_max": high, "repeats": len(times_ms or ()),
             "tflops": rate, "peak_bytes": peak_bytes, "status": status, "note": note}
 
 

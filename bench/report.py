@@ -14,7 +14,8 @@ import pathlib
 from .records import read_json
 
 #: Table rows and plot lines, in this order; unknown implementations follow, sorted.
-IMPL_ORDER = ("cuflash", "cuflash-deterministic", "naive-cupy", "torch-flash", "torch-cudnn", "torch-efficient")
+IMPL_ORDER = ("cuflash", "cuflash-deterministic", "naive-cupy", "torch-flash", "torch-cudnn", "torch-efficient",
+              "torch-flex")
 SUBJECT = "cuflash"
 PASS_ORDER = ("fwd", "bwd", "fwd+bwd", "compile-cold", "compile-warm")
 #: The plots show one dtype, to stay readable; the tables show all.
@@ -66,6 +67,8 @@ LAYOUTS = {
                        "ms per call", fmt_ms, True, "below 1: cuflash costs less"),
     "compile": Layout("ms_median", "head_dim", ("pass", "seqlen_q", "causal"), "ms of the first call",
                       "ms", fmt_ms, False),
+    "features": Layout("tflops", "seqlen_q", ("pass", "head_dim", "feature"), "TFLOP/s on the visible entries",
+                       "TFLOP/s", fmt_rate, True, "above 1: cuflash is faster"),
 }
 
 
@@ -94,6 +97,8 @@ def _panel_title(keys: tuple[str, ...], values: tuple) -> str:
     for key, value in zip(keys, values):
         if key == "causal":
             parts.append("causal" if value else "non-causal")
+        elif key == "feature":
+            parts.append(str(value))
         elif key == "pass":
             parts.append(str(value))
         else:
@@ -149,6 +154,10 @@ def markdown(header: dict, records: list[dict], suite: str) -> str:
     if suite == "grid":
         lines.append("FLOPs: 4 * batch * heads * seqlen^2 * head_dim for the forward, halved when causal; "
                      "bwd 2.5x, fwd+bwd 3.5x that.")
+    if suite == "features":
+        lines.append("FLOPs: 4 * batch * heads * head_dim * the score entries the mask leaves visible (causal: "
+                     "seqlen (seqlen + 1) / 2; a window of w keys: min(i + 1, w + 1) for row i) for the forward; "
+                     "fwd+bwd 3.5x that. Every feature is causal.")
     groups = _group(records, layout.panel + ("dtype",))
     for key in _sorted_keys(layout.panel + ("dtype",), groups):
         lines += ["", f"## {_panel_title(layout.panel + ('dtype',), key)}", "",

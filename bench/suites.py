@@ -17,9 +17,10 @@ import subprocess
 import sys
 import tempfile
 
+from .features import BY_NAME, FEATURES
 from .records import COMPILE_PASSES, Shape, make_record
 
-SUITES = ("grid", "memory", "overhead", "compile")
+SUITES = ("grid", "memory", "overhead", "compile", "features")
 
 # grid: FlashAttention's benchmark grid, a fixed token count and model width for every seqlen/head_dim
 TOKENS = 16384  # batch * seqlen
@@ -54,6 +55,16 @@ QUICK_COMPILE_HEAD_DIMS = (128,)
 GRID_FORWARD_ONLY = ("naive-cupy",)
 #: ... and these implementations' backward passes only: their forward is cuflash's own.
 GRID_BACKWARD_ONLY = ("cuflash-deterministic",)
+# features: masks and score modifiers (bench.features), causal, bfloat16, on FlashAttention's grid
+FEATURE_SEQLENS = (2048, 4096, 8192, 16384)
+QUICK_FEATURE_SEQLENS = (8192,)
+FEATURE_HEAD_DIMS = (64, 128)
+QUICK_FEATURE_HEAD_DIMS = (128,)
+FEATURE_PASSES = ("fwd", "fwd+bwd")
+#: The implementations the features suite runs (FlexAttention takes every feature but sinks; SDPA flash
+#: plain causal only), and the ones that run in it alone (FlexAttention compiles per shape and mask).
+FEATURE_IMPLS = ("cuflash", "torch-flex", "torch-flash")
+FEATURES_ONLY = ("torch-flex",)
 #: Only these implementations compile kernels at run time (CuPy JIT); PyTorch ships prebuilt kernels.
 JIT_IMPLS = ("cuflash", "naive-cupy")
 
@@ -70,11 +81,17 @@ class Cell:
     dtype: str
     causal: bool
     pass_: str
+    feature: str = ""  # the features suite's mask or modifier (bench.features.BY_NAME)
 
     def describe(self) -> str:
         s = self.shape
         return (f"{self.pass_} {self.dtype} b={s.batch} s={s.seqlen_q} h={s.heads} d={s.head_dim}"
-                f"{' causal' if self.causal else ''}")
+                f"{' causal' if self.causal else ''}{' ' + self.feature if self.feature else ''}")
+
+    @property
+    def visible(self) -> float | None:
+        """Visible score entries per (batch, head) where the suite counts FLOPs on those (features)."""
+        return BY_NAME[self.feature].visible_entries(self.shape.seqlen_q) if self.feature else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +127,11 @@ def suite_cells(suite: str, quick: bool = False) -> list[Cell]:
         # agreement check, relative to the largest value, has nothing to measure against
         return [Cell(Shape.square(1, s, OVERHEAD_HEADS, OVERHEAD_HEAD_DIM), bf16, False, pass_)
                 for s in seqlens for pass_ in OVERHEAD_PASSES if pass_ == "fwd" or s > 1]
+    if suite == "features":
+        seqlens = QUICK_FEATURE_SEQLENS if quick else FEATURE_SEQLENS
+        head_dims = QUICK_FEATURE_HEAD_DIMS if quick else FEATURE_HEAD_DIMS
+        return [Cell(Shape.square(TOKENS // s, s, MODEL_DIM // d, d), bf16, True, pass_, feature.name)
+                for d in head_dims for s in seqlens for feature in FEATURES for pass_ in FEATURE_PASSES]
     if suite == "compile":
         head_dims = QUICK_COMPILE_HEAD_DIMS if quick else COMPILE_HEAD_DIMS
         dtypes = (bf16,) if quick else DTYPES
@@ -126,18 +148,21 @@ def check_reference(cells: list[Cell]):
     from .accuracy import Mismatch, check_outputs
     from .impls import make_inputs
 
-    for dtype, head_dim, causal in sorted({(c.dtype, c.shape.head_dim, c.causal) for c in cells}):
+    for dtype, head_dim, causal, feature in sorted({(c.dtype, c.shape.head_dim, c.causal, c.feature) for c in cells}):
         x = make_inputs(Shape.square(1, REFERENCE_SEQLEN, REFERENCE_HEADS, head_dim), dtype)
-        out, lse = cuflash.attention(x.q, x.k, x.v, causal=causal, return_lse=True)
-        grads = cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, causal=causal)
-        want_out, want_lse = reference.attention(x.q, x.k, x.v, causal)
-        want_grads = reference.attention_backward(x.dout, x.q, x.k, x.v, causal)
+        options = BY_NAME[feature].cuflash_options(REFERENCE_HEADS) if feature else {}
+        want_options = BY_NAME[feature].reference_options(REFERENCE_HEADS) if feature else {}
+        out, lse = cuflash.attention(x.q, x.k, x.v, causal=causal, return_lse=True, **options)
+        grads = cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, causal=causal, **options)
+        want_out, want_lse = reference.attention(x.q, x.k, x.v, causal, **want_options)
+        want_grads = reference.attention_backward(x.dout, x.q, x.k, x.v, causal, **want_options)
+        names = ("out", "lse", "dq", "dk", "dv", "dsinks")[:2 + len(grads)]
         try:
-            check_outputs((out, lse, *grads), (want_out, want_lse, *want_grads),
-                          ("out", "lse", "dq", "dk", "dv"), dtype)
+            check_outputs((out, lse, *grads), (want_out, want_lse, *want_grads), names, dtype)
         except Mismatch as exc:
             raise SystemExit(f"bench: cuflash disagrees with cuflash.reference ({dtype}, head_dim {head_dim}, "
-                             f"causal={causal}, seqlen {REFERENCE_SEQLEN}): {exc}") from None
+                             f"causal={causal}{', ' + feature if feature else ''}, seqlen {REFERENCE_SEQLEN}): "
+                             f"{exc}") from None
 
 
 def _measure_timed(impl, fn, record, settings: Settings, timer):
@@ -159,7 +184,8 @@ def _measure_overhead(impl, fn, record, settings: Settings, timer):
     return record(times_ms=times, with_tflops=False, note=f"host wall ms per call, mean of {settings.calls} calls")
 
 
-MEASURES = {"grid": _measure_timed, "memory": _measure_memory, "overhead": _measure_overhead}
+MEASURES = {"grid": _measure_timed, "memory": _measure_memory, "overhead": _measure_overhead,
+            "features": _measure_timed}
 
 
 def _run_one(impl, cell: Cell, inputs, expected: tuple, measure, settings: Settings, timer) -> dict:
@@ -167,11 +193,12 @@ def _run_one(impl, cell: Cell, inputs, expected: tuple, measure, settings: Setti
     from .accuracy import Mismatch, check_outputs
     from .impls import OUTPUT_NAMES, Unfit, classify_error, release_memory
 
-    record = functools.partial(make_record, impl.name, cell.pass_, cell.dtype, cell.shape, cell.causal)
+    record = functools.partial(make_record, impl.name, cell.pass_, cell.dtype, cell.shape, cell.causal,
+                               feature=cell.feature, visible=cell.visible)
     try:
         with impl.context():
             impl.check_fits(cell.shape, cell.pass_)
-            fn = impl.make_call(cell.pass_, inputs, cell.causal)
+            fn = impl.make_call(cell.pass_, inputs, cell.causal, BY_NAME.get(cell.feature))
             if impl.name != "cuflash":  # ``expected`` is cuflash's own result on these inputs
                 try:
                     check_outputs(impl.as_cupy(fn()), expected, OUTPUT_NAMES[cell.pass_], cell.dtype,
@@ -204,8 +231,10 @@ def run_suite(suite: str, impl_names: list[str], quick: bool = False, repeats: i
     from .impls import Cuflash, make_impls, make_inputs, release_memory
     from .timing import EventTimer
 
-    oracle, impls = Cuflash(), make_impls(impl_names)
-    timer = EventTimer(settings.warmup, settings.repeats) if suite == "grid" else None
+    names = ([name for name in impl_names if name in FEATURE_IMPLS] if suite == "features" else
+             [name for name in impl_names if name not in FEATURES_ONLY])
+    oracle, impls = Cuflash(), make_impls(names)
+    timer = EventTimer(settings.warmup, settings.repeats) if suite in ("grid", "features") else None
     records, inputs = [], None
     with tqdm(total=len(cells) * len(impls), desc=suite, unit="run") as bar:
         for cell in cells:
@@ -213,7 +242,7 @@ def run_suite(suite: str, impl_names: list[str], quick: bool = False, repeats: i
                 inputs = None  # drop the previous arrays before allocating the next ones
                 release_memory()
                 inputs = make_inputs(cell.shape, cell.dtype)
-            expected = oracle.make_call(cell.pass_, inputs, cell.causal)()
+            expected = oracle.make_call(cell.pass_, inputs, cell.causal, BY_NAME.get(cell.feature))()
             for impl in impls:
                 bar.set_postfix_str(f"{impl.name} {cell.describe()}")
                 if suite == "grid" and impl.name in GRID_FORWARD_ONLY and cell.pass_ != "fwd":

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from bench import accuracy, naive, report
+from bench import accuracy, features, naive, report
 from bench.flops import attention_flops, tflops
 from bench.records import RECORD_FIELDS, Shape, make_header, make_record, read_json, results_dir, slug, write_json
 from bench.suites import MODEL_DIM, SUITES, TOKENS, suite_cells
@@ -140,6 +140,44 @@ def test_unknown_suite():
         suite_cells("latency")
 
 
+def test_features_suite_cells():
+    cells = suite_cells("features")
+    assert len(cells) == 2 * 4 * len(features.FEATURES) * 2  # head dims x seqlens x features x passes
+    assert {c.feature for c in cells} == set(features.BY_NAME)
+    for cell in cells:
+        assert cell.causal and cell.dtype == "bfloat16" and cell.pass_ in ("fwd", "fwd+bwd")
+        assert cell.shape.batch * cell.shape.seqlen_q == TOKENS and cell.shape.heads * cell.shape.head_dim == MODEL_DIM
+        assert cell.feature in cell.describe()
+    # the comparison point: (2, 8192, 16, 128)
+    assert any(c.shape == Shape.square(2, 8192, 16, 128) for c in suite_cells("features", quick=True))
+
+
+@pytest.mark.parametrize("seqlen", [1, 5, 1024, 1025, 1030, 8192])
+@pytest.mark.parametrize("name", list(features.BY_NAME))
+def test_visible_entries_count_the_mask(name, seqlen):
+    feature = features.BY_NAME[name]
+    window = (feature.window_left, -1) if feature.window_left >= 0 else (-1, -1)
+    want = reference.mask(seqlen, seqlen, causal=True, window_size=window).sum()
+    assert feature.visible_entries(seqlen) == want
+
+
+def test_flops_on_visible_entries():
+    visible = features.BY_NAME["window1024"].visible_entries(8192)
+    assert attention_flops(2, 16, 8192, 8192, 128, True, "fwd+bwd", visible) == 4 * 2 * 16 * visible * 128 * 3.5
+    record = make_record("cuflash", "fwd", "bfloat16", Shape.square(2, 8192, 16, 128), True, times_ms=[1.0],
+                         feature="window1024", visible=visible)
+    assert record["feature"] == "window1024" and record["tflops"] == pytest.approx(4 * 2 * 16 * visible * 128 / 1e9)
+
+
+def test_features_table_has_a_panel_per_feature():
+    records = [make_record(impl, "fwd", "bfloat16", Shape.square(2, 8192, 16, 128), True, times_ms=[ms],
+                           feature=name, visible=features.BY_NAME[name].visible_entries(8192))
+               for name in ("causal", "softcap30") for impl, ms in (("cuflash", 1.0), ("torch-flex", 2.0))]
+    text = report.markdown({"gpu": "test"}, records, "features")
+    assert "## fwd, head_dim 128, causal, dtype bfloat16" in text and "## fwd, head_dim 128, softcap30" in text
+    assert "cuflash / torch-flex | 2.00x" in text
+
+
 # tables and plots
 
 
@@ -256,7 +294,7 @@ def test_causal_bias_is_bottom_right_aligned():
 def test_help_exits_zero():
     done = run_cli("bench", "--help")
     assert done.returncode == 0
-    for option in ("--quick", "--out", "--impl", "--suite", "grid", "memory", "overhead", "compile"):
+    for option in ("--quick", "--out", "--impl", "--suite", "grid", "memory", "overhead", "compile", "features"):
         assert option in done.stdout
 
 
@@ -278,7 +316,7 @@ def test_gpu_suite_without_a_gpu_fails_cleanly(tmp_path):
 def test_pure_modules_import_without_cupy_or_torch():
     code = ("import sys; sys.modules['cupy'] = None; sys.modules['torch'] = None\n"
             "import bench.__main__, bench.flops, bench.records, bench.report, bench.accuracy, bench.naive, "
-            "bench.suites, bench.impls, bench.timing\n"
+            "bench.suites, bench.impls, bench.timing, bench.features\n"
             "from cuflash._env import gpu_unavailable_reason\n"
             "print(gpu_unavailable_reason())")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
