@@ -61,3 +61,35 @@ def test_register_budget_allows_the_launch(reports):
     for r in reports:
         assert r.registers * r.spec.threads <= 65536, (r.spec.name, r.registers)
 
+
+
+def test_python_mirrors_the_kernels_constants():
+    # The constants and layouts _config repeats from the kernels, checked by the compiler against the
+    # kernels' own definitions: a translation unit of each source file plus static_asserts.
+    from cuflash._compile import _nvrtc_compile, kernel_source
+
+    forward_rows = "\n".join(
+        f"static_assert(cuflash::ForwardRow<{d}>::kElems == {_config.forward_row_elems(d)}, \"ForwardRow<{d}>\");"
+        for d in _config.HEAD_DIMS)
+    dq_rows = (f"static_assert(cuflash::DqAccum::kRowMultiple == {_config.DQ_ACCUM_ROWS}, "
+               "\"_config.DQ_ACCUM_ROWS\");")
+    _nvrtc_compile(kernel_source("fwd_mma.cu") + "\n" + forward_rows + "\n" + dq_rows + "\n", "sm_90", [])
+
+    simt = [f"static_assert(cuflash::kSimtThreads == {_config.SIMT_THREADS}, \"_config.SIMT_THREADS\");"]
+    for d in _config.HEAD_DIMS:
+        for tile in (16, 32):
+            tiles = f"cuflash::SimtTiles<{d}, {tile}, {tile}>"
+            fwd = _config.simt_smem_bytes("fwd_simt", d, tile, tile)
+            bwd = _config.simt_smem_bytes("bwd_dq_simt", d, tile, tile)
+            simt.append(f"static_assert({tiles}::kFwdFloats * 4 == {fwd}, \"fwd_simt {d} {tile}\");")
+            simt.append(f"static_assert({tiles}::kBwdFloats * 4 == {bwd}, \"bwd simt {d} {tile}\");")
+    _nvrtc_compile(kernel_source("simt.cu") + "\n" + "\n".join(simt) + "\n", "sm_90", [])
+
+
+def test_a_wrong_mirror_fails_to_compile():
+    # the check above can fail: a wrong value is a compile error naming the constant
+    from cuflash._compile import _nvrtc_compile, kernel_source
+
+    wrong = f"static_assert(cuflash::kSimtThreads == {_config.SIMT_THREADS + 1}, \"_config.SIMT_THREADS\");"
+    with pytest.raises(RuntimeError, match="_config.SIMT_THREADS"):
+        _nvrtc_compile(kernel_source("simt.cu") + "\n" + wrong + "\n", "sm_90", [])
