@@ -290,6 +290,27 @@ def _mma_dq_tiles(head_dim: int) -> tuple[int, int, int]:
     return (64, 64, 4) if head_dim <= 128 else (64, 32, 4)
 
 
+def mma_spec(kernel: str, dtype, head_dim: int, mask: int, block_m: int, block_n: int, warps: int, part: int = 0,
+             atomic_dq: bool = False, key_split: int = 1, mods: int = 0) -> KernelSpec:
+    """A tensor-core kernel's spec at the given tile, its shared memory derived (mma_smem_bytes): the
+    table's choices and tools/tune.py's candidates both come from here."""
+    dtype = np.dtype(dtype)
+    smem = mma_smem_bytes(kernel, head_dim, block_m, block_n, dtype.itemsize, atomic_dq, key_split)
+    return KernelSpec(kernel, dtype, head_dim, mask, block_m, block_n, warps * 32, smem, part, atomic_dq,
+                      key_split, mods)
+
+
+def dkdv_specs(kernel: str, dtype, head_dim: int, mask: int, block_m: int, block_n: int, atomic_dq: bool,
+               mods: int = 0) -> tuple[KernelSpec, ...]:
+    """The dK/dV launches at the given tile: bwd_dkdv_mma's one (DKDV_TILED_THREADS), or bwd_dkdv_rows_mma's
+    (a warp per 16 keys; dK and dV in two launches past MMA_BACKWARD_FUSED_HEAD_DIM, rows_dkdv_launches)."""
+    if kernel == "bwd_dkdv_mma":
+        return (mma_spec(kernel, dtype, head_dim, mask, block_m, block_n, DKDV_TILED_THREADS // 32,
+                         atomic_dq=atomic_dq, mods=mods),)
+    return tuple(mma_spec(kernel, dtype, head_dim, mask, block_m, block_n, block_n // MMA_ROWS_PER_WARP, part, adds_dq,
+                          mods=mods) for part, adds_dq in rows_dkdv_launches(head_dim, atomic_dq))
+
+
 def _tiled_dkdv_spec(dtype, head_dim: int, mask: int, device: DeviceProps,
                      atomic_dq: bool, mods: int = 0) -> KernelSpec | None:
     """bwd_dkdv_mma's spec, or None where it does not serve (head dim past 128, or too little shared
@@ -297,11 +318,8 @@ def _tiled_dkdv_spec(dtype, head_dim: int, mask: int, device: DeviceProps,
     if head_dim > MMA_BACKWARD_FUSED_HEAD_DIM:
         return None
     block_m, block_n = _mma_backward_tiles("bwd_dkdv_mma", head_dim)
-    smem = mma_smem_bytes("bwd_dkdv_mma", head_dim, block_m, block_n, dtype.itemsize)
-    if smem > device.max_smem_per_block:
-        return None
-    return KernelSpec("bwd_dkdv_mma", dtype, head_dim, mask, block_m, block_n, DKDV_TILED_THREADS, smem,
-                      atomic_dq=atomic_dq, mods=mods)
+    spec, = dkdv_specs("bwd_dkdv_mma", dtype, head_dim, mask, block_m, block_n, atomic_dq, mods)
+    return spec if spec.smem_bytes <= device.max_smem_per_block else None
 
 
 def _mma_spec(kernel: str, dtype, head_dim: int, mask: int, device: DeviceProps, part: int = 0,
@@ -335,9 +353,7 @@ def _mma_spec(kernel: str, dtype, head_dim: int, mask: int, device: DeviceProps,
         warps = min(table_warps, block_m * key_split // MMA_ROWS_PER_WARP)
     else:
         warps = block_n // MMA_ROWS_PER_WARP
-    smem = mma_smem_bytes(kernel, head_dim, block_m, block_n, dtype.itemsize, atomic_dq, key_split)
-    return KernelSpec(kernel, dtype, head_dim, mask, block_m, block_n, warps * 32, smem, part, atomic_dq,
-                      key_split, mods)
+    return mma_spec(kernel, dtype, head_dim, mask, block_m, block_n, warps, part, atomic_dq, key_split, mods)
 
 
 def _mma_forward_tiles(head_dim: int, causal: bool, device: DeviceProps, mods: int = 0) -> tuple[int, int, int, int]:

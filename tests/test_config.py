@@ -265,3 +265,21 @@ def test_split_grid_needs_the_tiled_dkdv_kernel(head_dim, device):
 ])
 def test_forward_grid_order(head_dim, causal, expected):
     assert _config.forward_query_blocks_fastest(head_dim, causal) is expected
+
+
+@pytest.mark.parametrize("device", DEVICES.values(), ids=DEVICES.keys())
+@pytest.mark.parametrize("head_dim", _config.HEAD_DIMS)
+def test_tuning_builds_the_tables_specs_from_their_tiles(device, head_dim):
+    # tools/tune.py makes its candidates with mma_spec and dkdv_specs: at the table's own tiles they are
+    # the table's specs (shared memory, warps and parts derived the same way)
+    for mask in _config.MASK_KINDS:
+        cfg = choose_config(head_dim, BFLOAT16, mask, device)
+        fwd = cfg.forward
+        assert _config.mma_spec("fwd_mma", BFLOAT16, head_dim, mask, fwd.block_m, fwd.block_n, fwd.threads // 32,
+                                key_split=fwd.key_split) == fwd
+        for atomic, launches in ((False, cfg.bwd_dkdv), (True, cfg.bwd_dkdv_atomic)):
+            first = launches[0]
+            if first.kernel == "bwd_dkdv_rows_mma" and len({s.block_m for s in launches}) > 1:
+                continue  # the rows kernel's parts fitted apart (shared memory differs with the dS^T tile)
+            assert _config.dkdv_specs(first.kernel, BFLOAT16, head_dim, mask, first.block_m, first.block_n,
+                                      atomic) == launches

@@ -41,20 +41,8 @@ DETERMINISTIC_BWD_CANDIDATES = {  # head_dim: ((dkdv kernel, block_m, block_n), 
 }
 
 
-def mma_spec(kernel, d, causal, bm, bn, warps, part=0, atomic_dq=False, key_split=1):
-    dtype = cp.dtype("bfloat16")
-    smem = _config.mma_smem_bytes(kernel, d, bm, bn, dtype.itemsize, atomic_dq, key_split)
-    return _config.KernelSpec(kernel, dtype, d, _config.MASK_CAUSAL if causal else _config.MASK_NONE, bm, bn,
-                              warps * 32, smem, part, atomic_dq, key_split)
-
-
-def dkdv_specs(kernel, d, causal, bm, bn, atomic):
-    """The dK/dV launches of one candidate: the tiled kernel's one, or the rows kernel's (two past
-    head_dim 128, dQ in the dK launch)."""
-    if kernel == TILED:
-        return (mma_spec(kernel, d, causal, bm, bn, _config.DKDV_TILED_THREADS // 32, atomic_dq=atomic),)
-    return tuple(mma_spec(kernel, d, causal, bm, bn, bn // _config.MMA_ROWS_PER_WARP, part, adds_dq)
-                 for part, adds_dq in _config.rows_dkdv_launches(d, atomic))
+def mask_of(causal: bool) -> int:
+    return _config.MASK_CAUSAL if causal else _config.MASK_NONE
 
 
 def main():
@@ -74,20 +62,21 @@ def main():
             for cand in candidates:
                 if args.pass_ == "fwd":
                     block_m, block_n, warps, key_split = cand
-                    spec = mma_spec("fwd_mma", d, causal, block_m, block_n, warps, key_split=key_split)
+                    spec = _config.mma_spec("fwd_mma", bf16, d, mask_of(causal), block_m, block_n, warps,
+                                            key_split=key_split)
                     specs = [spec]
                 elif args.deterministic:
                     dkdv_cand, (dq_m, dq_n, dq_warps) = cand
                     kernel, dkdv_m, dkdv_n = dkdv_cand
-                    dkdv = dkdv_specs(kernel, d, causal, dkdv_m, dkdv_n, atomic=False)
-                    dq = mma_spec("bwd_dq_mma", d, causal, dq_m, dq_n, dq_warps)
+                    dkdv = _config.dkdv_specs(kernel, bf16, d, mask_of(causal), dkdv_m, dkdv_n, atomic_dq=False)
+                    dq = _config.mma_spec("bwd_dq_mma", bf16, d, mask_of(causal), dq_m, dq_n, dq_warps)
                     # no atomic kernels: the backward then takes the dQ-kernel way, the one these
                     # candidates tile (the split grid would run the atomic default's tiles instead)
                     cfg = dataclasses.replace(base, bwd_dkdv=dkdv, bwd_dq=dq, bwd_dkdv_atomic=())
                     specs = [*dkdv, dq]
                 else:
                     kernel, dkdv_m, dkdv_n = cand
-                    dkdv = dkdv_specs(kernel, d, causal, dkdv_m, dkdv_n, atomic=True)
+                    dkdv = _config.dkdv_specs(kernel, bf16, d, mask_of(causal), dkdv_m, dkdv_n, atomic_dq=True)
                     cfg = dataclasses.replace(base, bwd_dkdv_atomic=dkdv)
                     specs = list(dkdv)
                 if any(s.smem_bytes > limit for s in specs):
