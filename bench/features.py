@@ -33,30 +33,25 @@ class Feature:
         ramp = min(seqlen, w)
         return ramp * (ramp + 1) / 2 + full * w
 
-    def cuflash_options(self, heads: int) -> dict:
-        """Keywords of cuflash.attention (the arrays as CuPy arrays)."""
-        import cupy
-
+    def reference_options(self, heads: int) -> dict:
+        """Keywords of cuflash.reference.attention (and of cuflash.attention on NumPy arrays)."""
         options = {}
         if self.window_left >= 0:
             options["window_size"] = (self.window_left, 0)
         if self.softcap:
             options["softcap"] = self.softcap
         if self.alibi:
-            options["alibi_slopes"] = cupy.asarray(alibi_slopes(heads))
-        if self.sinks:
-            options["sinks"] = cupy.asarray(sink_logits(heads))
-        return options
-
-    def reference_options(self, heads: int) -> dict:
-        """The same keywords for cuflash.reference (NumPy arrays)."""
-        options = {name: value for name, value in self.cuflash_options(heads).items()
-                   if name not in ("alibi_slopes", "sinks")}
-        if self.alibi:
             options["alibi_slopes"] = alibi_slopes(heads)
         if self.sinks:
             options["sinks"] = sink_logits(heads)
         return options
+
+    def cuflash_options(self, heads: int) -> dict:
+        """Keywords of cuflash.attention on CuPy arrays: the same, the arrays on the device."""
+        import cupy
+
+        return {name: cupy.asarray(value) if name in ("alibi_slopes", "sinks") else value
+                for name, value in self.reference_options(heads).items()}
 
 
 def alibi_slopes(heads: int):

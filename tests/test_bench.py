@@ -18,6 +18,7 @@ from bench import accuracy, features, naive, report
 from bench.flops import attention_flops, tflops
 from bench.records import RECORD_FIELDS, Shape, make_header, make_record, read_json, results_dir, slug, write_json
 from bench.suites import MODEL_DIM, SUITES, TOKENS, suite_cells
+import cuflash
 from cuflash import reference
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -323,3 +324,14 @@ def test_pure_modules_import_without_cupy_or_torch():
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert done.returncode == 0, done.stderr
     assert "CuPy is not installed" in done.stdout
+
+
+def test_feature_options_run_on_the_numpy_path():
+    # the options each feature hands cuflash (here through its NumPy path) agree with the float64 reference
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 40, 4, 16), dtype=np.float32) for _ in range(3))
+    for feature in features.FEATURES:
+        options = feature.reference_options(4)
+        out = cuflash.attention(q, k, v, causal=True, **options)
+        want, _ = reference.attention(q, k, v, True, **options)
+        assert np.abs(out - want).max() < 1e-5, feature.name
