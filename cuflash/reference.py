@@ -2,10 +2,12 @@
 
 Everything here materializes the full score matrix, so it is only for checking.
 
-Same conventions as :func:`cuflash.attention`: q ``(batch, seqlen_q, heads, head_dim)``, k and v
-``(batch, seqlen_k, heads_kv, head_dim)``; the causal mask is aligned to the bottom-right corner (query
-``i`` sees key ``j`` when ``j <= i + seqlen_k - seqlen_q``); a query row that sees no key gets output 0
-and lse ``-inf``. NaN and inf propagate as the softmax formula makes them.
+Same conventions and options as :func:`cuflash.attention`: q ``(batch, seqlen_q, heads, head_dim)``, k and
+v ``(batch, seqlen_k, heads_kv, head_dim)``; the causal mask and windows are aligned to the bottom-right
+corner by default (query ``i`` sees key ``j`` when ``j <= i + seqlen_k - seqlen_q``; :func:`mask`); a
+query row that sees no key gets output 0 and lse ``-inf`` (the sink with sinks). Dropout takes the mask
+itself (``dropout_mask``; :func:`cuflash.dropout_mask` gives cuflash's). NaN and inf propagate as the
+softmax formula makes them.
 
 The tolerance rule is FlashAttention's (its own tests use it): with ``ref`` the float64 result and ``pt``
 the same math done in the input dtype (:func:`attention_in_dtype`, every stored intermediate rounded to
