@@ -105,11 +105,6 @@ class Problem:
                 | (MOD_SINKS if self.sinks else 0))
 
     @property
-    def plain(self) -> bool:
-        """No score modifier, sink or dropout: softmax of scale * q.k over the visible keys."""
-        return not (self.softcap or self.alibi_shape or self.sinks or self.dropout_p)
-
-    @property
     def group(self) -> int:
         """Query heads per kv head."""
         return self.heads // self.heads_kv if self.heads_kv else 1
@@ -196,6 +191,11 @@ def check_backward(dout, q, k, v, out, lse, causal, softmax_scale, window_size=(
     return problem
 
 
+def _is_number(value, kind) -> bool:
+    """Is ``value`` a ``kind`` (numbers.Integral, numbers.Real) and not a bool (Python's or NumPy's)?"""
+    return isinstance(value, kind) and not isinstance(value, (bool, np.bool_))
+
+
 def check_window(window_size, causal) -> tuple[int, int]:
     """(left, right) of ``window_size``, each -1 (unbounded) or a count of keys; causal makes right 0."""
     try:
@@ -203,7 +203,7 @@ def check_window(window_size, causal) -> tuple[int, int]:
     except (TypeError, ValueError):
         raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}") from None
     for side, value in (("left", left), ("right", right)):
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        if not _is_number(value, numbers.Integral):
             raise TypeError(f"window_size's {side} side must be an int, got {type(value).__name__}")
         if value < -1:
             raise ValueError(f"window_size's {side} side must be -1 (unbounded) or at least 0, got {value}")
@@ -212,7 +212,7 @@ def check_window(window_size, causal) -> tuple[int, int]:
 
 def check_softcap(softcap) -> float:
     """``softcap`` as a float: 0 (off) or positive and finite."""
-    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+    if not _is_number(softcap, numbers.Real):
         raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
     value = float(softcap)
     if not (value == 0 or (math.isfinite(value) and value > 0)):
@@ -232,7 +232,7 @@ def check_float32_vector(name: str, a, shapes, layout: str) -> tuple:
 
 
 def _check_int(name: str, value, limit: int) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    if not _is_number(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if not 0 <= value < limit:
         raise ValueError(f"{name} must be in [0, 2**{limit.bit_length() - 1}), got {value}")
@@ -242,7 +242,7 @@ def _check_int(name: str, value, limit: int) -> int:
 def check_dropout(dropout_p, seed, offset) -> tuple[float, int, int]:
     """(dropout_p, seed, offset): dropout_p a float in [0, 1), seed in [0, 2**64), offset in [0, 2**32);
     seed must be given (not None) where dropout_p > 0."""
-    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+    if not _is_number(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
     p = float(dropout_p)
     if not 0.0 <= p < 1.0:
@@ -277,7 +277,7 @@ def resolve_scale(softmax_scale, head_dim: int) -> float:
     ``max_softmax_scale(head_dim)``."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
+    if not _is_number(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
     scale = float(softmax_scale)
     if not (math.isfinite(scale) and scale > 0):
