@@ -135,8 +135,8 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     dropout_p : float
         Probability in [0, 1) of dropping each attention probability; kept ones are scaled by ``1 / (1 -
         dropout_p)``. The mask is Philox's, keyed on (seed, offset, batch, head, row, column):
-        :func:`dropout_mask` gives it. The lse does not see dropout. NumPy arrays only for now: the CUDA
-        kernels refuse it with NotImplementedError.
+        :func:`dropout_mask` gives it, bit for bit what the kernels and the NumPy path apply. The lse does
+        not see dropout.
     seed : int, needed where dropout_p > 0
         In [0, 2**64).
     offset : int

@@ -34,10 +34,10 @@ SIMT_THREADS = 256
 MASK_NONE, MASK_CAUSAL, MASK_WINDOW = 0, 1, 2
 MASK_KINDS = (MASK_NONE, MASK_CAUSAL, MASK_WINDOW)
 #: Score modifiers, bits of a kernel's MODS template argument (``ModBits`` in kernels/common.cuh, applied by
-#: its ScoreMod): softcap, ALiBi, attention sinks (the forward's epilogue only: the backward reads them
-#: through the lse).
-MOD_SOFTCAP, MOD_ALIBI, MOD_SINKS = 1, 2, 4
-ALL_MODS = MOD_SOFTCAP | MOD_ALIBI | MOD_SINKS
+#: its ScoreMod and Dropout): softcap, ALiBi, attention sinks (the forward's epilogue only: the backward
+#: reads them through the lse), dropout (P's mask, forward and backward).
+MOD_SOFTCAP, MOD_ALIBI, MOD_SINKS, MOD_DROPOUT = 1, 2, 4, 8
+ALL_MODS = MOD_SOFTCAP | MOD_ALIBI | MOD_SINKS | MOD_DROPOUT
 #: the modifiers that change the scores (the sinks change only the forward's epilogue)
 SCORE_MODS = MOD_SOFTCAP | MOD_ALIBI
 #: kernels whose template has MASK and MODS (every one but the row reductions)
@@ -228,7 +228,7 @@ def simt_smem_bytes(kernel: str, head_dim: int, block_m: int, block_n: int) -> i
     return 4 * floats
 
 
-def _mma_backward_tiles(kernel: str, head_dim: int, mask: int = MASK_NONE) -> tuple[int, int]:
+def _mma_backward_tiles(kernel: str, head_dim: int, mask: int = MASK_NONE, mods: int = 0) -> tuple[int, int]:
     """(block_m, block_n) of the tensor-core backward kernels, before fitting shared memory.
 
     bwd_dkdv_mma: block_n keys, 8 warps tiling each product in 2-D (kernels/bwd_mma.cu); its tiles are
@@ -253,6 +253,10 @@ def _mma_backward_tiles(kernel: str, head_dim: int, mask: int = MASK_NONE) -> tu
       head_dim 256 (dK and dV in two launches): (16 x 64, 64 x 32) 86 / 95;  (32 x 64, 64 x 16) 80 / 91
     """
     if kernel == "bwd_dkdv_mma":
+        # dropout at head_dim 32 spilled 8-28 bytes at 128 x 128 under the masks (sm_90, NVRTC 13.0; at
+        # head_dim 64 it fits): 64 x 128 there, not measured
+        if head_dim <= 32 and mods & MOD_DROPOUT:
+            return 64, 128
         return (128, 128) if head_dim <= 64 else (64, 128)
     if kernel == "bwd_dkdv_rows_mma":
         if head_dim > MMA_BACKWARD_FUSED_HEAD_DIM:
@@ -260,10 +264,11 @@ def _mma_backward_tiles(kernel: str, head_dim: int, mask: int = MASK_NONE) -> tu
         # both modes: 64 query rows per step reuse each K/V fragment twice as often; at head_dim 128
         # they spill (the atomic kernel's dS^T store adds nothing to the tile choice). A sliding window's
         # left side takes one more register: with it the atomic kernel spills 4 bytes at 32 x 64 (sm_80,
-        # NVRTC 13.0) and 16 x 64 fits; not measured (no sm_8x GPU to hand).
+        # NVRTC 13.0) and 16 x 64 fits; so does dropout (32 x 64 spilled 8-64 bytes, the most with a
+        # softcap). Not measured (no sm_8x GPU to hand).
         if head_dim <= 64:
             return 64, 64
-        return (16, 64) if mask == MASK_WINDOW else (32, 64)
+        return (16, 64) if mask == MASK_WINDOW or mods & MOD_DROPOUT else (32, 64)
     raise ValueError(f"not a dK/dV kernel: {kernel}")
 
 
@@ -317,7 +322,7 @@ def _tiled_dkdv_spec(dtype, head_dim: int, mask: int, device: DeviceProps,
     memory for its tiles: A100, RTX 4090)."""
     if head_dim > MMA_BACKWARD_FUSED_HEAD_DIM:
         return None
-    block_m, block_n = _mma_backward_tiles("bwd_dkdv_mma", head_dim)
+    block_m, block_n = _mma_backward_tiles("bwd_dkdv_mma", head_dim, mask, mods)
     spec, = dkdv_specs("bwd_dkdv_mma", dtype, head_dim, mask, block_m, block_n, atomic_dq, mods)
     return spec if spec.smem_bytes <= device.max_smem_per_block else None
 
@@ -330,7 +335,7 @@ def _mma_spec(kernel: str, dtype, head_dim: int, mask: int, device: DeviceProps,
     elif kernel == "bwd_dq_mma":
         block_m, block_n, table_warps = _mma_dq_tiles(head_dim)
     else:
-        block_m, block_n = _mma_backward_tiles(kernel, head_dim, mask)
+        block_m, block_n = _mma_backward_tiles(kernel, head_dim, mask, mods)
     # Halve the streamed tile, then the resident one, until everything fits (head_dim 256 forward on
     # sm_80: 64 x 32). Tiles stay multiples of the 16 x 16 mma block.
     def fits(bm, bn):
@@ -389,19 +394,26 @@ def _mma_forward_tiles(head_dim: int, causal: bool, device: DeviceProps, mods: i
     269 / 299 / 317 / 326 / 330 / 333 (float16 2k-16k 328 / 337 / 337 / 343 against 317 / 326 / 328 /
     330). Pairs only on sm_90 without the mask and without score modifiers: under the mask ptxas spills 28
     bytes, with a softcap and ALiBi 20 (NVRTC 13.0); on sm_8x (where head_dim 256 fits 32 keys per tile) it
-    is not measured. Modifiers otherwise share the plain kernels' tiles.
+    is not measured. Modifiers otherwise share the plain kernels' tiles, except dropout: its keep bits and
+    Philox rounds beside two atoms' registers spilled (sm_90, NVRTC 13.0: 4-40 bytes at head_dim 64 on
+    128 x 64, 20-56 at head_dim 128 on 128 x 64 and on 128 x 32, 20 in the head_dim 256 pairs, 4 at head_dim
+    256 on 128 x 64 with a softcap), so dropout takes 32-key tiles at head_dim 64 and past 128, 64 x 64 (one
+    atom per warp) at 128, and no pairs.
     """
+    dropout = bool(mods & MOD_DROPOUT)
     if head_dim <= 64:
-        return 128, 64, 4, 1
+        return (128, 32, 4, 1) if dropout else (128, 64, 4, 1)
     if head_dim <= 128:
         # sm_80's ptxas spills on 128-row tiles at head_dim 128 (20 bytes at 128 x 32): 64 x 32 there;
         # head_dim 96 spills 16 bytes at 128 x 64 under the causal mask: 128 x 32
         if device.compute_capability < 90:
             return 64, 32, 4, 1
-        return (128, 64, 4, 1) if head_dim == 128 else (128, 32, 4, 1)
-    if head_dim == 256 and not causal and not mods & SCORE_MODS and device.compute_capability >= 90:
+        if head_dim == 128:
+            return (64, 64, 4, 1) if dropout else (128, 64, 4, 1)
+        return 128, 32, 4, 1
+    if head_dim == 256 and not causal and not mods & (SCORE_MODS | MOD_DROPOUT) and device.compute_capability >= 90:
         return 128, 64, 8, 2
-    return 128, 64, 8, 1
+    return (128, 32, 8, 1) if dropout else (128, 64, 8, 1)
 
 
 def forward_query_blocks_fastest(head_dim: int, causal: bool) -> bool:
@@ -564,8 +576,9 @@ def choose_config(head_dim: int, dtype, mask: int, device: DeviceProps, mods: in
 def all_specs(device: DeviceProps) -> list[KernelSpec]:
     """The kernels the compile check compiles for ``device``: every plain kernel the dispatcher can choose
     (each dtype, head dim and mask kind), and a covering set of the modifier kernels: all modifiers at
-    once (the most registers), without a mask and under a window, at every head dim, for bfloat16 (float16
-    is the same code) and float32. Not the cross product of the modifiers: 8 combinations per kernel."""
+    once (the most registers), with and without dropout (which changes the forward's tiles), without a
+    mask and under a window, at every head dim, for bfloat16 (float16 is the same code) and float32. Not the
+    cross product of the modifiers: 16 combinations per kernel."""
     specs = {}
 
     def add(dtype, d, mask, mods):
@@ -579,4 +592,5 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
         for dtype in (BFLOAT16, np.dtype(np.float32)):
             for mask in (MASK_NONE, MASK_WINDOW):
                 add(dtype, d, mask, ALL_MODS)
+                add(dtype, d, mask, ALL_MODS & ~MOD_DROPOUT)
     return list(specs.values())

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import _config
 from ._compile import get_kernel
+from . import _philox
 from ._validate import Problem
 
 LOG2E = float(np.log2(np.e))
@@ -97,12 +98,6 @@ def _banded_grid(tiles_per_head: int, pairs: int, device_id: int) -> tuple[int, 
     return _grid(tiles_per_head * band)[0], pairs // band
 
 
-def check_supported(p: Problem):
-    """NotImplementedError for the options the CUDA kernels do not take yet (the NumPy path takes them all)."""
-    if p.dropout_p:
-        raise NotImplementedError("dropout_p: not yet on CuPy arrays (the NumPy path computes them)")
-
-
 def _window(p: Problem) -> tuple[int, int, int]:
     """The kernels' Window (kernels/common.cuh): diagonal, left, right, an unbounded side as seqlen_q + seqlen_k
     (no |key - row - diagonal| reaches it)."""
@@ -112,12 +107,25 @@ def _window(p: Problem) -> tuple[int, int, int]:
 
 
 def _modifiers(p: Problem) -> tuple:
-    """The kernels' ScoreMod arguments (kernels/common.cuh) after the window: ALiBi's batch stride (0 for
-    slopes of shape (heads,)), softcap_in = scale / softcap and softcap_out = softcap * log2(e)."""
+    """The kernels' ScoreMod and Dropout arguments (kernels/common.cuh) after the window: ALiBi's batch stride
+    (0 for slopes of shape (heads,)), softcap_in = scale / softcap, softcap_out = softcap * log2(e), dropout's
+    threshold (_philox.keep_threshold) and its scale 1 / (1 - dropout_p)."""
     alibi_batch_stride = p.heads if p.alibi_shape is not None and len(p.alibi_shape) == 2 else 0
     softcap_in = p.softmax_scale / p.softcap if p.softcap else 0.0
     return (_int32(alibi_batch_stride), _by_value(softcap_in, np.float32),
-            _by_value(p.softcap * LOG2E, np.float32))
+            _by_value(p.softcap * LOG2E, np.float32), _by_value(_philox.keep_threshold(p.dropout_p), np.uint32),
+            _by_value(1.0 / (1.0 - p.dropout_p), np.float32))
+
+
+#: the dropout seed and offset arguments of a call without dropout (the kernels do not read them)
+_NO_DROPOUT = (_by_value(0, np.uint64), _by_value(0, np.uint32))
+
+
+def _dropout_args(p: Problem, seed: int, offset: int) -> tuple:
+    """The kernels' dropout_seed and dropout_offset, per call (they change from call to call)."""
+    if not p.dropout_p:
+        return _NO_DROPOUT
+    return _by_value(seed, np.uint64), _by_value(offset, np.uint32)
 
 
 def _vector(x):
@@ -138,7 +146,7 @@ class ForwardPlan:
     """The forward of one problem on one device: one kernel launch."""
 
     def __init__(self, p: Problem, device_id: int, q, k, v, spec: _config.KernelSpec | None = None):
-        check_supported(p)
+        self.problem = p
         self.device_id = device_id
         self.copies = tuple(_needs_copy(x) for x in (q, k, v))
         if spec is None:
@@ -161,11 +169,11 @@ class ForwardPlan:
 
     def run(self, q, k, v, alibi_slopes=None, sinks=None, seed=0, offset=0, with_lse: bool = True):
         """out, and lse where ``with_lse`` (else None: the kernel stores none), on CuPy's current stream.
-        ``alibi_slopes`` and ``sinks`` are read where the problem has them; ``seed`` and ``offset`` are
-        dropout's, which check_supported refuses until the kernels take it."""
-        return _run_on(self.device_id, self._launch, q, k, v, alibi_slopes, sinks, with_lse)
+        ``alibi_slopes``, ``sinks``, ``seed`` and ``offset`` are read where the problem has them."""
+        return _run_on(self.device_id, self._launch, q, k, v, alibi_slopes, sinks,
+                       _dropout_args(self.problem, seed, offset), with_lse)
 
-    def _launch(self, q, k, v, alibi_slopes, sinks, with_lse):
+    def _launch(self, q, k, v, alibi_slopes, sinks, dropout, with_lse):
         copy_q, copy_k, copy_v = self.copies
         if copy_q or copy_k or copy_v:
             q, k, v = _readable(q, copy_q), _readable(k, copy_k), _readable(v, copy_v)
@@ -174,8 +182,8 @@ class ForwardPlan:
         lse = cupy.ndarray(self.lse_shape, np.float32) if with_lse else None
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k.data.ptr | v.data.ptr) & 15
         self.kernel(self.grid, self.block, (q, k, v, out, _NULL if lse is None else lse, _vector(alibi_slopes),
-                                            _vector(sinks)) + self.head + (_VECTOR_OK[vector_ok],) + self.tail,
-                    shared_mem=self.smem)
+                                            _vector(sinks)) + dropout + self.head + (_VECTOR_OK[vector_ok],)
+                    + self.tail, shared_mem=self.smem)
         return out, lse
 
 
@@ -205,7 +213,7 @@ class BackwardPlan:
 
     def __init__(self, p: Problem, device_id: int, deterministic: bool, dout, q, k, v, out, lse,
                  cfg: _config.AttentionConfig | None = None):
-        check_supported(p)
+        self.problem = p
         self.device_id = device_id
         self.copies = tuple(_needs_copy(x) for x in (dout, q, k, v, out))
         self.copy_lse = not lse.flags.c_contiguous
@@ -266,9 +274,10 @@ class BackwardPlan:
 
     def run(self, dout, q, k, v, out, lse, alibi_slopes=None, sinks=None, seed=0, offset=0):
         """dq, dk, dv (and dsinks, float32 (heads,), with sinks) on CuPy's current stream."""
-        return _run_on(self.device_id, self._launch, dout, q, k, v, out, lse, alibi_slopes, sinks)
+        return _run_on(self.device_id, self._launch, dout, q, k, v, out, lse, alibi_slopes, sinks,
+                       _dropout_args(self.problem, seed, offset))
 
-    def _launch(self, dout, q, k, v, out, lse, alibi_slopes, sinks):
+    def _launch(self, dout, q, k, v, out, lse, alibi_slopes, sinks, dropout):
         if any(self.copies):
             dout, q, k, v, out = (_readable(x, c) for x, c in zip((dout, q, k, v, out), self.copies))
         if self.copy_lse:
@@ -282,7 +291,7 @@ class BackwardPlan:
         vector_ok = self.preprocess_strides_ok and not (dout.data.ptr | out.data.ptr) & 15
         self.preprocess((dout, out, delta) + self.preprocess_head + (_VECTOR_OK[vector_ok],))
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k.data.ptr | v.data.ptr | dout.data.ptr) & 15
-        args = (q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, _vector(alibi_slopes)) + self.head + (
+        args = (q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, _vector(alibi_slopes)) + dropout + self.head + (
             _VECTOR_OK[vector_ok],)
         for launch in self.dkdv:
             launch(args)

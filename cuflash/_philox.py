@@ -1,17 +1,19 @@
 """The dropout mask: Philox4x32-10 (Salmon et al., SC'11; the generator of cuRAND and FlashAttention),
 counter-based, so every element's bit is a pure function of (seed, offset, batch, head, row, column).
 
-One Philox call gives four 32-bit words. The words of a call go to the elements that one thread holds
-in an mma accumulator tile: rows ``r`` and ``r + 8`` of a 16-row group, columns ``2c`` and ``2c + 1``.
-Element (b, h, i, j) of a call with ``heads`` query heads reads
+One Philox call gives four 32-bit words, read as eight 16-bit draws. The draws of a call go to the eight
+elements that one thread holds of a 16 x 16 block of an mma accumulator: rows ``r`` and ``r + 8``,
+columns ``2c``, ``2c + 1``, ``2c + 8`` and ``2c + 9``. Element (b, h, i, j) of a call with ``heads``
+query heads reads
 
-    counter = (j >> 1, (i >> 4) * 8 + (i & 7), b * heads + h, offset)
+    counter = ((j >> 4) * 4 + ((j >> 1) & 3), (i >> 4) * 8 + (i & 7), b * heads + h, offset)
     key     = (seed & 0xffffffff, seed >> 32)
-    word    = 2 * ((i >> 3) & 1) + (j & 1)
+    word    = 2 * ((j >> 3) & 1) + ((i >> 3) & 1),  its low 16 bits for even j, the high ones for odd j
 
-and is kept when the word is at least ``floor(dropout_p * 2**32)``. The CUDA kernels compute the same
-function (``philox4x32`` in kernels/common.cuh), so the mask does not depend on tiles, launch order or
-the GPU, and the NumPy path draws it bit for bit.
+and is kept when that draw is at least ``floor(dropout_p * 2**16)``. Sixteen bits keep the Philox work
+at one call per eight elements (32-bit draws took one per four) while the kept share is within 2**-16 of
+``1 - dropout_p``. The CUDA kernels compute the same function (``Dropout`` in kernels/common.cuh), so the
+mask does not depend on tiles, launch order or the GPU, and the NumPy path draws it bit for bit.
 """
 
 from __future__ import annotations
@@ -41,19 +43,24 @@ def philox4x32(counter: tuple, key: tuple[int, int]) -> tuple[np.ndarray, ...]:
     return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))
 
 
+#: bits of one draw
+DRAW_BITS = 16
+
+
 def keep_threshold(dropout_p: float) -> int:
-    """The least 32-bit word that keeps an element: floor(dropout_p * 2**32)."""
-    return int(dropout_p * 2.0**32)
+    """The least 16-bit draw that keeps an element: floor(dropout_p * 2**16)."""
+    return int(dropout_p * 2.0**DRAW_BITS)
 
 
 def keep(seed: int, offset: int, bh, rows, cols, dropout_p: float) -> np.ndarray:
     """Bool, broadcast of ``bh`` (b * heads + h), ``rows`` and ``cols``: True where the element is kept."""
     rows, cols = np.asarray(rows, np.int64), np.asarray(cols, np.int64)
-    counter = (cols >> 1, (rows >> 4) * 8 + (rows & 7), np.asarray(bh, np.int64), offset)
+    counter = ((cols >> 4) * 4 + ((cols >> 1) & 3), (rows >> 4) * 8 + (rows & 7), np.asarray(bh, np.int64), offset)
     words = philox4x32(counter, (seed & 0xFFFFFFFF, seed >> 32))
-    which = 2 * ((rows >> 3) & 1) + (cols & 1)
+    which = 2 * ((cols >> 3) & 1) + ((rows >> 3) & 1)
     word = np.choose(np.broadcast_to(which, np.broadcast_shapes(which.shape, words[0].shape)), words)
-    return word >= np.uint32(keep_threshold(dropout_p))
+    draw = (word >> (DRAW_BITS * (cols & 1)).astype(np.uint32)) & np.uint32(0xFFFF)
+    return draw >= np.uint32(keep_threshold(dropout_p))
 
 
 def dropout_mask(batch: int, heads: int, seqlen_q: int, seqlen_k: int, dropout_p: float, seed: int,

@@ -12,8 +12,8 @@ import numbers
 
 import numpy as np
 
-from ._config import (MASK_CAUSAL, MASK_NONE, MASK_WINDOW, MAX_HEAD_DIM, MOD_ALIBI, MOD_SINKS, MOD_SOFTCAP,
-                      SUPPORTED_DTYPES)
+from ._config import (MASK_CAUSAL, MASK_NONE, MASK_WINDOW, MAX_HEAD_DIM, MOD_ALIBI, MOD_DROPOUT, MOD_SINKS,
+                      MOD_SOFTCAP, SUPPORTED_DTYPES)
 from ._philox import MAX_OFFSET, MAX_SEED
 
 BOTTOM_RIGHT, TOP_LEFT = "bottom_right", "top_left"
@@ -102,7 +102,7 @@ class Problem:
     def mods(self) -> int:
         """The kernels' score-modifier bits (_config.MOD_*)."""
         return ((MOD_SOFTCAP if self.softcap else 0) | (MOD_ALIBI if self.alibi_shape is not None else 0)
-                | (MOD_SINKS if self.sinks else 0))
+                | (MOD_SINKS if self.sinks else 0) | (MOD_DROPOUT if self.dropout_p else 0))
 
     @property
     def group(self) -> int:

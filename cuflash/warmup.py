@@ -1,5 +1,5 @@
 """Compile the kernels for the current GPU ahead of time, in parallel: every head dim, dtype and mask, and
-the score-modifier kernels with all modifiers at once (``_config.all_specs``).
+the modifier kernels with all modifiers at once, with and without dropout (``_config.all_specs``).
 
 ``python -m cuflash warmup [--jobs N]`` (or ``python -m cuflash.warmup``) fills CuPy's on-disk kernel
 cache (``CUPY_CACHE_DIR``) so that no later process pays NVRTC time on a first call. Without it each new

@@ -42,11 +42,14 @@ def test_every_specialization_compiles(reports):
     assert {r.spec.cache_key for r in reports} == {s.cache_key for s in _config.all_specs(device)}
     kernels = collections.Counter(r.spec.kernel for r in reports)
     # plain: 8 head dims x 3 mask kinds, half-precision forwards for 2 dtypes, the SIMT forward for float32;
-    # the covering set of the modifiers: 8 head dims x 2 mask kinds, bfloat16 and float32
+    # the covering set of the modifiers: 8 head dims x 2 mask kinds x with and without dropout, bfloat16
+    # and float32
     masks, head_dims = len(_config.MASK_KINDS), len(_config.HEAD_DIMS)
-    assert kernels["fwd_mma"] == 2 * masks * head_dims + 2 * head_dims
-    assert kernels["fwd_simt"] == masks * head_dims + 2 * head_dims
-    assert {r.spec.mods for r in reports} == {0, _config.ALL_MODS, _config.ALL_MODS & ~_config.MOD_SINKS}
+    assert kernels["fwd_mma"] == 2 * masks * head_dims + 2 * 2 * head_dims
+    assert kernels["fwd_simt"] == masks * head_dims + 2 * 2 * head_dims
+    no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT
+    assert {r.spec.mods for r in reports} == {0, _config.ALL_MODS, _config.ALL_MODS & ~_config.MOD_SINKS, no_dropout,
+                                              no_dropout & ~_config.MOD_SINKS}
     assert all(r.registers > 0 for r in reports)
 
 

@@ -148,9 +148,13 @@ def test_spec_names_are_template_instances():
                                       "cuflash::bwd_dkdv_rows_mma<__half, 256, 1, 0, 16, 64, 2, true>"]
     assert cfg.bwd_dq_convert.name == "cuflash::bwd_dq_convert<__half, 64>"
     # the forward takes every modifier; the backward kernels all but the sinks (they read them through lse)
-    mods = choose_config(64, np.float16, _config.MASK_WINDOW, _config.H100, _config.ALL_MODS)
+    mods = choose_config(64, np.float16, _config.MASK_WINDOW, _config.H100, _config.SCORE_MODS | _config.MOD_SINKS)
     assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 7, 128, 64, 4, 1>"
     assert mods.bwd_dq.name == "cuflash::bwd_dq_mma<__half, 64, 2, 3, 128, 32, 4>"
+    # dropout (bit 8) takes 32-key tiles in the forward at head_dim 64 (registers)
+    mods = choose_config(64, np.float16, _config.MASK_WINDOW, _config.H100, _config.ALL_MODS)
+    assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 15, 128, 32, 4, 1>"
+    assert mods.bwd_dq.name == "cuflash::bwd_dq_mma<__half, 64, 2, 11, 128, 32, 4>"
     simt = choose_config(64, np.float32, True, _config.H100).bwd_dq
     assert simt.name == f"cuflash::bwd_dq_simt<float, 64, 1, 0, 32, 32, {simt.smem_bytes}>"
 
@@ -168,13 +172,15 @@ def test_all_specs_are_distinct_and_cover_the_table():
     masks = len(_config.MASK_KINDS)
     half = masks * (2 * len(_config.HEAD_DIMS) + fused + 2 * split + atomic) + 1 + len(_config.HEAD_DIMS)
     single = masks * 3 * len(_config.HEAD_DIMS) + 1
-    # The covering set of the modifiers (all at once; no mask and a window; bfloat16 and float32): per head
-    # dim a forward and a dq kernel, the tiled dkdv kernel up to the fused limit (without its atomic form:
-    # the softcap's backward is the deterministic pair) and the rows kernel's two parts plus the atomic
-    # dK-only part past it; float32's three kernels.
-    modified = 2 * ((2 * len(_config.HEAD_DIMS) + fused + 3 * split) + 3 * len(_config.HEAD_DIMS))
+    # The covering set of the modifiers (all at once, with and without dropout; no mask and a window;
+    # bfloat16 and float32): per head dim a forward and a dq kernel, the tiled dkdv kernel up to the fused
+    # limit (without its atomic form: the softcap's backward is the deterministic pair) and the rows
+    # kernel's two parts plus the atomic dK-only part past it; float32's three kernels.
+    modified = 2 * 2 * ((2 * len(_config.HEAD_DIMS) + fused + 3 * split) + 3 * len(_config.HEAD_DIMS))
     assert len(specs) == 2 * half + single + modified
-    assert {s.mods for s in specs} == {0, _config.ALL_MODS, _config.ALL_MODS & ~_config.MOD_SINKS}
+    no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT
+    assert {s.mods for s in specs} == {0, _config.ALL_MODS, _config.ALL_MODS & ~_config.MOD_SINKS, no_dropout,
+                                       no_dropout & ~_config.MOD_SINKS}
 
 
 @given(tiles_per_head=st.integers(1, 4096), pairs=st.integers(1, 20_000), sm_count=st.sampled_from([108, 128, 132]))

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 import cuflash
 from cuflash import _philox, reference
-from cuflash._validate import check_forward
 
 from ._checks import (BF16, DTYPES, assert_fa_close, lowp_attention, lowp_attention_backward, make_qkv,
                       max_abs_finite, poison_pool, to_numpy)
@@ -71,27 +70,11 @@ def reference_options(q, k, options: dict) -> dict:
     return ref
 
 
-def gpu_refuses(q, k, v, causal, options) -> bool:
-    """Do the CUDA kernels not take these options yet?"""
-    from cuflash import _cupy_path
-
-    p = check_forward(q, k, v, causal, None, **{n: o for n, o in options.items() if n not in ("seed", "offset")})
-    try:
-        _cupy_path.check_supported(p)
-    except NotImplementedError:
-        return True
-    return False
-
-
 def check_features(xp, rng, shape, dtype, spec, backward=True, deterministic=False):
     batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim = shape
     causal = spec.get("causal", False)
     q, k, v = make_qkv(xp, rng, batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype)
     options = make_options(xp, rng, batch, heads, spec)
-    if xp is not np and gpu_refuses(q, k, v, causal, options):
-        with pytest.raises(NotImplementedError, match="not yet on CuPy"):
-            cuflash.attention(q, k, v, causal=causal, **options)
-        return
     poison_pool(xp)
     out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, **options)
     ref_options = reference_options(q, k, options)
@@ -135,8 +118,6 @@ def test_features_deterministic_backward_is_bitwise_reproducible(xp, rng, spec):
     q, k, v = make_qkv(xp, rng, shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], BF16)
     options = make_options(xp, rng, shape[0], shape[3], spec)
     causal = spec.get("causal", False)
-    if xp is not np and gpu_refuses(q, k, v, causal, options):
-        pytest.skip("the CUDA kernels do not take these options yet (test_features checks the refusal)")
     out, lse = cuflash.attention(q, k, v, causal, return_lse=True, **options)
     dout = xp.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(BF16))
     first = [to_numpy(g) for g in cuflash.attention_backward(dout, q, k, v, out, lse, causal, deterministic=True,
@@ -211,19 +192,52 @@ def test_dropout_mask_keeps_its_share_and_depends_on_every_key_part():
     assert (cuflash.dropout_mask(2, 3, 100, 150, 0.3, 12345, 6) == m[:, :, :100, :150]).all()
 
 
-def test_dropout_on_the_numpy_path_is_exact_against_the_materialized_mask(rng):
-    # float32 inputs: the NumPy path matches the float64 reference with that mask to float32 rounding,
-    # which a single wrong bit of the mask (one probability of ~1/50 times 1/(1 - p)) would exceed
-    q, k, v = make_qkv(np, rng, 1, 60, 50, 2, 2, 16, np.float32)
-    options = dict(dropout_p=0.25, seed=99, offset=3)
-    out = cuflash.attention(q, k, v, **options)
-    mask = cuflash.dropout_mask(1, 2, 60, 50, 0.25, 99, 3)
-    ref, _ = reference.attention(q, k, v, dropout_p=0.25, dropout_mask=mask)
-    assert np.abs(out - ref).max() < 1e-5
+def test_dropout_mask_gives_each_thread_of_an_mma_tile_one_call():
+    # the eight elements a thread holds of a 16 x 16 accumulator block (rows g, g + 8; keys 2t, 2t + 1,
+    # 2t + 8, 2t + 9) share one Philox call, and no other element reads that call: the kernels draw once
+    # per eight elements
+    rows, cols = np.meshgrid(np.arange(16, 48), np.arange(32, 64), indexing="ij")
+    calls = ((cols >> 4) * 4 + ((cols >> 1) & 3)) * 2**20 + (rows >> 4) * 8 + (rows & 7)
+    for g in range(8):
+        for t in range(4):
+            thread_rows = 16 + np.array([g, g + 8])[:, None]
+            thread_cols = 32 + np.array([2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9])[None, :]
+            mine = calls[thread_rows - 16, thread_cols - 32]
+            assert len(np.unique(mine)) == 1 and (calls[:16, :16] == mine.flat[0]).sum() == 8
+    # and within the call each of the eight reads its own 16 bits: word 2 * (key bit 3) + (row bit 3), the
+    # low half for an even key; the element flips from kept to dropped between that draw and the next
+    words = _philox.philox4x32((1, 3, 7, 11), (1, 1))  # keys 2, 3, 10, 11 of rows 3, 11; bh 7, offset 11
+    for i in (3, 11):
+        for j in (2, 3, 10, 11):
+            draw = int(words[2 * (j >> 3) + (i >> 3)]) >> (16 * (j & 1)) & 0xFFFF
+            assert _philox.keep(2**32 + 1, 11, 7, i, j, draw / 2**16)
+            assert not _philox.keep(2**32 + 1, 11, 7, i, j, (draw + 1) / 2**16)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+def test_dropout_is_exact_against_the_materialized_mask(xp, rng, dtype):
+    # one flipped bit of the mask moves a row's out by its probability times 1 / (1 - p) times v: the bit of
+    # the row's largest probability is flipped, which moves out far past the kernels' rounding (float32
+    # 1e-6, float16 about 5e-4), and the gradients with it
+    q, k, v = make_qkv(xp, rng, 1, 60, 50, 2, 2, 16, dtype)
+    options = dict(dropout_p=0.25, seed=2**40 + 99, offset=3)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    dout = xp.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(dtype))
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, **options)
+    mask = cuflash.dropout_mask(1, 2, 60, 50, 0.25, 2**40 + 99, 3)
+    ref_options = dict(dropout_p=0.25, dropout_mask=mask)
+    ref, _ = reference.attention(q, k, v, **ref_options)
+    ref_grads = reference.attention_backward(dout, q, k, v, **ref_options)
+    scores = np.einsum("id,jd->ij", to_numpy(q)[0, :, 1].astype(np.float64), to_numpy(k)[0, :, 1].astype(np.float64))
     flipped = mask.copy()
-    flipped[0, 1, 17, 23] ^= True
+    flipped[0, 1, 17, np.argmax(scores[17])] ^= True
     wrong, _ = reference.attention(q, k, v, dropout_p=0.25, dropout_mask=flipped)
-    assert np.abs(wrong - ref).max() > 1e-3
+    wrong_grads = reference.attention_backward(dout, q, k, v, dropout_p=0.25, dropout_mask=flipped)
+    tol = 1e-5 if dtype == np.float32 else 4e-3
+    for name, got, want, off in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads),
+                                    (wrong, *wrong_grads)):
+        assert np.abs(to_numpy(got).astype(np.float64) - want).max() < tol, name
+        assert np.abs(off - want).max() > 3 * tol, name  # the flipped bit shows
 
 
 # ----------------------------------------------------------------------------------------------------------

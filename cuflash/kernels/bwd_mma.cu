@@ -19,6 +19,8 @@
 //         tile, walks the key tiles it sees and recomputes S and dP: seven products per tile, every
 //         element summed in a fixed order by one thread.
 // dK and dV are summed in a fixed order by one thread in both modes: bitwise reproducible.
+// Dropout (kModDropout; Dropout in common.cuh draws the forward's mask again): dV += (P * Z)^T dO and
+// dS = P * (Z * dP / (1 - p) - delta), Z the keep mask; dV's epilogue applies the 1 / (1 - p).
 #include "mma.cuh"
 
 namespace cuflash {
@@ -87,20 +89,30 @@ __device__ __forceinline__ void store_tile(T* base, long long row_stride, int ro
 }
 
 // Store a warp's (MA * 16) x (NB * 8) accumulator tile, converted to T, into a row-major shared tile
-// (rows of row_elems elements, tile at the warp tile's first element).
-template <typename T, int MA, int NB>
-__device__ __forceinline__ void store_tile_smem(T* tile, int row_elems, const float (&acc)[MA][NB][4], int lane,
-                                                float factor = 1.f) {
+// (rows of row_elems elements, tile at the warp tile's first element): element (ma, nb, e) is
+// value(ma, nb, e, acc[ma][nb][e]).
+template <typename T, int MA, int NB, typename Value>
+__device__ __forceinline__ void store_tile_smem_as(T* tile, int row_elems, const float (&acc)[MA][NB][4], int lane,
+                                                   Value value) {
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int ma = 0; ma < MA; ++ma) {
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
             T* at = tile + (ma * 16 + g) * row_elems + nb * 8 + 2 * t;
-            *reinterpret_cast<unsigned*>(at) = pack2<T>(acc[ma][nb][0] * factor, acc[ma][nb][1] * factor);
-            *reinterpret_cast<unsigned*>(at + 8 * row_elems) = pack2<T>(acc[ma][nb][2] * factor, acc[ma][nb][3] * factor);
+            *reinterpret_cast<unsigned*>(at) =
+                pack2<T>(value(ma, nb, 0, acc[ma][nb][0]), value(ma, nb, 1, acc[ma][nb][1]));
+            *reinterpret_cast<unsigned*>(at + 8 * row_elems) =
+                pack2<T>(value(ma, nb, 2, acc[ma][nb][2]), value(ma, nb, 3, acc[ma][nb][3]));
         }
     }
+}
+
+// The same, each element times `factor`.
+template <typename T, int MA, int NB>
+__device__ __forceinline__ void store_tile_smem(T* tile, int row_elems, const float (&acc)[MA][NB][4], int lane,
+                                                float factor = 1.f) {
+    store_tile_smem_as<T>(tile, row_elems, acc, lane, [factor](int, int, int, float x) { return x * factor; });
 }
 
 // dK, dV (and, with ATOMIC_DQ, dQ through float32 atomics), FlashAttention-2's layout. Block: BLOCK_N
@@ -124,6 +136,7 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
     constexpr int kQM = BLOCK_M / 4, kQD = HEAD_DIM / 2;        // dQ
     static_assert(kSM % 16 == 0 && kSN % 16 == 0 && kKvN % 16 == 0 && kKvD % 16 == 0 && kQM % 16 == 0,
                   "every warp tile is made of 16 x 16 mma blocks");
+    constexpr bool kDropout = (MODS & kModDropout) != 0;
 
     // Shared memory: K, V [BLOCK_N][kRow]; Q, dO [2][BLOCK_M][kRow]; P, dS [BLOCK_M][kPRow];
     // lse, delta [2][BLOCK_M] float32.
@@ -191,16 +204,28 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
         const int m0 = m_begin + m_step * BLOCK_M;
         const ScoreMod<MODS> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b,
                                  h_kv * group + h_step);
+        const Dropout<kDropout> dropout(dropout_seed, dropout_offset, dropout_threshold,
+                                        b * heads + h_kv * group + h_step);
         const T* q_tile = q_s + stage * BLOCK_M * kRow;
         const T* do_tile = do_s + stage * BLOCK_M * kRow;
         const float* lse_tile = lse_s + stage * BLOCK_M;
         const float* delta_tile = delta_s + stage * BLOCK_M;
 
         // S = Q K^T, then P into shared memory; dP = dO V^T, then dS into shared memory: this warp's
-        // (queries x keys) tile of each.
+        // (queries x keys) tile of each. Under dropout, shared memory gets the kept P (for dV), and dP
+        // reaches a kept P scaled by dropout_scale and a dropped one not at all: the registers keep a
+        // dropped P negated (P >= 0, so its sign bit holds the keep bit, and a P of 0 gives dS = 0 either
+        // way), since holding the keep bits or drawing them again for dS made ptxas spill.
         {
             const bool need_mask = m0 + BLOCK_M > seqlen_q || n0 + BLOCK_N > seqlen_k ||
                                    !window.covers(m0, m0 + BLOCK_M, n0, n0 + BLOCK_N);
+            using Drop = Dropout<kDropout>;
+            unsigned keep[kDropout ? Drop::template kTileWords<kSM / 16, kSN / 16> : 1];   // this warp's tile
+            auto kept = [&](int ma, int nb, int e) {
+                return Drop::template tile_keeps<kSM / 16, kSN / 16>(keep, ma, nb, e);
+            };
+            // P, or -P where dropout drops it
+            auto signed_p = [&](int ma, int nb, int e, float x) { return kDropout && !kept(ma, nb, e) ? -x : x; };
             float p[kSM / 16][kSN / 8][4];
             zero(p);
             warp_mma<T, kSM / 16, kSN / 8, HEAD_DIM / 16>(
@@ -211,6 +236,8 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
                 [&](unsigned (&bf)[4], int nb, int ks) {
                     load_b(bf, k_s + (s_col0 + nb * 8) * kRow + ks * 16, kRow, lane);
                 });
+            if constexpr (kDropout)
+                dropout.template tile_bits<kSM / 16, kSN / 16, 4>(keep, m0 + s_row0 + g, n0 + s_col0 + 2 * t);
             if constexpr (!ScoreMod<MODS>::kSoftcap) {
 #pragma unroll
                 for (int ma = 0; ma < kSM / 16; ++ma) {
@@ -225,11 +252,12 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
                             if (need_mask && (m0 + row >= seqlen_q ||
                                               !window.sees(m0 + row, n0 + col, seqlen_k)))
                                 x = 0.f;
-                            p[ma][nb][e] = x;
+                            p[ma][nb][e] = signed_p(ma, nb, e, x);
                         }
                     }
                 }
-                store_tile_smem<T>(p_s + s_row0 * kPRow + s_col0, kPRow, p, lane);
+                store_tile_smem_as<T>(p_s + s_row0 * kPRow + s_col0, kPRow, p, lane,
+                                      [](int, int, int, float x) { return kDropout ? fmaxf(x, 0.f) : x; });
             } else {
                 // Under a softcap dS needs P * (1 - tanh^2) and dV needs P: each pair of P goes to shared
                 // memory as soon as it is made, and the registers keep P * (1 - tanh^2) (two arrays of the
@@ -252,8 +280,8 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
                                 if (need_mask && (m0 + row >= seqlen_q ||
                                                   !window.sees(m0 + row, n0 + col, seqlen_k)))
                                     x = 0.f;
-                                pair[c] = x;
-                                p[ma][nb][2 * half + c] = x * grad;
+                                pair[c] = kept(ma, nb, 2 * half + c) ? x : 0.f;
+                                p[ma][nb][2 * half + c] = signed_p(ma, nb, 2 * half + c, x * grad);
                             }
                             *reinterpret_cast<unsigned*>(p_s + row * kPRow + s_col0 + nb * 8 + 2 * t) =
                                 pack2<T>(pair[0], pair[1]);
@@ -277,7 +305,14 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
                 for (int e = 0; e < 4; ++e) {
                     const float row_delta = delta_tile[s_row0 + ma * 16 + g + 8 * (e / 2)];
 #pragma unroll
-                    for (int nb = 0; nb < kSN / 8; ++nb) dp[ma][nb][e] = p[ma][nb][e] * (dp[ma][nb][e] - row_delta);
+                    for (int nb = 0; nb < kSN / 8; ++nb) {
+                        if constexpr (kDropout) {
+                            const float x = p[ma][nb][e];
+                            dp[ma][nb][e] = fabsf(x) * ((x > 0.f ? dp[ma][nb][e] * dropout_scale : 0.f) - row_delta);
+                        } else {
+                            dp[ma][nb][e] = p[ma][nb][e] * (dp[ma][nb][e] - row_delta);
+                        }
+                    }
                 }
             }
             store_tile_smem<T>(ds_s + s_row0 * kPRow + s_col0, kPRow, dp, lane);
@@ -334,7 +369,7 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
     // kv_col0 live across the loop for the epilogue made ptxas spill at head_dim 128.
     const int stage_at = (threadIdx.x / 64) * kKvN * kRow + (threadIdx.x / 32 % 2) * kKvD;
     store_tile_smem<T>(dk_stage + stage_at, kRow, dk_acc, threadIdx.x % 32, scale);
-    store_tile_smem<T>(dv_stage + stage_at, kRow, dv_acc, threadIdx.x % 32);
+    store_tile_smem<T>(dv_stage + stage_at, kRow, dv_acc, threadIdx.x % 32, kDropout ? dropout_scale : 1.f);
     __syncthreads();
     const long long kv_head = b * dk_sb + h_kv * dk_sh;
     store_rows<T, BLOCK_N, HEAD_DIM, kThreads>(dk + kv_head, dk_ss, n0, seqlen_k, head_dim, dk_stage, threadIdx.x);
@@ -367,6 +402,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
     constexpr int kMTiles = BLOCK_M / 8;     // n8 tiles of S^T per warp
     constexpr int kDTiles = HEAD_DIM / 8;
     static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0, "tiles are made of 16 x 16 mma blocks");
+    constexpr bool kDropout = (MODS & kModDropout) != 0;
 
     // Shared memory: K, V [BLOCK_N][kRow]; Q, dO [2][BLOCK_M][kRow]; lse2, delta [2][BLOCK_M] float32;
     // with ATOMIC_DQ, dS^T [BLOCK_N][kDsRow].
@@ -431,6 +467,8 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
         const int m0 = m_begin + (s % m_tiles) * BLOCK_M;
         const ScoreMod<MODS> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b,
                                  h_kv * group + s / m_tiles);
+        const Dropout<kDropout> dropout(dropout_seed, dropout_offset, dropout_threshold,
+                                        b * heads + h_kv * group + s / m_tiles);
         const T* q_tile = q_s + stage * BLOCK_M * kRow;
         const T* do_tile = do_s + stage * BLOCK_M * kRow;
         const float* lse2_tile = lse2_s + stage * BLOCK_M;
@@ -455,9 +493,32 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
                 p[mb][e] = x;
             }
         }
+        // Dropout in the transposed tile: the thread's elements of a 16-query block lie in two Philox calls,
+        // those of its queries 2t (+ 8) and 2t + 1 (+ 9); keep[mb / 2][e & 1] holds the bits of element
+        // (mb, e)'s call. dV takes the kept P, dS reaches a kept P through dropout_scale * dP.
+        unsigned keep[kDropout ? BLOCK_M / 16 : 1][2];
+        if constexpr (kDropout) {
+#pragma unroll
+            for (int mb2 = 0; mb2 < BLOCK_M / 16; ++mb2)
+#pragma unroll
+                for (int odd = 0; odd < 2; ++odd) keep[mb2][odd] = dropout.bits(m0 + mb2 * 16 + 2 * t + odd, key_a);
+        }
+        auto kept = [&](int mb, int e) {
+            return !kDropout || ((keep[kDropout ? mb / 2 : 0][e & 1] >>
+                                  Dropout<kDropout>::keep_bit(mb & 1, e >> 1, g & 1)) & 1u);
+        };
         unsigned a[BLOCK_M / 16][4];
         if constexpr (kDv) {
-            pack_a_fragments<T, kMTiles>(a, p);
+            if constexpr (kDropout) {
+                float p_kept[kMTiles][4];
+#pragma unroll
+                for (int mb = 0; mb < kMTiles; ++mb)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) p_kept[mb][e] = kept(mb, e) ? p[mb][e] : 0.f;
+                pack_a_fragments<T, kMTiles>(a, p_kept);
+            } else {
+                pack_a_fragments<T, kMTiles>(a, p);
+            }
             warp_gemm_frag_rows<T, HEAD_DIM, BLOCK_M / 16>(dv_acc, a, do_tile, lane);   // dV += P^T dO
         }
         if constexpr (kDk && ScoreMod<MODS>::kSoftcap) {   // dV is done with P: from here p holds P * (1 - tanh^2)
@@ -478,7 +539,11 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
 #pragma unroll
             for (int mb = 0; mb < kMTiles; ++mb) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) ds[mb][e] = p[mb][e] * (ds[mb][e] - delta_tile[mb * 8 + 2 * t + (e & 1)]);
+                for (int e = 0; e < 4; ++e) {
+                    float d = ds[mb][e];
+                    if constexpr (kDropout) d = kept(mb, e) ? d * dropout_scale : 0.f;
+                    ds[mb][e] = p[mb][e] * (d - delta_tile[mb * 8 + 2 * t + (e & 1)]);
+                }
             }
             pack_a_fragments<T, kMTiles>(a, ds);
             warp_gemm_frag_rows<T, HEAD_DIM, BLOCK_M / 16>(dk_acc, a, q_tile, lane);    // dK += dS^T Q
@@ -522,7 +587,8 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
     if constexpr (kDk)
         store_tile<T>(dk + kv_head, dk_ss, key0, seqlen_k, 0, head_dim, reinterpret_cast<WarpRows>(dk_acc), scale, lane);
     if constexpr (kDv)
-        store_tile<T>(dv + kv_head, dk_ss, key0, seqlen_k, 0, head_dim, reinterpret_cast<WarpRows>(dv_acc), 1.f, lane);
+        store_tile<T>(dv + kv_head, dk_ss, key0, seqlen_k, 0, head_dim, reinterpret_cast<WarpRows>(dv_acc),
+                      kDropout ? dropout_scale : 1.f, lane);
 }
 
 // dQ. Block: BLOCK_M queries of one (batch, head) over WARPS warps, BLOCK_M / WARPS rows (kMAtoms
@@ -550,6 +616,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) 
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const Window<MASK> window{diagonal, window_left, window_right};
     const ScoreMod<MODS> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
+    constexpr bool kDropout = (MODS & kModDropout) != 0;
+    const Dropout<kDropout> dropout(dropout_seed, dropout_offset, dropout_threshold, bh);
     // the key tiles this block's rows see: key_first, then n_tiles tiles
     const int key_first = window.key_begin(m0) / BLOCK_N * BLOCK_N;
     const int n_end = window.key_end(m0 + BLOCK_M, seqlen_k);
@@ -628,7 +696,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) 
                 }
             }
         }
-        // dS = P * (dP - delta), dP = dO V^T; packed into A fragments of dS K
+        // dS = P * (dP - delta), dP = dO V^T; packed into A fragments of dS K. Under dropout dP reaches a
+        // kept P scaled by dropout_scale and a dropped one not at all (one Philox call per 16 keys).
         unsigned ds_frag[kMAtoms][BLOCK_N / 16][4];
         {
             float dp[kMAtoms][kNTiles][4];
@@ -641,8 +710,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) 
                 [&](unsigned (&bf)[4], int nb, int ks) { load_b(bf, v_tile + nb * 8 * kRow + ks * 16, kRow, lane); });
 #pragma unroll
             for (int ma = 0; ma < kMAtoms; ++ma) {
+                unsigned keep = ~0u;
 #pragma unroll
                 for (int nb = 0; nb < kNTiles; ++nb) {
+                    if constexpr (kDropout) {
+                        if (nb % 2 == 0) keep = dropout.bits(m0 + warp_row0 + ma * 16 + g, n0 + nb * 8 + 2 * t);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            dp[ma][nb][e] = (keep >> (4 * (nb % 2) + e)) & 1u ? dp[ma][nb][e] * dropout_scale : 0.f;
+                    }
 #pragma unroll
                     for (int e = 0; e < 4; ++e) dp[ma][nb][e] = p[ma][nb][e] * (dp[ma][nb][e] - dlt[ma][e / 2]);
                 }

@@ -106,6 +106,7 @@ enum ModBits : int {
     kModSoftcap = 1,   // score = softcap * tanh(scale q.k / softcap)
     kModAlibi = 2,     // score -= slope * |i + diagonal - j|
     kModSinks = 4,     // a per-head logit joins each row's denominator (the forward's epilogue only)
+    kModDropout = 8,   // P is dropped by Dropout's mask below (not a score: named here for the same template bits)
 };
 
 // tanh on the MUFU unit (sm_75 and newer; relative error about 2^-11): one instruction, as the
@@ -157,6 +158,83 @@ template <int MODS, bool EXACT = false> struct ScoreMod {
         if constexpr (!kSoftcap) return 1.f;
         const float t = (__log2f(p) + lse2 - alibi(row, key, diagonal)) * __frcp_rn(softcap_out);
         return p > 0.f ? 1.f - t * t : 0.f;
+    }
+};
+
+// Philox4x32-10 of `c` under the key (k0, k1): _philox.philox4x32 (Salmon et al., SC'11). Ten rounds of
+// two 32 x 32 -> 64-bit products; the key schedule is recomputed in the loop rather than kept in twenty
+// registers.
+__device__ __forceinline__ uint4 philox4x32(uint4 c, unsigned k0, unsigned k1) {
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const unsigned hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
+        const unsigned hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
+        c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
+    }
+    return c;
+}
+
+// Dropout's keep mask (kModDropout), the function of _philox.keep: one Philox call draws the 8 elements
+// a thread holds of a 16 x 16 block of an mma accumulator (rows r, r + 8; keys 2c, 2c + 1, 2c + 8, 2c + 9),
+// 16 bits each; an element is kept where its draw is at least `threshold` = floor(dropout_p * 2^16).
+// Kept probabilities are scaled by 1 / (1 - dropout_p) where the kernels apply their output factors.
+template <bool ENABLED> struct Dropout {
+    unsigned key0, key1, bh, offset, threshold;
+    __device__ __forceinline__ Dropout(unsigned long long seed, unsigned offset_, unsigned threshold_, int bh_)
+        : key0(static_cast<unsigned>(seed)), key1(static_cast<unsigned>(seed >> 32)), bh(bh_), offset(offset_),
+          threshold(threshold_) {}
+    // The keep bits of the call that holds element (row, key), any one of its eight: its element in row
+    // half rh, key half kh and key parity odd has bit keep_bit(rh, kh, odd). ~0 (keep all) without dropout.
+    __device__ __forceinline__ unsigned bits(int row, int key) const {
+        if constexpr (!ENABLED) return ~0u;
+        const uint4 w = philox4x32(make_uint4(((key >> 4) << 2) | ((key >> 1) & 3), ((row >> 4) << 3) | (row & 7),
+                                              bh, offset), key0, key1);
+        return keep2(w.x) | keep2(w.y) << 2 | keep2(w.z) << 4 | keep2(w.w) << 6;
+    }
+    // The bit of bits() for the element in row half rh (row bit 3), key half kh (key bit 3) and key parity
+    // odd (key bit 0). In accumulator layout it is 4 * (n8 tile & 1) + the fragment index e.
+    __device__ static constexpr int keep_bit(int rh, int kh, int odd) { return 4 * kh + 2 * rh + odd; }
+    // The bits of a warp tile's 16 x 16 blocks, in accumulator layout: ATOMS 16-row atoms from the one of
+    // `row` (the thread's row g of the first atom) times CALLS 16-key blocks from `key` (its key 2t of the
+    // first), block b = atom * CALLS + call at bits 8 * (b % 4) of words[b / 4]. UNROLL calls of a word are
+    // in flight at once: a call is ten dependent rounds, so one at a time leaves the warp waiting on its
+    // latency, but unrolled beside a kernel's tiles the rounds can make ptxas spill (the kernels choose).
+    template <int ATOMS, int CALLS> static constexpr int kTileWords = (ATOMS * CALLS + 3) / 4;
+    template <int ATOMS, int CALLS, int UNROLL>
+    __device__ __forceinline__ void tile_bits(unsigned (&words)[kTileWords<ATOMS, CALLS>], int row, int key) const {
+#pragma unroll
+        for (int w = 0; w < kTileWords<ATOMS, CALLS>; ++w) {
+            unsigned word = 0;
+#pragma unroll UNROLL
+            for (int i = 0; i < 4 && 4 * w + i < ATOMS * CALLS; ++i) {
+                const int block = 4 * w + i;
+                word |= bits(row + 16 * (block / CALLS), key + 16 * (block % CALLS)) << (8 * i);
+            }
+            words[w] = word;
+        }
+    }
+    // Is element e of n8 tile nb of atom `atom` kept, by tile_bits' words? (Always without dropout.)
+    template <int ATOMS, int CALLS, int WORDS>
+    __device__ static __forceinline__ bool tile_keeps(const unsigned (&words)[WORDS], int atom, int nb, int e) {
+        if constexpr (!ENABLED) return true;
+        const int block = atom * CALLS + nb / 2;
+        return (words[block / 4] >> (8 * (block % 4) + keep_bit(e >> 1, nb & 1, e & 1))) & 1u;
+    }
+    // Is element (row, key) kept? One call per element, for the kernels whose threads hold no mma tile.
+    __device__ __forceinline__ bool keeps(int row, int key) const {
+        if constexpr (!ENABLED) return true;
+        return (bits(row, key) >> keep_bit((row >> 3) & 1, (key >> 3) & 1, key & 1)) & 1u;
+    }
+
+  private:
+    // Two draws of a word: bit 0 keeps its low half (the even key), bit 1 its high half (the odd key).
+    __device__ __forceinline__ unsigned keep2(unsigned word) const {
+        return static_cast<unsigned>((word & 0xffffu) >= threshold) |
+               static_cast<unsigned>((word >> 16) >= threshold) << 1;
     }
 };
 
@@ -249,10 +327,26 @@ struct DqAccum {
     }
 };
 
+// The parameters of both forward kernels (fwd_mma, fwd_simt): one list, one launch path
+// (_cupy_path.ForwardPlan). lse is null where the caller returns none; alibi_slopes and sinks (float32,
+// null without them), the window and the modifiers' values are as in the backward's list below;
+// query_blocks_fastest picks QueryBlock's grid order.
+#define CUFLASH_FWD_PARAMS                                                                            \
+    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ out,   \
+        float *__restrict__ lse, const float *__restrict__ alibi_slopes,                              \
+        const float *__restrict__ sinks, unsigned long long dropout_seed, unsigned dropout_offset,    \
+        long long q_sb, long long q_ss, long long q_sh, long long k_sb, long long k_ss,               \
+        long long k_sh, long long v_sb, long long v_ss, long long v_sh, long long o_sb,               \
+        long long o_ss, long long o_sh, int batch, int heads, int group, int seqlen_q, int seqlen_k,   \
+        int head_dim, int diagonal, int window_left, int window_right, int alibi_batch_stride,        \
+        float softcap_in, float softcap_out, unsigned dropout_threshold, float dropout_scale,         \
+        float scale_log2, int vec_ok, int query_blocks_fastest
+
 // The parameters of every backward kernel (bwd_mma.cu, simt.cu): one list, one launch path. diagonal,
 // window_left and window_right are Window's fields (read by the masked specializations); alibi_slopes
 // (float32, (batch, heads) with batch stride alibi_batch_stride, 0 for (heads,)), softcap_in and
-// softcap_out are ScoreMod's (read where MODS asks for them). dq_accum is
+// softcap_out are ScoreMod's, dropout_seed, dropout_offset and dropout_threshold Dropout's, dropout_scale
+// = 1 / (1 - dropout_p) (all read where MODS asks for them). dq_accum is
 // float32 in the DqAccum layout above, zeroed, for the kernels that add dQ with atomics; null for the
 // others. dq_splits and dq_pass select KeyBlock's grid (dq_splits 0: banded; else the split grid's
 // pass dq_pass, one copy of dq_accum per split).
@@ -260,13 +354,14 @@ struct DqAccum {
     const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,                        \
         const T *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ delta,   \
         T *__restrict__ dq, T *__restrict__ dk, T *__restrict__ dv, float *__restrict__ dq_accum,     \
-        const float *__restrict__ alibi_slopes,                                                       \
+        const float *__restrict__ alibi_slopes, unsigned long long dropout_seed, unsigned dropout_offset, \
         long long q_sb, long long q_ss, long long q_sh, long long k_sb, long long k_ss,               \
         long long k_sh, long long v_sb, long long v_ss, long long v_sh, long long do_sb,              \
         long long do_ss, long long do_sh, long long dq_sb, long long dq_ss, long long dq_sh,          \
         long long dk_sb, long long dk_ss, long long dk_sh, int batch, int heads, int group,           \
         int seqlen_q, int seqlen_k, int head_dim, int diagonal, int window_left, int window_right,     \
-        int alibi_batch_stride, float softcap_in, float softcap_out, float scale, float scale_log2,   \
+        int alibi_batch_stride, float softcap_in, float softcap_out, unsigned dropout_threshold,     \
+        float dropout_scale, float scale, float scale_log2,                                           \
         int vec_ok, int dq_splits, int dq_pass
 
 }  // namespace cuflash

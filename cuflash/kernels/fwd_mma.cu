@@ -14,7 +14,8 @@
 //
 // Scores are kept in base 2: x = (q . k) * scale * log2(e), so p = exp2(x - m_i). The stored lse is
 // converted back to natural log: lse = (m_i + log2(l_i)) * ln(2); a null lse stores none (a caller that
-// does not return it allocates none).
+// does not return it allocates none). Under dropout (kModDropout) l_i sums every P, P.V takes the kept
+// ones (Dropout's keep bits, drawn per sub-tile before S), and the epilogue scales by 1 / (1 - p).
 #include "mma.cuh"
 
 namespace cuflash {
@@ -30,13 +31,7 @@ constexpr float kRescaleSlack = 8.f;
 // two lets them keep everything in registers.
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int WARPS, int KEY_SPLIT>
 __global__ void __launch_bounds__(WARPS * 32, WARPS >= 8 ? 1 : BLOCK_M / WARPS == 16 ? 2 : 0)
-fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
-        float* __restrict__ lse, const float* __restrict__ alibi_slopes, const float* __restrict__ sinks,
-        long long q_sb, long long q_ss, long long q_sh, long long k_sb, long long k_ss, long long k_sh,
-        long long v_sb, long long v_ss, long long v_sh, long long o_sb, long long o_ss, long long o_sh,
-        int batch, int heads, int group, int seqlen_q, int seqlen_k, int head_dim, int diagonal,
-        int window_left, int window_right, int alibi_batch_stride, float softcap_in, float softcap_out,
-        float scale_log2, int vec_ok, int query_blocks_fastest) {
+fwd_mma(CUFLASH_FWD_PARAMS) {
     constexpr int kThreads = WARPS * 32;
     // KEY_SPLIT warps share each group of query rows (a pair where KEY_SPLIT = 2): each computes S for its
     // half of the tile's keys and P.V for its half of the head dim, trading row maxima and P with its
@@ -87,6 +82,8 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
     // the factor from raw products to base-2 scores inside the exponent: scale_log2, or 1 where the
     // modifiers have already made the scores (ScoreMod)
     const float score_factor = Mod::kAny ? 1.f : scale_log2;
+    constexpr bool kDropout = (MODS & kModDropout) != 0;
+    const Dropout<kDropout> dropout(dropout_seed, dropout_offset, dropout_threshold, bh);
 
     const T* q_head = q + b * q_sb + h * q_sh;
     const T* k_head = k + b * k_sb + h_kv * k_sh;
@@ -180,6 +177,13 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
         for (int sub = 0; sub < BLOCK_N / kSubN; ++sub) {
             const unsigned k_tile = k_lane + (stage * BLOCK_N + sub * kSubN) * kRowBytes;
             const unsigned v_tile = v_lane + (stage * BLOCK_N + sub * kSubN) * kRowBytes;
+            const int n0 = key_first + j * BLOCK_N + sub * kSubN;
+            // Dropout's keep bits of this warp's keys, drawn before S (when the fewest registers are live)
+            using Drop = Dropout<kDropout>;
+            unsigned keep[kDropout ? Drop::template kTileWords<kMAtoms, kNTiles / 2> : 1];
+            if constexpr (kDropout)
+                dropout.template tile_bits<kMAtoms, kNTiles / 2, 4>(keep, m0 + warp_row0 + g,
+                                                                    n0 + share * kWarpKeys + 2 * t);
 
             // S = Q K^T for this warp's rows and kSubN keys (raw, unscaled).
             float s[kMAtoms][kNTiles][4];
@@ -212,7 +216,6 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
             // keys are masked. Without modifiers the row max is taken on the raw products (scale_log2 > 0
             // keeps the order) and one FMA then scales and subtracts; with them (a softcap, ALiBi) the
             // scores are made first, and the max taken on them.
-            const int n0 = key_first + j * BLOCK_N + sub * kSubN;
             const bool need_mask = n0 + kSubN > seqlen_k || !window.covers(m0, m0 + BLOCK_M, n0, n0 + kSubN);
             float tile_max[kMAtoms][2];   // per row: the max of the scaled scores of the sub-tile's keys
             auto take_row_max = [&](int ma) {
@@ -272,18 +275,22 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                     }
                 }
                 // P = exp2(S * score_factor - m_i), packed straight into A fragments of P.V (no trip through
-                // shared memory).
+                // shared memory). The row sums take every P; dropout zeroes the dropped ones in the fragments only.
                 const float neg_base[2] = {-safe_max(m_i[ma][0]), -safe_max(m_i[ma][1])};
 #pragma unroll
                 for (int nb = 0; nb < kNTiles; ++nb) {
-                    const float p0 = exp2f(fmaf(s[ma][nb][0], score_factor, neg_base[0]));
-                    const float p1 = exp2f(fmaf(s[ma][nb][1], score_factor, neg_base[0]));
-                    const float p2 = exp2f(fmaf(s[ma][nb][2], score_factor, neg_base[1]));
-                    const float p3 = exp2f(fmaf(s[ma][nb][3], score_factor, neg_base[1]));
-                    l_i[ma][0] += p0 + p1;
-                    l_i[ma][1] += p2 + p3;
-                    p_frag[ma][nb / 2][(nb % 2) * 2 + 0] = pack2<T>(p0, p1);
-                    p_frag[ma][nb / 2][(nb % 2) * 2 + 1] = pack2<T>(p2, p3);
+                    float pv[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) pv[e] = exp2f(fmaf(s[ma][nb][e], score_factor, neg_base[e / 2]));
+                    l_i[ma][0] += pv[0] + pv[1];
+                    l_i[ma][1] += pv[2] + pv[3];
+                    if constexpr (kDropout) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            pv[e] = Drop::template tile_keeps<kMAtoms, kNTiles / 2>(keep, ma, nb, e) ? pv[e] : 0.f;
+                    }
+                    p_frag[ma][nb / 2][(nb % 2) * 2 + 0] = pack2<T>(pv[0], pv[1]);
+                    p_frag[ma][nb / 2][(nb % 2) * 2 + 1] = pack2<T>(pv[2], pv[3]);
                 }
             };
             if constexpr (KEY_SPLIT == 1) {
@@ -384,7 +391,7 @@ fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ 
                 l = l * acc_factor + exp2f(sink2 - m_new);
                 m = m_new;
             }
-            const float inv_l = l == 0.f ? 0.f : acc_factor / l;
+            const float inv_l = l == 0.f ? 0.f : (kDropout ? acc_factor * dropout_scale : acc_factor) / l;
             const int tile_row = warp_row0 + ma * 16 + g + 8 * r;
             if (lse_head != nullptr && t == 0 && share == 0 && m0 + tile_row < seqlen_q)
                 lse_head[m0 + tile_row] = l == 0.f ? -CUFLASH_INF : (m + log2f(l)) * kLn2;

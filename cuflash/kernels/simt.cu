@@ -50,12 +50,7 @@ __device__ __forceinline__ float dot_rows(const float* a, const float* b) {
 // one row and every kThreadsPerRow-th column of it. A null lse stores none.
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
 __global__ void __launch_bounds__(kSimtThreads, 1)
-fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ out,
-         float* __restrict__ lse, const float* __restrict__ alibi_slopes, const float* __restrict__ sinks, long long q_sb, long long q_ss, long long q_sh, long long k_sb,
-         long long k_ss, long long k_sh, long long v_sb, long long v_ss, long long v_sh, long long o_sb,
-         long long o_ss, long long o_sh, int batch, int heads, int group, int seqlen_q, int seqlen_k,
-         int head_dim, int diagonal, int window_left, int window_right, int alibi_batch_stride,
-         float softcap_in, float softcap_out, float scale_log2, int vec_ok, int query_blocks_fastest) {
+fwd_simt(CUFLASH_FWD_PARAMS) {
     using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
     static_assert(Tiles::kFwdFloats * 4 == SMEM_BYTES, "launch shared memory must match the tile plan");
     constexpr int kRow = Tiles::kRow, kScoreRow = Tiles::kScoreRow;
@@ -77,6 +72,7 @@ fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const Window<MASK> window{diagonal, window_left, window_right};
     const ScoreMod<MODS, true> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
+    const Dropout<(MODS & kModDropout) != 0> dropout(dropout_seed, dropout_offset, dropout_threshold, bh);
     const T* k_head = k + b * k_sb + h_kv * k_sh;
     const T* v_head = v + b * v_sb + h_kv * v_sh;
     const int n_begin = window.key_begin(m0) / BLOCK_N * BLOCK_N;
@@ -106,10 +102,10 @@ fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
             for (int c = lane; c < BLOCK_N; c += 32) mx = fmaxf(mx, p_s[r * kScoreRow + c]);
             mx = warp_max(mx);
             const float base = safe_max(mx);
-            float sum = 0.f;
+            float sum = 0.f;   // of every P; P.V takes the kept ones
             for (int c = lane; c < BLOCK_N; c += 32) {
                 const float p = exp2f(p_s[r * kScoreRow + c] - base);
-                p_s[r * kScoreRow + c] = p;
+                p_s[r * kScoreRow + c] = dropout.keeps(m0 + r, n0 + c) ? p : 0.f;
                 sum += p;
             }
             sum = warp_sum(sum);
@@ -145,7 +141,7 @@ fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__
             l = l * acc_factor + exp2f(sink2 - m_new);
             m = m_new;
         }
-        const float inv_l = l == 0.f ? 0.f : acc_factor / l;
+        const float inv_l = l == 0.f ? 0.f : ((MODS & kModDropout) != 0 ? acc_factor * dropout_scale : acc_factor) / l;
         T* out_row = out + b * o_sb + h * o_sh + row * o_ss;
 #pragma unroll
         for (int i = 0; i < kColsPerThread; ++i) {
@@ -198,13 +194,15 @@ bwd_preprocess(const T* __restrict__ dout, const T* __restrict__ out, float* __r
 }
 
 // The shared step of both backward kernels: for the staged query tile (rows m0..) and key tile (n0..)
-// write P and dS to shared memory. Invisible pairs (mask, rows or keys out of range) get P = 0.
+// write P and dS to shared memory. Invisible pairs (mask, rows or keys out of range) get P = 0, and so
+// do dropped ones (dV reads P; dS is computed from the undropped P).
 template <int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N>
 __device__ __forceinline__ void recompute_p_ds(const float* q_s, const float* do_s, const float* k_s,
                                                const float* v_s, const float* lse2_s, const float* delta_s,
                                                float* p_s, float* ds_s, const Window<MASK>& window,
-                                               const ScoreMod<MODS, true>& mod, int m0, int n0, int seqlen_q,
-                                               int seqlen_k) {
+                                               const ScoreMod<MODS, true>& mod,
+                                               const Dropout<(MODS & kModDropout) != 0>& dropout,
+                                               float dropout_scale, int m0, int n0, int seqlen_q, int seqlen_k) {
     using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
     constexpr int kRow = Tiles::kRow, kScoreRow = Tiles::kScoreRow;
     for (int i = threadIdx.x; i < BLOCK_M * BLOCK_N; i += kSimtThreads) {
@@ -214,7 +212,16 @@ __device__ __forceinline__ void recompute_p_ds(const float* q_s, const float* do
         if (visible) {
             const float x = dot_rows<HEAD_DIM>(q_s + r * kRow, k_s + c * kRow);
             p = exp2f(mod.score(x, m0 + r, n0 + c, window.diagonal) - lse2_s[r]);
-            ds = p * (dot_rows<HEAD_DIM>(do_s + r * kRow, v_s + c * kRow) - delta_s[r]);
+            // under dropout dP reaches a kept P scaled by dropout_scale and a dropped one not at all;
+            // dV takes the kept P (unscaled: its epilogue scales)
+            const float dp = dot_rows<HEAD_DIM>(do_s + r * kRow, v_s + c * kRow);
+            if constexpr ((MODS & kModDropout) != 0) {
+                const bool kept = dropout.keeps(m0 + r, n0 + c);
+                ds = p * ((kept ? dp * dropout_scale : 0.f) - delta_s[r]);
+                if (!kept) p = 0.f;
+            } else {
+                ds = p * (dp - delta_s[r]);
+            }
             if constexpr (ScoreMod<MODS>::kSoftcap) {   // through the softcap: d tanh = 1 - tanh^2
                 const float t = mod.tanh(x * mod.softcap_in);
                 ds *= 1.f - t * t;
@@ -277,6 +284,8 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_BWD_PAR
         const T* do_head = dout + b * do_sb + h * do_sh;
         const long long bh = static_cast<long long>(b) * heads + h;
         const ScoreMod<MODS, true> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
+        const Dropout<(MODS & kModDropout) != 0> dropout(dropout_seed, dropout_offset, dropout_threshold,
+                                                         static_cast<int>(bh));
         for (int m0 = m_begin; m0 < m_end; m0 += BLOCK_M) {
             __syncthreads();
             load_rows_f32<T, BLOCK_M, HEAD_DIM>(q_s, q_head, q_ss, m0, seqlen_q, head_dim);
@@ -284,7 +293,8 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_BWD_PAR
             load_row_stats<BLOCK_M>(lse2_s, delta_s, lse + bh * seqlen_q, delta + bh * seqlen_q, m0, seqlen_q);
             __syncthreads();
             recompute_p_ds<HEAD_DIM, MASK, MODS, BLOCK_M, BLOCK_N>(q_s, do_s, k_s, v_s, lse2_s, delta_s, p_s, ds_s,
-                                                                     window, mod, m0, n0, seqlen_q, seqlen_k);
+                                                                     window, mod, dropout, dropout_scale, m0, n0,
+                                                                     seqlen_q, seqlen_k);
             __syncthreads();
 #pragma unroll 2
             for (int r = 0; r < BLOCK_M; ++r) {
@@ -307,7 +317,7 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_BWD_PAR
             const int e = col0 + i * kThreadsPerRow;
             if (e < head_dim) {
                 dk_row[e] = from_float<T>(dk_acc[i] * scale);
-                dv_row[e] = from_float<T>(dv_acc[i]);
+                dv_row[e] = from_float<T>((MODS & kModDropout) != 0 ? dv_acc[i] * dropout_scale : dv_acc[i]);
             }
         }
     }
@@ -337,6 +347,7 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dq_simt(CUFLASH_BWD_PARAM
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const Window<MASK> window{diagonal, window_left, window_right};
     const ScoreMod<MODS, true> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
+    const Dropout<(MODS & kModDropout) != 0> dropout(dropout_seed, dropout_offset, dropout_threshold, bh);
     const int n_begin = window.key_begin(m0) / BLOCK_N * BLOCK_N;
     const int n_end = window.key_end(m0 + BLOCK_M, seqlen_k);
     const T* k_head = k + b * k_sb + h_kv * k_sh;
@@ -357,7 +368,8 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dq_simt(CUFLASH_BWD_PARAM
         load_rows_f32<T, BLOCK_N, HEAD_DIM>(v_s, v_head, v_ss, n0, seqlen_k, head_dim);
         __syncthreads();
         recompute_p_ds<HEAD_DIM, MASK, MODS, BLOCK_M, BLOCK_N>(q_s, do_s, k_s, v_s, lse2_s, delta_s, p_s, ds_s,
-                                                                 window, mod, m0, n0, seqlen_q, seqlen_k);
+                                                                 window, mod, dropout, dropout_scale, m0, n0,
+                                                                 seqlen_q, seqlen_k);
         __syncthreads();
 #pragma unroll 2
         for (int c = 0; c < BLOCK_N; ++c) {
