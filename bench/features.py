@@ -12,6 +12,9 @@ import dataclasses
 #: a window's left side, in keys
 WINDOW = 1024
 SOFTCAP = 30.0
+DROPOUT = 0.1
+#: the dropout feature's Philox seed and offset (any fixed pair: the mask's cost does not depend on them)
+DROPOUT_SEED, DROPOUT_OFFSET = 2024, 7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +26,7 @@ class Feature:
     softcap: float = 0.0
     alibi: bool = False
     sinks: bool = False
+    dropout_p: float = 0.0
 
     def visible_entries(self, seqlen: int) -> float:
         """Score entries a (batch, head) sees at ``seqlen``: row i sees min(i + 1, window_left + 1) keys."""
@@ -33,8 +37,8 @@ class Feature:
         ramp = min(seqlen, w)
         return ramp * (ramp + 1) / 2 + full * w
 
-    def reference_options(self, heads: int) -> dict:
-        """Keywords of cuflash.reference.attention (and of cuflash.attention on NumPy arrays)."""
+    def options(self, heads: int) -> dict:
+        """Keywords of cuflash.attention on NumPy arrays."""
         options = {}
         if self.window_left >= 0:
             options["window_size"] = (self.window_left, 0)
@@ -44,6 +48,8 @@ class Feature:
             options["alibi_slopes"] = alibi_slopes(heads)
         if self.sinks:
             options["sinks"] = sink_logits(heads)
+        if self.dropout_p:
+            options.update(dropout_p=self.dropout_p, seed=DROPOUT_SEED, offset=DROPOUT_OFFSET)
         return options
 
     def cuflash_options(self, heads: int) -> dict:
@@ -51,7 +57,19 @@ class Feature:
         import cupy
 
         return {name: cupy.asarray(value) if name in ("alibi_slopes", "sinks") else value
-                for name, value in self.reference_options(heads).items()}
+                for name, value in self.options(heads).items()}
+
+    def reference_options(self, heads: int, batch: int, seqlen: int) -> dict:
+        """Keywords of cuflash.reference.attention for (batch, seqlen, heads) inputs: the same, dropout's
+        seed and offset materialized as its mask."""
+        options = self.options(heads)
+        if self.dropout_p:
+            import cuflash
+
+            del options["seed"], options["offset"]
+            options["dropout_mask"] = cuflash.dropout_mask(batch, heads, seqlen, seqlen, self.dropout_p,
+                                                           DROPOUT_SEED, DROPOUT_OFFSET)
+        return options
 
 
 def alibi_slopes(heads: int):
@@ -70,5 +88,5 @@ def sink_logits(heads: int):
 
 FEATURES = (Feature("causal"), Feature(f"window{WINDOW}", window_left=WINDOW),
             Feature(f"softcap{SOFTCAP:g}", softcap=SOFTCAP), Feature("alibi", alibi=True),
-            Feature("sinks", sinks=True))
+            Feature("sinks", sinks=True), Feature(f"dropout{DROPOUT:g}", dropout_p=DROPOUT))
 BY_NAME = {f.name: f for f in FEATURES}

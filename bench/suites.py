@@ -61,8 +61,8 @@ QUICK_FEATURE_SEQLENS = (8192,)
 FEATURE_HEAD_DIMS = (64, 128)
 QUICK_FEATURE_HEAD_DIMS = (128,)
 FEATURE_PASSES = ("fwd", "fwd+bwd")
-#: The implementations the features suite runs (FlexAttention takes every feature but sinks; SDPA flash
-#: plain causal only), and the ones that run in it alone (FlexAttention compiles per shape and mask).
+#: The implementations the features suite runs (FlexAttention takes every feature but sinks and dropout;
+#: SDPA flash plain causal only), and the ones that run in it alone (FlexAttention compiles per shape and mask).
 FEATURE_IMPLS = ("cuflash", "torch-flex", "torch-flash")
 FEATURES_ONLY = ("torch-flex",)
 #: Only these implementations compile kernels at run time (CuPy JIT); PyTorch ships prebuilt kernels.
@@ -151,7 +151,7 @@ def check_reference(cells: list[Cell]):
     for dtype, head_dim, causal, feature in sorted({(c.dtype, c.shape.head_dim, c.causal, c.feature) for c in cells}):
         x = make_inputs(Shape.square(1, REFERENCE_SEQLEN, REFERENCE_HEADS, head_dim), dtype)
         options = BY_NAME[feature].cuflash_options(REFERENCE_HEADS) if feature else {}
-        want_options = BY_NAME[feature].reference_options(REFERENCE_HEADS) if feature else {}
+        want_options = BY_NAME[feature].reference_options(REFERENCE_HEADS, 1, REFERENCE_SEQLEN) if feature else {}
         out, lse = cuflash.attention(x.q, x.k, x.v, causal=causal, return_lse=True, **options)
         grads = cuflash.attention_backward(x.dout, x.q, x.k, x.v, out, lse, causal=causal, **options)
         want_out, want_lse = reference.attention(x.q, x.k, x.v, causal, **want_options)

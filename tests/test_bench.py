@@ -331,7 +331,6 @@ def test_feature_options_run_on_the_numpy_path():
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 40, 4, 16), dtype=np.float32) for _ in range(3))
     for feature in features.FEATURES:
-        options = feature.reference_options(4)
-        out = cuflash.attention(q, k, v, causal=True, **options)
-        want, _ = reference.attention(q, k, v, True, **options)
+        out = cuflash.attention(q, k, v, causal=True, **feature.options(4))
+        want, _ = reference.attention(q, k, v, True, **feature.reference_options(4, 1, 40))
         assert np.abs(out - want).max() < 1e-5, feature.name
