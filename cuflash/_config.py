@@ -60,7 +60,7 @@ KERNEL_FILES = {
 }
 #: tensor-core kernels: shared memory derived from the tile shape
 MMA_KERNELS = frozenset({"fwd_mma", "bwd_dkdv_mma", "bwd_dkdv_rows_mma", "bwd_dq_mma"})
-#: bwd_dkdv_mma: 8 warps in 2 x 4 and 4 x 2 grids of warp tiles (``kThreads`` in kernels/bwd_mma.cu)
+#: bwd_dkdv_mma: 8 warps in 2 x 4 and 4 x 2 grids of warp tiles (``kDkdvTiledThreads`` in kernels/bwd_mma.cu)
 DKDV_TILED_THREADS = 256
 #: bwd_dkdv_rows_mma keeps 16 x head_dim accumulators of dK and of dV per warp in registers; past this
 #: head dim only one of them fits, and dK and dV are computed by two launches. bwd_dkdv_mma serves head
@@ -200,7 +200,9 @@ def forward_row_elems(head_dim: int) -> int:
 def mma_smem_bytes(kernel: str, head_dim: int, block_m: int, block_n: int, itemsize: int,
                    atomic_dq: bool = False, key_split: int = 1) -> int:
     """Shared memory of a tensor-core kernel; the backward's tile rows padded by 8 elements, the forward's
-    per forward_row_elems (kernels/mma.cuh)."""
+    per forward_row_elems (kernels/mma.cuh). Each kernel's own layout (FwdSmem, DkdvTiledSmem, DkdvRowsSmem,
+    DqSmem in its source) must have this size: tests/test_compile.py checks it for every spec of the
+    compile check."""
     row = (head_dim + 8) * itemsize
     if kernel == "fwd_mma":  # Q, two stages of K and V; where warps share rows, their row maxima and P
         tiles = (block_m + 4 * block_n) * forward_row_elems(head_dim) * itemsize

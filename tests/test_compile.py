@@ -66,6 +66,29 @@ def test_register_budget_allows_the_launch(reports):
 
 
 
+#: each tensor-core kernel's shared-memory layout struct, as a template argument list of its spec
+SMEM_LAYOUTS = {
+    "fwd_mma": lambda s, t: f"FwdSmem<{t}, {s.head_dim}, {s.block_m}, {s.block_n}, {s.threads // 32}, {s.key_split}>",
+    "bwd_dkdv_mma": lambda s, t: f"DkdvTiledSmem<{t}, {s.head_dim}, {s.block_m}, {s.block_n}>",
+    "bwd_dkdv_rows_mma": lambda s, t: (f"DkdvRowsSmem<{t}, {s.head_dim}, {s.block_m}, {s.block_n}, "
+                                       f"{str(s.atomic_dq).lower()}>"),
+    "bwd_dq_mma": lambda s, t: f"DqSmem<{t}, {s.head_dim}, {s.block_m}, {s.block_n}>",
+}
+
+
+def smem_asserts(source_file: str) -> list[str]:
+    """static_asserts that the shared memory _config gives each tensor-core spec of the compile check (both
+    targets) is its kernel's own layout's size."""
+    asserts = set()
+    for device in TARGETS.values():
+        for spec in _config.all_specs(device):
+            if spec.kernel in SMEM_LAYOUTS and spec.source_file == source_file:
+                layout = SMEM_LAYOUTS[spec.kernel](spec, _config.CUDA_TYPES[np.dtype(spec.dtype)])
+                asserts.add(f"static_assert(cuflash::{layout}::kBytes == {spec.smem_bytes}, "
+                            f"\"mma_smem_bytes of {spec.name}\");")
+    return sorted(asserts)
+
+
 def test_python_mirrors_the_kernels_constants():
     # The constants and layouts _config repeats from the kernels, checked by the compiler against the
     # kernels' own definitions: a translation unit of each source file plus static_asserts.
@@ -76,7 +99,12 @@ def test_python_mirrors_the_kernels_constants():
         for d in _config.HEAD_DIMS)
     dq_rows = (f"static_assert(cuflash::DqAccum::kRowMultiple == {_config.DQ_ACCUM_ROWS}, "
                "\"_config.DQ_ACCUM_ROWS\");")
-    _nvrtc_compile(kernel_source("fwd_mma.cu") + "\n" + forward_rows + "\n" + dq_rows + "\n", "sm_90", [])
+    _nvrtc_compile(kernel_source("fwd_mma.cu") + "\n" + forward_rows + "\n" + dq_rows + "\n"
+                   + "\n".join(smem_asserts("fwd_mma.cu")) + "\n", "sm_90", [])
+    dkdv_threads = (f"static_assert(cuflash::kDkdvTiledThreads == {_config.DKDV_TILED_THREADS}, "
+                    "\"_config.DKDV_TILED_THREADS\");")
+    _nvrtc_compile(kernel_source("bwd_mma.cu") + "\n" + dkdv_threads + "\n"
+                   + "\n".join(smem_asserts("bwd_mma.cu")) + "\n", "sm_90", [])
 
     simt = [f"static_assert(cuflash::kSimtThreads == {_config.SIMT_THREADS}, \"_config.SIMT_THREADS\");"]
     for d in _config.HEAD_DIMS:
@@ -96,3 +124,10 @@ def test_a_wrong_mirror_fails_to_compile():
     wrong = f"static_assert(cuflash::kSimtThreads == {_config.SIMT_THREADS + 1}, \"_config.SIMT_THREADS\");"
     with pytest.raises(RuntimeError, match="_config.SIMT_THREADS"):
         _nvrtc_compile(kernel_source("simt.cu") + "\n" + wrong + "\n", "sm_90", [])
+    # and so is a shared-memory size one row off its kernel's layout
+    asserts = smem_asserts("bwd_mma.cu")
+    assert len(asserts) > 100 and all(" == " in a for a in asserts)
+    layout, size = asserts[0].split(" == ")
+    off = f"{layout} == {int(size.split(',')[0]) + 144}, \"mma_smem_bytes off by a row\");"
+    with pytest.raises(RuntimeError, match="mma_smem_bytes off by a row"):
+        _nvrtc_compile(kernel_source("bwd_mma.cu") + "\n" + off + "\n", "sm_90", [])

@@ -125,9 +125,21 @@ __device__ __forceinline__ void store_tile_smem(T* tile, int row_elems, const fl
 //                            the accumulators live in registers for the whole block
 //   dQ += dS K             : warps 4 (queries) x 2 (head dim), tiles (BLOCK_M / 4) x (HEAD_DIM / 2)
 // P and dS cross between the layouts through shared memory ([BLOCK_M][BLOCK_N], padded rows).
+//
+// Its shared memory, offsets in elements of T: K, V [BLOCK_N][kRow]; Q, dO [2][BLOCK_M][kRow]; P, dS
+// [BLOCK_M][kPRow]; then lse, delta [2][BLOCK_M] float32. kBytes is what the launch gives it
+// (_config.mma_smem_bytes; tests/test_compile.py checks the two agree for every spec).
+constexpr int kDkdvTiledThreads = 256;   // 8 warps; _config.DKDV_TILED_THREADS
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct DkdvTiledSmem {
+    static constexpr int kRow = PaddedRow<HEAD_DIM>::kElems, kPRow = PaddedRow<BLOCK_N>::kElems;
+    static constexpr int kV = BLOCK_N * kRow, kQ = kV + BLOCK_N * kRow, kDo = kQ + 2 * BLOCK_M * kRow;
+    static constexpr int kP = kDo + 2 * BLOCK_M * kRow, kDs = kP + BLOCK_M * kPRow, kStats = kDs + BLOCK_M * kPRow;
+    static constexpr int kBytes = kStats * static_cast<int>(sizeof(T)) + 4 * BLOCK_M * static_cast<int>(sizeof(float));
+};
+
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, bool ATOMIC_DQ>
-__global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
-    constexpr int kThreads = 256;
+__global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
+    constexpr int kThreads = kDkdvTiledThreads;
     constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
     constexpr int kPRow = PaddedRow<BLOCK_N>::kElems;
     // warp tiles of the three layouts (rows x columns)
@@ -138,16 +150,15 @@ __global__ void __launch_bounds__(256, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
                   "every warp tile is made of 16 x 16 mma blocks");
     constexpr bool kDropout = (MODS & kModDropout) != 0;
 
-    // Shared memory: K, V [BLOCK_N][kRow]; Q, dO [2][BLOCK_M][kRow]; P, dS [BLOCK_M][kPRow];
-    // lse, delta [2][BLOCK_M] float32.
+    using Smem = DkdvTiledSmem<T, HEAD_DIM, BLOCK_M, BLOCK_N>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* k_s = reinterpret_cast<T*>(smem_raw);
-    T* v_s = k_s + BLOCK_N * kRow;
-    T* q_s = v_s + BLOCK_N * kRow;
-    T* do_s = q_s + 2 * BLOCK_M * kRow;
-    T* p_s = do_s + 2 * BLOCK_M * kRow;
-    T* ds_s = p_s + BLOCK_M * kPRow;
-    float* lse_s = reinterpret_cast<float*>(ds_s + BLOCK_M * kPRow);
+    T* v_s = k_s + Smem::kV;
+    T* q_s = k_s + Smem::kQ;
+    T* do_s = k_s + Smem::kDo;
+    T* p_s = k_s + Smem::kP;
+    T* ds_s = k_s + Smem::kDs;
+    float* lse_s = reinterpret_cast<float*>(k_s + Smem::kStats);
     float* delta_s = lse_s + 2 * BLOCK_M;
 
     const KeyBlock blk(BLOCK_N, heads / group, seqlen_k, dq_splits, dq_pass);
@@ -388,6 +399,18 @@ enum DkdvPart { kDkAndDv = 0, kDvOnly = 1, kDkOnly = 2 };
 // With ATOMIC_DQ (a launch that computes dK), each warp also stores its dS^T rows to shared memory;
 // the block then computes dQ[query tile] += dS K over its BLOCK_N keys as items of (16 query rows,
 // kDqCols columns) spread over the warps, and adds them into dq_accum.
+//
+// Its shared memory, offsets in elements of T: K, V [BLOCK_N][kRow]; Q, dO [2][BLOCK_M][kRow]; then lse2,
+// delta [2][BLOCK_M] float32; with ATOMIC_DQ, dS^T [BLOCK_N][kDsRow] of T. kBytes is what the launch gives
+// it (_config.mma_smem_bytes, checked by tests/test_compile.py).
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, bool ATOMIC_DQ> struct DkdvRowsSmem {
+    static constexpr int kRow = PaddedRow<HEAD_DIM>::kElems, kDsRow = PaddedRow<BLOCK_M>::kElems;
+    static constexpr int kV = BLOCK_N * kRow, kQ = kV + BLOCK_N * kRow, kDo = kQ + 2 * BLOCK_M * kRow;
+    static constexpr int kStats = kDo + 2 * BLOCK_M * kRow;
+    static constexpr int kDsBytes = kStats * static_cast<int>(sizeof(T)) + 4 * BLOCK_M * static_cast<int>(sizeof(float));
+    static constexpr int kBytes = kDsBytes + (ATOMIC_DQ ? BLOCK_N * kDsRow * static_cast<int>(sizeof(T)) : 0);
+};
+
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int PART, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLASH_BWD_PARAMS) {
     constexpr bool kDk = PART != kDvOnly, kDv = PART != kDkOnly;
@@ -404,16 +427,15 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
     static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0, "tiles are made of 16 x 16 mma blocks");
     constexpr bool kDropout = (MODS & kModDropout) != 0;
 
-    // Shared memory: K, V [BLOCK_N][kRow]; Q, dO [2][BLOCK_M][kRow]; lse2, delta [2][BLOCK_M] float32;
-    // with ATOMIC_DQ, dS^T [BLOCK_N][kDsRow].
+    using Smem = DkdvRowsSmem<T, HEAD_DIM, BLOCK_M, BLOCK_N, ATOMIC_DQ>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* k_s = reinterpret_cast<T*>(smem_raw);
-    T* v_s = k_s + BLOCK_N * kRow;
-    T* q_s = v_s + BLOCK_N * kRow;
-    T* do_s = q_s + 2 * BLOCK_M * kRow;
-    float* lse2_s = reinterpret_cast<float*>(do_s + 2 * BLOCK_M * kRow);
+    T* v_s = k_s + Smem::kV;
+    T* q_s = k_s + Smem::kQ;
+    T* do_s = k_s + Smem::kDo;
+    float* lse2_s = reinterpret_cast<float*>(k_s + Smem::kStats);
     float* delta_s = lse2_s + 2 * BLOCK_M;
-    T* ds_s = reinterpret_cast<T*>(delta_s + 2 * BLOCK_M);
+    T* ds_s = reinterpret_cast<T*>(smem_raw + Smem::kDsBytes);
 
     const KeyBlock blk(BLOCK_N, heads / group, seqlen_k, 0, 0);   // the banded grid
     const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
@@ -595,6 +617,15 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
 // stacked 16-row atoms) per warp, so every K and V fragment read from shared memory feeds kMAtoms mma
 // instructions. Q and dO stay in shared memory while K and V tiles of BLOCK_N keys stream through two
 // cp.async stages (the forward's structure). dS stays in registers as the A operand of dS K.
+//
+// Its shared memory, offsets in elements of T: Q, dO [BLOCK_M][kRow]; K, V [2][BLOCK_N][kRow]. kBytes is what
+// the launch gives it (_config.mma_smem_bytes, checked by tests/test_compile.py).
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct DqSmem {
+    static constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
+    static constexpr int kDo = BLOCK_M * kRow, kK = kDo + BLOCK_M * kRow, kV = kK + 2 * BLOCK_N * kRow;
+    static constexpr int kBytes = (kV + 2 * BLOCK_N * kRow) * static_cast<int>(sizeof(T));
+};
+
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) {
     constexpr int kThreads = WARPS * 32;
@@ -605,12 +636,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) 
     constexpr int kDTiles = HEAD_DIM / 8;
     static_assert(BLOCK_M % (16 * WARPS) == 0 && BLOCK_N % 16 == 0, "tiles are made of 16 x 16 mma blocks");
 
-    // Shared memory: Q, dO [BLOCK_M][kRow]; K, V [2][BLOCK_N][kRow].
+    using Smem = DqSmem<T, HEAD_DIM, BLOCK_M, BLOCK_N>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* q_s = reinterpret_cast<T*>(smem_raw);
-    T* do_s = q_s + BLOCK_M * kRow;
-    T* k_s = do_s + BLOCK_M * kRow;
-    T* v_s = k_s + 2 * BLOCK_N * kRow;
+    T* do_s = q_s + Smem::kDo;
+    T* k_s = q_s + Smem::kK;
+    T* v_s = q_s + Smem::kV;
 
     const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, false);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;

@@ -24,6 +24,23 @@ namespace cuflash {
 // warp rescales: P stays below 2^8, well inside bf16/fp16 and the float32 sums (see the kernel).
 constexpr float kRescaleSlack = 8.f;
 
+// fwd_mma's shared memory, offsets in elements of T: Q [BLOCK_M][kRow], then K and V, two stages each
+// [2][BLOCK_N][kRow]; element (row, column) of a tile at Row::offset(row, column / 8) + column % 8. Where
+// warps share rows (KEY_SPLIT = 2), then each warp's row maxima [WARPS][kMAtoms][2][32 lanes] (float; in
+// the epilogue its row sums: kMaxSlots floats per warp) and its P fragments [WARPS][kMAtoms][key steps][32
+// lanes] (uint4: kPSlots per warp), indexed by lane so that the partner reads each lane's values (the same
+// rows) back conflict-free. kBytes is what the launch gives it (_config.mma_smem_bytes, checked by
+// tests/test_compile.py).
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int KEY_SPLIT> struct FwdSmem {
+    static constexpr int kRow = ForwardRow<HEAD_DIM>::kElems;
+    static constexpr int kK = BLOCK_M * kRow, kV = kK + 2 * BLOCK_N * kRow, kTiles = kV + 2 * BLOCK_N * kRow;
+    static constexpr int kMAtoms = BLOCK_M / (WARPS / KEY_SPLIT) / 16;   // 16-row atoms of a warp
+    // a pair's warp computes S for BLOCK_N / KEY_SPLIT keys of a tile (pairs take whole tiles)
+    static constexpr int kMaxSlots = kMAtoms * 2 * 32, kPSlots = kMAtoms * (BLOCK_N / KEY_SPLIT / 16) * 32;
+    static constexpr int kBytes = kTiles * static_cast<int>(sizeof(T)) +
+                                  (KEY_SPLIT > 1 ? WARPS * (kMaxSlots * 4 + kPSlots * 16) : 0);
+};
+
 // Minimum blocks per SM, found by reading ptxas's report: without a minimum of one, ptxas aims
 // 256-thread blocks at two per SM (128 registers) and spills at head_dim 160; with it, 128-thread
 // blocks of two atoms per warp at head_dim 128 reach 255 registers and spill; with none, one-atom
@@ -62,17 +79,14 @@ fwd_mma(CUFLASH_FWD_PARAMS) {
     // A pair's column halves start on a 128-byte boundary of a swizzled row (the XOR pattern restarts).
     static_assert(KEY_SPLIT == 1 || kDTiles % 8 == 0, "column shares are whole 64-column groups");
 
-    // Shared memory: Q [BLOCK_M][kRow], then K and V, two stages each [2][BLOCK_N][kRow]; element (row,
-    // column) of a tile at Row::offset(row, column / 8) + column % 8. Where warps share rows (KEY_SPLIT = 2),
-    // then each warp's row maxima [WARPS][kMAtoms][2][32 lanes] (float; in the epilogue its row sums) and its
-    // P fragments [WARPS][kMAtoms][kWarpKSteps][32 lanes] (uint4), indexed by lane so that the partner reads
-    // each lane's values (the same rows) back conflict-free.
+    using Smem = FwdSmem<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, KEY_SPLIT>;
+    static_assert(KEY_SPLIT == 1 || (kSubN == BLOCK_N && Smem::kMAtoms == kMAtoms), "the pair slots' layout");
     extern __shared__ __align__(128) unsigned char smem_raw[];   // swizzled rows need 128-byte alignment
     T* q_s = reinterpret_cast<T*>(smem_raw);
-    T* k_s = q_s + BLOCK_M * kRow;
-    T* v_s = k_s + 2 * BLOCK_N * kRow;
-    float* pair_max = reinterpret_cast<float*>(v_s + 2 * BLOCK_N * kRow);
-    uint4* pair_p = reinterpret_cast<uint4*>(pair_max + WARPS * kMAtoms * 2 * 32);   // 16-byte aligned
+    T* k_s = q_s + Smem::kK;
+    T* v_s = q_s + Smem::kV;
+    float* pair_max = reinterpret_cast<float*>(q_s + Smem::kTiles);
+    uint4* pair_p = reinterpret_cast<uint4*>(pair_max + WARPS * Smem::kMaxSlots);   // 16-byte aligned
 
     const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, query_blocks_fastest);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
@@ -100,7 +114,7 @@ fwd_mma(CUFLASH_FWD_PARAMS) {
     // Where warps share rows: this lane's slots in pair_max and pair_p; the partner's (warp ^ 1) are one
     // warp's slots after or before them. (Indexing the partner's slots by its warp index instead made
     // ptxas spill 40 bytes.)
-    constexpr int kMaxSlots = kMAtoms * 2 * 32, kPSlots = kMAtoms * kWarpKSteps * 32;   // per warp
+    constexpr int kMaxSlots = Smem::kMaxSlots, kPSlots = Smem::kPSlots;   // per warp
     const int partner_side = share == 0 ? 1 : -1;
     float* const my_max = pair_max + warp * kMaxSlots + lane;
     uint4* const my_p = pair_p + warp * kPSlots + lane;
