@@ -1,7 +1,8 @@
 """The GPU path: plan the kernels of a problem once, then launch them on CuPy's current stream per call.
 
-A plan holds everything a call of one (shapes, strides, dtypes, device, options) needs: the compiled
-kernels, their grids, shared memory and every by-value launch argument, converted once. ``run`` only
+A plan holds everything a call of one (shapes, strides, dtypes, device, options) needs: the launches
+``_plan`` chose (kernels, grids, bands, dQ splits), compiled, and every by-value launch argument,
+converted once. ``run`` only
 allocates the outputs, checks the arrays' 16-byte alignment (a pointer property, not part of the key)
 and launches. Nothing in ``run`` synchronizes the host or touches the null stream, so a call can be
 captured into a CUDA graph (``cupy.cuda.Stream.begin_capture``) once its kernels are compiled.
@@ -13,7 +14,7 @@ import functools
 
 import numpy as np
 
-from . import _config
+from . import _config, _plan
 from ._compile import get_kernel
 from . import _philox
 from ._validate import Problem
@@ -86,18 +87,6 @@ def _strides_vector_ok(head_dim: int, itemsize: int, *strides) -> bool:
     return head_dim % elems == 0 and all(s % elems == 0 for triple in strides for s in triple)
 
 
-def _grid(blocks: int) -> tuple[int]:
-    if blocks >= 2**31:
-        raise ValueError(f"problem too large: {blocks} thread blocks (at most 2**31 - 1)")
-    return (max(blocks, 1),)
-
-
-def _banded_grid(tiles_per_head: int, pairs: int, device_id: int) -> tuple[int, int]:
-    """(tiles of one band, bands): the grid of the kernels that decode KeyBlock (kernels/common.cuh)."""
-    band = _config.block_band(tiles_per_head, pairs, device_props(device_id).sm_count)
-    return _grid(tiles_per_head * band)[0], pairs // band
-
-
 def _window(p: Problem) -> tuple[int, int, int]:
     """The kernels' Window (kernels/common.cuh): diagonal, left, right, an unbounded side as seqlen_q + seqlen_k
     (no |key - row - diagonal| reaches it)."""
@@ -149,13 +138,12 @@ class ForwardPlan:
         self.problem = p
         self.device_id = device_id
         self.copies = tuple(_needs_copy(x) for x in (q, k, v))
-        if spec is None:
-            spec = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device_props(device_id), p.mods).forward
+        launch = _plan.forward(p, device_props(device_id), spec)
         with cupy.cuda.Device(device_id):
-            self.kernel = get_kernel(spec, device_id)
-        self.grid = _grid(-(-p.seqlen_q // spec.block_m) * p.batch * p.heads)
-        self.block = (spec.threads,)
-        self.smem = spec.smem_bytes
+            self.kernel = get_kernel(launch.spec, device_id)
+        self.grid = launch.grid
+        self.block = (launch.spec.threads,)
+        self.smem = launch.spec.smem_bytes
         self.out_shape, self.dtype = tuple(q.shape), q.dtype
         self.lse_shape = (p.batch, p.heads, p.seqlen_q)
         itemsize = q.dtype.itemsize
@@ -165,7 +153,7 @@ class ForwardPlan:
         self.head = tuple(_by_value(s, np.int64) for triple in strides for s in triple) + tuple(
             _int32(n) for n in (p.batch, p.heads, p.group, p.seqlen_q, p.seqlen_k, p.head_dim, *_window(p))) + (
             *_modifiers(p), _by_value(p.softmax_scale * LOG2E, np.float32))
-        self.tail = (_int32(_config.forward_query_blocks_fastest(spec.head_dim, p.masked)),)
+        self.tail = tuple(_int32(n) for n in launch.tail)
 
     def run(self, q, k, v, alibi_slopes=None, sinks=None, seed=0, offset=0, with_lse: bool = True):
         """out, and lse where ``with_lse`` (else None: the kernel stores none), on CuPy's current stream.
@@ -188,28 +176,24 @@ class ForwardPlan:
 
 
 class _Launch:
-    """One kernel launch of a plan: the kernel, its grid and block, shared memory, trailing arguments."""
+    """One kernel launch of a plan (``_plan.Launch``), compiled: the kernel, its grid and block, shared
+    memory, trailing arguments (the plan's int32 tail, then ``extra``)."""
 
     __slots__ = ("kernel", "grid", "block", "smem", "tail")
 
-    def __init__(self, spec: _config.KernelSpec, device_id: int, grid, tail: tuple = ()):
+    def __init__(self, launch: _plan.Launch, device_id: int, extra: tuple = ()):
+        spec = launch.spec
         self.kernel = get_kernel(spec, device_id)
-        self.grid, self.block, self.smem, self.tail = grid, (spec.threads,), spec.smem_bytes, tail
+        self.grid, self.block, self.smem = launch.grid, (spec.threads,), spec.smem_bytes
+        self.tail = tuple(_int32(n) for n in launch.tail) + extra
 
     def __call__(self, args: tuple):
         self.kernel(self.grid, self.block, args + self.tail, shared_mem=self.smem)
 
 
 class BackwardPlan:
-    """The backward of one problem on one device: bwd_preprocess (delta = rowsum(dout * out)), the dK/dV
-    launches (which also add dQ into a zeroed float32 buffer, where the config has atomic kernels or the
-    deterministic split grid serves), then bwd_dq_convert or the dQ kernel.
-
-    The default adds dQ with float32 atomics inside the dK/dV kernels (where the config has them:
-    float16/bfloat16). ``deterministic`` runs the same kernel on the split grid, one float32 dQ buffer per
-    split, or, where that grid would leave SMs idle, the separate dQ kernel
-    (``_config.deterministic_dq_splits``).
-    """
+    """The backward of one problem on one device: the launches of ``_plan.backward`` (bwd_preprocess, the
+    dK/dV launches, then bwd_dq_convert or the dQ kernel), compiled, with their arguments."""
 
     def __init__(self, p: Problem, device_id: int, deterministic: bool, dout, q, k, v, out, lse,
                  cfg: _config.AttentionConfig | None = None):
@@ -217,20 +201,14 @@ class BackwardPlan:
         self.device_id = device_id
         self.copies = tuple(_needs_copy(x) for x in (dout, q, k, v, out))
         self.copy_lse = not lse.flags.c_contiguous
-        props = device_props(device_id)
-        if cfg is None:
-            cfg = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, props, p.mods)
-        pairs = p.batch * p.heads_kv
-        dq_splits = _config.deterministic_dq_splits(cfg, pairs, p.seqlen_k, props.sm_count) if deterministic else 0
-        self.adds_dq = bool(cfg.bwd_dkdv_atomic) and (not deterministic or dq_splits > 0)
+        plan = _plan.backward(p, device_props(device_id), deterministic, cfg)
+        self.adds_dq = plan.adds_dq
         self.dtype, self.q_shape, self.kv_shape = q.dtype, tuple(q.shape), tuple(k.shape)
         self.delta_shape = (p.batch, p.heads, p.seqlen_q)
         # float32, per copy (one per split of the deterministic split grid, else one) and (batch, head):
         # dq_accum_rows(seqlen_q) x specialized head dim in mma-fragment order (DqAccum in
         # kernels/common.cuh); O(seqlen) per (batch, head)
-        copies = max(dq_splits, 1)
-        self.accum_shape = ((copies, p.batch, p.heads, _config.dq_accum_rows(p.seqlen_q), cfg.bwd_dq_convert.head_dim)
-                            if self.adds_dq else None)
+        self.accum_shape = plan.accum_shape
         itemsize = q.dtype.itemsize
         dout_s, q_s, k_s, v_s, out_s = (_strides_of(x, c) for x, c in zip((dout, q, k, v, out), self.copies))
         dq_s, dk_s = _contiguous_strides(q.shape), _contiguous_strides(k.shape)
@@ -239,38 +217,19 @@ class BackwardPlan:
             return tuple(_by_value(s, np.int64) for triple in triples for s in triple)
 
         with cupy.cuda.Device(device_id):
-            rows = p.batch * p.heads * p.seqlen_q
-            lanes = _config.preprocess_lanes(p.head_dim, itemsize)
-            pre = cfg.bwd_preprocess
-            self.preprocess = _Launch(pre, device_id, _grid(-(-rows * lanes // pre.threads)))
+            self.preprocess = _Launch(plan.preprocess, device_id)
             self.preprocess_head = int64s(dout_s, out_s) + tuple(
-                _int32(n) for n in (p.batch, p.heads, p.seqlen_q, p.head_dim, lanes))
+                _int32(n) for n in (p.batch, p.heads, p.seqlen_q, p.head_dim, plan.preprocess_lanes))
             self.preprocess_strides_ok = _strides_vector_ok(p.head_dim, itemsize, dout_s, out_s)
 
             self.head = int64s(q_s, k_s, v_s, dout_s, dq_s, dk_s) + tuple(
                 _int32(n) for n in (p.batch, p.heads, p.group, p.seqlen_q, p.seqlen_k, p.head_dim, *_window(p))) + (
                 *_modifiers(p), _by_value(p.softmax_scale, np.float32), _by_value(p.softmax_scale * LOG2E, np.float32))
             self.strides_vector_ok = _strides_vector_ok(p.head_dim, itemsize, q_s, k_s, v_s, dout_s)
-            self.splits = _int32(dq_splits)
-            self.dkdv = []
-            for spec in cfg.bwd_dkdv_atomic if self.adds_dq else cfg.bwd_dkdv:
-                key_blocks = -(-p.seqlen_k // spec.block_n)
-                if dq_splits:  # the split grid: one launch per pass, in order (KeyBlock in kernels/common.cuh)
-                    self.dkdv += [_Launch(spec, device_id, _grid(pairs * dq_splits), (self.splits, _int32(dq_pass)))
-                                  for dq_pass in range(-(-key_blocks // dq_splits))]
-                else:
-                    self.dkdv.append(_Launch(spec, device_id, _banded_grid(key_blocks, pairs, device_id),
-                                             (self.splits, _int32(0))))
-            if self.adds_dq:
-                spec = cfg.bwd_dq_convert
-                tile_rows = int(np.prod(self.accum_shape[1:])) // 8  # one thread per row of a 16 x 8 tile
-                self.dq = _Launch(spec, device_id, _grid(-(-tile_rows // spec.threads)),
-                                  int64s(dq_s) + tuple(_int32(n) for n in (p.batch, p.heads, p.seqlen_q, p.head_dim))
-                                  + (_by_value(p.softmax_scale, np.float32), _int32(copies)))
-            else:
-                spec = cfg.bwd_dq
-                self.dq = _Launch(spec, device_id, _grid(-(-p.seqlen_q // spec.block_m) * p.batch * p.heads),
-                                  (self.splits, _int32(0)))
+            self.dkdv = [_Launch(launch, device_id) for launch in plan.dkdv]
+            convert_args = (int64s(dq_s) + tuple(_int32(n) for n in (p.batch, p.heads, p.seqlen_q, p.head_dim))
+                            + (_by_value(p.softmax_scale, np.float32), _int32(plan.copies)))
+            self.dq = _Launch(plan.dq, device_id, convert_args if plan.adds_dq else ())
 
     def run(self, dout, q, k, v, out, lse, alibi_slopes=None, sinks=None, seed=0, offset=0):
         """dq, dk, dv (and dsinks, float32 (heads,), with sinks) on CuPy's current stream."""

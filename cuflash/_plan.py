@@ -1,0 +1,102 @@
+"""The launches of one call: every shape-dependent choice (kernels, grids, bands, dQ splits, buffers), made
+from the problem and the device's properties alone. Pure: no GPU, no CuPy, so it is tested on the CPU and
+probes and tuning tools go through it. The GPU path (``_cupy_path``) only compiles the kernels it names,
+allocates, fills in the arguments and launches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import _config
+from ._validate import Problem
+
+#: CUDA's limit on gridDim.x
+MAX_GRID_X = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch: its specialization, grid, and the int32 arguments that end its parameter list
+    (after the ones every launch of its pass shares)."""
+
+    spec: _config.KernelSpec
+    grid: tuple[int, ...]
+    tail: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardLaunches:
+    """The backward's launches, in order: ``preprocess`` (delta = rowsum(dout * out), ``preprocess_lanes``
+    lanes per row), the ``dkdv`` launches, then ``dq`` (bwd_dq_convert where the dK/dV launches add dQ into
+    the float32 buffer of ``accum_shape``, ``copies`` copies summed in order; else the dQ kernel)."""
+
+    preprocess: Launch
+    preprocess_lanes: int
+    dkdv: tuple[Launch, ...]
+    dq: Launch
+    adds_dq: bool
+    #: (copies, batch, heads, rows, head dim) of the float32 dQ buffer (DqAccum, kernels/common.cuh); None
+    #: where dQ has its own kernel
+    accum_shape: tuple[int, ...] | None
+    copies: int
+
+
+def grid(blocks: int) -> tuple[int]:
+    """A one-dimensional grid of ``blocks`` (at least one); ValueError past CUDA's limit."""
+    if blocks > MAX_GRID_X:
+        raise ValueError(f"problem too large: {blocks} thread blocks (at most {MAX_GRID_X})")
+    return (max(blocks, 1),)
+
+
+def banded_grid(tiles_per_head: int, pairs: int, sm_count: int) -> tuple[int, int]:
+    """(tiles of one band, bands): the grid of the dK/dV kernels that decode KeyBlock (kernels/common.cuh)."""
+    band = _config.block_band(tiles_per_head, pairs, sm_count)
+    return grid(tiles_per_head * band)[0], pairs // band
+
+
+def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | None = None) -> Launch:
+    """The forward's one launch; ``spec`` overrides the tile table's (for tuning tools). Its tail is
+    QueryBlock's grid order (kernels/common.cuh)."""
+    if spec is None:
+        spec = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device, p.mods).forward
+    order = _config.forward_query_blocks_fastest(spec.head_dim, p.masked)
+    return Launch(spec, grid(-(-p.seqlen_q // spec.block_m) * p.batch * p.heads), (int(order),))
+
+
+def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
+             cfg: _config.AttentionConfig | None = None) -> BackwardLaunches:
+    """The backward's launches; ``cfg`` overrides the tile table's kernels (for tuning tools).
+
+    The default adds dQ with float32 atomics inside the dK/dV kernels (where the config has them:
+    float16/bfloat16). ``deterministic`` runs the same kernel on the split grid, one float32 dQ buffer per
+    split, one launch per pass (KeyBlock), or, where that grid would leave SMs idle, the separate dQ kernel
+    (``_config.deterministic_dq_splits``). The dK/dV and dQ kernels' tail is (dq_splits, dq_pass).
+    """
+    if cfg is None:
+        cfg = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device, p.mods)
+    pairs = p.batch * p.heads_kv
+    dq_splits = _config.deterministic_dq_splits(cfg, pairs, p.seqlen_k, device.sm_count) if deterministic else 0
+    adds_dq = bool(cfg.bwd_dkdv_atomic) and (not deterministic or dq_splits > 0)
+    copies = max(dq_splits, 1)
+    lanes = _config.preprocess_lanes(p.head_dim, p.dtype.itemsize)
+    pre = cfg.bwd_preprocess
+    preprocess = Launch(pre, grid(-(-p.batch * p.heads * p.seqlen_q * lanes // pre.threads)))
+    dkdv = []
+    for spec in cfg.bwd_dkdv_atomic if adds_dq else cfg.bwd_dkdv:
+        key_blocks = -(-p.seqlen_k // spec.block_n)
+        if dq_splits:  # one launch per pass, in order
+            dkdv += [Launch(spec, grid(pairs * dq_splits), (dq_splits, dq_pass))
+                     for dq_pass in range(-(-key_blocks // dq_splits))]
+        else:
+            dkdv.append(Launch(spec, banded_grid(key_blocks, pairs, device.sm_count), (0, 0)))
+    if adds_dq:
+        accum_shape = (copies, p.batch, p.heads, _config.dq_accum_rows(p.seqlen_q), cfg.bwd_dq_convert.head_dim)
+        spec = cfg.bwd_dq_convert
+        tile_rows = p.batch * p.heads * accum_shape[3] * accum_shape[4] // 8  # a thread per row of a 16 x 8 tile
+        dq = Launch(spec, grid(-(-tile_rows // spec.threads)))
+    else:
+        accum_shape = None
+        spec = cfg.bwd_dq
+        dq = Launch(spec, grid(-(-p.seqlen_q // spec.block_m) * p.batch * p.heads), (0, 0))
+    return BackwardLaunches(preprocess, lanes, tuple(dkdv), dq, adds_dq, accum_shape, copies)

@@ -1,0 +1,106 @@
+"""The launch plan (cuflash._plan): every grid, band, split and buffer of a call, chosen on the CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cuflash import _config, _plan
+from cuflash._config import BFLOAT16
+from cuflash._validate import Problem
+
+H100 = _config.H100
+
+
+def problem(batch=2, seqlen_q=1000, seqlen_k=1000, heads=8, heads_kv=8, head_dim=128, dtype=BFLOAT16,
+            causal=True, **options) -> Problem:
+    right = 0 if causal else -1
+    return Problem(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, np.dtype(dtype), causal,
+                   head_dim**-0.5, window_right=right, diagonal=seqlen_k - seqlen_q, **options)
+
+
+def test_forward_launch_covers_every_query_block_of_every_head():
+    p = problem(seqlen_q=1000)
+    launch = _plan.forward(p, H100)
+    assert launch.spec == _config.choose_config(128, BFLOAT16, _config.MASK_CAUSAL, H100).forward
+    assert launch.grid == (-(-1000 // launch.spec.block_m) * 2 * 8,)
+    assert launch.tail == (int(_config.forward_query_blocks_fastest(128, True)),)
+    # a spec given by a tuning tool is the one launched, on its own tiles
+    other = _config.mma_spec("fwd_mma", BFLOAT16, 128, _config.MASK_CAUSAL, 64, 32, 4)
+    assert _plan.forward(p, H100, other).grid == (16 * 16,)
+
+
+def test_forward_takes_the_modifiers_kernels():
+    p = problem(head_dim=64, dropout_p=0.1)
+    assert _plan.forward(p, H100).spec.mods == _config.MOD_DROPOUT
+
+
+def test_default_backward_adds_dq_in_the_banded_dkdv_launch():
+    p = problem(heads=8, heads_kv=2)  # GQA: 4 (batch, kv head) pairs
+    plan = _plan.backward(p, H100, deterministic=False)
+    cfg = _config.choose_config(128, BFLOAT16, _config.MASK_CAUSAL, H100)
+    assert plan.adds_dq and plan.copies == 1
+    (dkdv,) = plan.dkdv
+    assert dkdv.spec == cfg.bwd_dkdv_atomic[0] and dkdv.tail == (0, 0)
+    key_blocks = -(-1000 // dkdv.spec.block_n)
+    tiles, bands = dkdv.grid
+    assert tiles * bands == key_blocks * 4 and tiles % key_blocks == 0  # whole heads per band
+    assert plan.accum_shape == (1, 2, 8, _config.dq_accum_rows(1000), 128)
+    assert plan.dq.spec == cfg.bwd_dq_convert and plan.dq.tail == ()
+    # one thread per row of every 16 x 8 tile of the buffer
+    assert plan.dq.grid[0] * plan.dq.spec.threads >= 2 * 8 * _config.dq_accum_rows(1000) * 128 // 8
+    lanes = _config.preprocess_lanes(128, 2)
+    assert plan.preprocess_lanes == lanes and plan.preprocess.grid == (-(-2 * 8 * 1000 * lanes // 256),)
+
+
+def test_deterministic_backward_on_the_split_grid_launches_each_pass_in_order(monkeypatch):
+    monkeypatch.setattr(_config, "deterministic_dq_splits", lambda *_: 3)
+    p = problem(seqlen_k=1000, heads=4, heads_kv=4)
+    plan = _plan.backward(p, H100, deterministic=True)
+    key_blocks = -(-1000 // plan.dkdv[0].spec.block_n)
+    assert [launch.tail for launch in plan.dkdv] == [(3, dq_pass) for dq_pass in range(-(-key_blocks // 3))]
+    assert all(launch.grid == (2 * 4 * 3,) for launch in plan.dkdv)
+    assert plan.adds_dq and plan.copies == 3 and plan.accum_shape[0] == 3
+
+
+def test_deterministic_backward_with_the_dq_kernel():
+    p = problem(batch=1, heads=2, heads_kv=2)  # 2 pairs cannot fill the SMs: the dQ kernel serves
+    plan = _plan.backward(p, H100, deterministic=True)
+    cfg = _config.choose_config(128, BFLOAT16, _config.MASK_CAUSAL, H100)
+    assert not plan.adds_dq and plan.accum_shape is None
+    assert [launch.spec for launch in plan.dkdv] == list(cfg.bwd_dkdv)
+    assert plan.dq.spec == cfg.bwd_dq and plan.dq.tail == (0, 0)
+    assert plan.dq.grid == (-(-1000 // cfg.bwd_dq.block_m) * 2,)
+
+
+def test_float32_backward_runs_the_simt_pair():
+    plan = _plan.backward(problem(dtype=np.float32), H100, deterministic=False)
+    assert not plan.adds_dq
+    assert [launch.spec.kernel for launch in plan.dkdv] == ["bwd_dkdv_simt"] and plan.dq.spec.kernel == "bwd_dq_simt"
+
+
+@given(batch=st.integers(1, 64), heads_kv=st.integers(1, 16), group=st.integers(1, 4),
+       seqlen_k=st.integers(1, 40_000), deterministic=st.booleans(), head_dim=st.sampled_from([64, 128, 256]))
+def test_backward_launches_cover_every_key_block_once_per_pass(batch, heads_kv, group, seqlen_k, deterministic,
+                                                               head_dim):
+    p = problem(batch=batch, seqlen_q=seqlen_k, seqlen_k=seqlen_k, heads=heads_kv * group, heads_kv=heads_kv,
+                head_dim=head_dim)
+    plan = _plan.backward(p, H100, deterministic)
+    pairs = batch * heads_kv
+    for launch in plan.dkdv:
+        key_blocks = -(-seqlen_k // launch.spec.block_n)
+        splits, dq_pass = launch.tail
+        if splits:  # block `split` of a pass takes key block split + dq_pass * splits (KeyBlock)
+            assert launch.grid == (pairs * splits,) and dq_pass * splits < key_blocks
+        else:  # banded: the bands hold every (pair, key block) once
+            tiles, bands = launch.grid
+            assert tiles * bands == key_blocks * pairs and bands <= _config.MAX_GRID_Y
+    assert all(len(launch.grid) in (1, 2) and min(launch.grid) >= 1 for launch in (plan.preprocess, plan.dq))
+
+
+def test_a_grid_past_cudas_limit_is_a_value_error():
+    with pytest.raises(ValueError, match="problem too large"):
+        _plan.grid(2**31)
+    assert _plan.grid(0) == (1,) and _plan.grid(2**31 - 1) == (2**31 - 1,)
