@@ -160,7 +160,7 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     ((1, 5, 2, 16), (1, 2, 5))
     >>> out = cuflash.attention(q, q, q, window_size=(2, 0), softcap=30.0)
     """
-    if dropout_p:  # seed and offset change per call: checked on every call, before a plan can refuse dropout
+    if dropout_p:  # seed and offset change per call (they are not in the plan key): checked on every call
         _, seed, offset = check_dropout(dropout_p, seed, offset)
     try:
         key = (_FORWARD, _array_key(q), _array_key(k), _array_key(v), causal, causal.__class__, softmax_scale,
