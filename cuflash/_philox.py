@@ -11,7 +11,7 @@ query heads reads
     word    = 2 * ((j >> 3) & 1) + ((i >> 3) & 1),  its low 16 bits for even j, the high ones for odd j
 
 and is kept when that draw is at least ``floor(dropout_p * 2**16)``. Sixteen bits keep the Philox work
-at one call per eight elements (32-bit draws took one per four) while the kept share is within 2**-16 of
+at one call per eight elements (32-bit draws would take one per four) while the kept share is within 2**-16 of
 ``1 - dropout_p``. The CUDA kernels compute the same function (``Dropout`` in kernels/common.cuh), so the
 mask does not depend on tiles, launch order or the GPU, and the NumPy path draws it bit for bit.
 """
