@@ -151,7 +151,7 @@ class CupyImpl:
 
 
 def _plain(feature) -> bool:
-    """Is ``feature`` absent or plain causal attention (no window, modifier or sink)?"""
+    """Is ``feature`` absent or plain causal attention (no window, modifier, sink or dropout)?"""
     return feature is None or feature == type(feature)(feature.name)
 
 
@@ -271,7 +271,7 @@ class TorchSdpa:
 class TorchFlex:
     """PyTorch's FlexAttention (``torch.nn.attention.flex_attention``) under ``torch.compile``: the
     feature's mask as a block mask (causal, or causal within a window) and its modifiers as a score_mod
-    (softcap, ALiBi). It has no attention sinks. Square shapes only, as for SDPA (its causal mask is
+    (softcap, ALiBi). It has no attention sinks or dropout. Square shapes only, as for SDPA (its causal mask is
     written top-left here, which agrees with cuflash's bottom-right there)."""
 
     name = "torch-flex"

@@ -528,7 +528,8 @@ def choose_config(head_dim: int, dtype, mask: int, device: DeviceProps, mods: in
     device : DeviceProps
     mods : int
         MOD_* bits (``Problem.mods``): the forward takes them all, the backward all but MOD_SINKS. The
-        modifiers share the plain kernels' tiles.
+        modifiers share the plain kernels' tiles, except where dropout's registers needed narrower ones
+        (_mma_forward_tiles, _mma_backward_tiles).
 
     Returns
     -------

@@ -14,9 +14,8 @@ import functools
 
 import numpy as np
 
-from . import _config, _plan
+from . import _config, _philox, _plan
 from ._compile import get_kernel
-from . import _philox
 from ._validate import Problem
 
 LOG2E = float(np.log2(np.e))
@@ -227,9 +226,10 @@ class BackwardPlan:
                 *_modifiers(p), _by_value(p.softmax_scale, np.float32), _by_value(p.softmax_scale * LOG2E, np.float32))
             self.strides_vector_ok = _strides_vector_ok(p.head_dim, itemsize, q_s, k_s, v_s, dout_s)
             self.dkdv = [_Launch(launch, device_id) for launch in plan.dkdv]
-            convert_args = (int64s(dq_s) + tuple(_int32(n) for n in (p.batch, p.heads, p.seqlen_q, p.head_dim))
-                            + (_by_value(p.softmax_scale, np.float32), _int32(plan.copies)))
-            self.dq = _Launch(plan.dq, device_id, convert_args if plan.adds_dq else ())
+            convert_args = () if not plan.adds_dq else (
+                int64s(dq_s) + tuple(_int32(n) for n in (p.batch, p.heads, p.seqlen_q, p.head_dim))
+                + (_by_value(p.softmax_scale, np.float32), _int32(plan.accum_shape[0])))  # its copies
+            self.dq = _Launch(plan.dq, device_id, convert_args)
 
     def run(self, dout, q, k, v, out, lse, alibi_slopes=None, sinks=None, seed=0, offset=0):
         """dq, dk, dv (and dsinks, float32 (heads,), with sinks) on CuPy's current stream."""

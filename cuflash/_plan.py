@@ -29,7 +29,7 @@ class Launch:
 class BackwardLaunches:
     """The backward's launches, in order: ``preprocess`` (delta = rowsum(dout * out), ``preprocess_lanes``
     lanes per row), the ``dkdv`` launches, then ``dq`` (bwd_dq_convert where the dK/dV launches add dQ into
-    the float32 buffer of ``accum_shape``, ``copies`` copies summed in order; else the dQ kernel)."""
+    the float32 buffer of ``accum_shape``, whose copies it sums in order; else the dQ kernel)."""
 
     preprocess: Launch
     preprocess_lanes: int
@@ -39,7 +39,6 @@ class BackwardLaunches:
     #: (copies, batch, heads, rows, head dim) of the float32 dQ buffer (DqAccum, kernels/common.cuh); None
     #: where dQ has its own kernel
     accum_shape: tuple[int, ...] | None
-    copies: int
 
 
 def grid(blocks: int) -> tuple[int]:
@@ -78,7 +77,6 @@ def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
     pairs = p.batch * p.heads_kv
     dq_splits = _config.deterministic_dq_splits(cfg, pairs, p.seqlen_k, device.sm_count) if deterministic else 0
     adds_dq = bool(cfg.bwd_dkdv_atomic) and (not deterministic or dq_splits > 0)
-    copies = max(dq_splits, 1)
     lanes = _config.preprocess_lanes(p.head_dim, p.dtype.itemsize)
     pre = cfg.bwd_preprocess
     preprocess = Launch(pre, grid(-(-p.batch * p.heads * p.seqlen_q * lanes // pre.threads)))
@@ -91,6 +89,7 @@ def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
         else:
             dkdv.append(Launch(spec, banded_grid(key_blocks, pairs, device.sm_count), (0, 0)))
     if adds_dq:
+        copies = max(dq_splits, 1)  # one buffer per split of the split grid
         accum_shape = (copies, p.batch, p.heads, _config.dq_accum_rows(p.seqlen_q), cfg.bwd_dq_convert.head_dim)
         spec = cfg.bwd_dq_convert
         tile_rows = p.batch * p.heads * accum_shape[3] * accum_shape[4] // 8  # a thread per row of a 16 x 8 tile
@@ -99,4 +98,4 @@ def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
         accum_shape = None
         spec = cfg.bwd_dq
         dq = Launch(spec, grid(-(-p.seqlen_q // spec.block_m) * p.batch * p.heads), (0, 0))
-    return BackwardLaunches(preprocess, lanes, tuple(dkdv), dq, adds_dq, accum_shape, copies)
+    return BackwardLaunches(preprocess, lanes, tuple(dkdv), dq, adds_dq, accum_shape)

@@ -748,7 +748,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) 
                         if (nb % 2 == 0) keep = dropout.bits(m0 + warp_row0 + ma * 16 + g, n0 + nb * 8 + 2 * t);
 #pragma unroll
                         for (int e = 0; e < 4; ++e)
-                            dp[ma][nb][e] = (keep >> (4 * (nb % 2) + e)) & 1u ? dp[ma][nb][e] * dropout_scale : 0.f;
+                            dp[ma][nb][e] = (keep >> Dropout<kDropout>::keep_bit(e >> 1, nb & 1, e & 1)) & 1u
+                                                ? dp[ma][nb][e] * dropout_scale : 0.f;
                     }
 #pragma unroll
                     for (int e = 0; e < 4; ++e) dp[ma][nb][e] = p[ma][nb][e] * (dp[ma][nb][e] - dlt[ma][e / 2]);
