@@ -396,26 +396,28 @@ def _mma_forward_tiles(head_dim: int, causal: bool, device: DeviceProps, mods: i
     269 / 299 / 317 / 326 / 330 / 333 (float16 2k-16k 328 / 337 / 337 / 343 against 317 / 326 / 328 /
     330). Pairs only on sm_90 without the mask and without score modifiers: under the mask ptxas spills 28
     bytes, with a softcap and ALiBi 20 (NVRTC 13.0); on sm_8x (where head_dim 256 fits 32 keys per tile) it
-    is not measured. Modifiers otherwise share the plain kernels' tiles, except dropout: its keep bits and
-    Philox rounds beside two atoms' registers spilled (sm_90, NVRTC 13.0: 4-40 bytes at head_dim 64 on
-    128 x 64, 20-56 at head_dim 128 on 128 x 64 and on 128 x 32, 20 in the head_dim 256 pairs, 4 at head_dim
-    256 on 128 x 64 with a softcap), so dropout takes 32-key tiles at head_dim 64 and past 128, 64 x 64 (one
-    atom per warp) at 128, and no pairs.
+    is not measured. Modifiers share the plain kernels' tiles, dropout included (no pairs at head_dim 256),
+    except on sm_8x at head_dim 64 and less, where dropout takes 128 x 32 (128 x 64 spilled 4-52 bytes there;
+    unmeasured, no sm_8x GPU). On sm_90 the dropout forward's 128 x 64 spills 4-76 bytes at head_dim 64 and
+    128 under some masks and modifiers (NVRTC 13.0; tests/test_compile.py bounds it), and still measured
+    faster than the narrower tiles that fit (bench/NOTES.md dropout d2, dropout 0.1, causal, (2, 8192, 2048 /
+    head_dim, head_dim) bfloat16, time over plain causal: head_dim 64 1.47x against 1.60x at 128 x 32;
+    head_dim 128 1.28x against 1.33x at 64 x 64).
     """
     dropout = bool(mods & MOD_DROPOUT)
     if head_dim <= 64:
-        return (128, 32, 4, 1) if dropout else (128, 64, 4, 1)
+        return (128, 32, 4, 1) if dropout and device.compute_capability < 90 else (128, 64, 4, 1)
     if head_dim <= 128:
         # sm_80's ptxas spills on 128-row tiles at head_dim 128 (20 bytes at 128 x 32): 64 x 32 there;
         # head_dim 96 spills 16 bytes at 128 x 64 under the causal mask: 128 x 32
         if device.compute_capability < 90:
             return 64, 32, 4, 1
         if head_dim == 128:
-            return (64, 64, 4, 1) if dropout else (128, 64, 4, 1)
+            return 128, 64, 4, 1
         return 128, 32, 4, 1
     if head_dim == 256 and not causal and not mods & (SCORE_MODS | MOD_DROPOUT) and device.compute_capability >= 90:
         return 128, 64, 8, 2
-    return (128, 32, 8, 1) if dropout else (128, 64, 8, 1)
+    return 128, 64, 8, 1
 
 
 def forward_query_blocks_fastest(head_dim: int, causal: bool) -> bool:

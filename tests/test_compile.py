@@ -1,7 +1,8 @@
 """The kernels compile with NVRTC for sm_80 and sm_90, without a GPU: every plain kernel the dispatcher can
 choose and a covering set of the score-modifier kernels (``_config.all_specs``).
 
-The float16/bfloat16 (tensor-core) kernels must not spill registers to local memory.
+The float16/bfloat16 (tensor-core) kernels must not spill registers to local memory, except where a spill
+was measured to cost less than the tiles that avoid it (``allowed_spill_bytes``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import numpy as np
 import pytest
 
-from cuflash import _config
+from cuflash import _config, _philox
 from cuflash._compile import CHECKED_NVRTC, compile_offline, nvrtc_version
 
 TARGETS = {"sm_80": _config.A100, "sm_90": _config.H100}
@@ -53,10 +54,24 @@ def test_every_specialization_compiles(reports):
     assert all(r.registers > 0 for r in reports)
 
 
+def allowed_spill_bytes(report) -> int:
+    """Spill stores and loads a kernel may have: none, except the sm_90 dropout forward at head_dim 64 and
+    128 on 128 x 64 tiles, which spills 4-76 bytes under some masks and modifiers (NVRTC 13.0) and measured
+    faster than the narrower tiles that fit (_config._mma_forward_tiles)."""
+    spec = report.spec
+    if (report.arch == "sm_90" and spec.kernel == "fwd_mma" and spec.mods & _config.MOD_DROPOUT
+            and spec.head_dim <= 128 and (spec.block_m, spec.block_n) == (128, 64)):
+        return 128
+    return 0
+
+
 def test_half_precision_kernels_do_not_spill(reports):
     spilling = [(r.spec.name, r.spill_store_bytes, r.spill_load_bytes) for r in reports
-                if np.dtype(r.spec.dtype) != np.float32 and (r.spill_store_bytes or r.spill_load_bytes)]
+                if np.dtype(r.spec.dtype) != np.float32
+                and max(r.spill_store_bytes, r.spill_load_bytes) > allowed_spill_bytes(r)]
     assert not spilling, f"register spills on {reports[0].arch}: {spilling}"
+    # the allowance covers the kernels it names and no other
+    assert any(allowed_spill_bytes(r) for r in reports) == (reports[0].arch == "sm_90")
 
 
 def test_register_budget_allows_the_launch(reports):
@@ -107,6 +122,7 @@ def test_python_mirrors_the_kernels_constants():
                    + "\n".join(smem_asserts("bwd_mma.cu")) + "\n", "sm_90", [])
 
     simt = [f"static_assert(cuflash::kSimtThreads == {_config.SIMT_THREADS}, \"_config.SIMT_THREADS\");"]
+    simt.append(f"static_assert(cuflash::kPhiloxRounds == {_philox.ROUNDS}, \"_philox.ROUNDS\");")
     for d in _config.HEAD_DIMS:
         for tile in (16, 32):
             tiles = f"cuflash::SimtTiles<{d}, {tile}, {tile}>"

@@ -166,14 +166,20 @@ def test_alignment_only_moves_the_diagonal(rng):
 # Dropout: the mask, exactly
 
 
-def test_philox_known_answers():
-    # Random123's known-answer vectors of Philox4x32-10 (kat_vectors)
-    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-             ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+@pytest.mark.parametrize("rounds, cases", [
+    (7, [((0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+         ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)),
+         ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+          (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A))]),
+    (10, [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+          ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+          ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+           (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))])], ids=["7 rounds", "10 rounds"])
+def test_philox_known_answers(rounds, cases):
+    # Random123's known-answer vectors of Philox4x32-7 (the mask's) and -10 (kat_vectors)
+    assert _philox.ROUNDS == 7
     for counter, key, want in cases:
-        assert tuple(int(w) for w in _philox.philox4x32(counter, key)) == want
+        assert tuple(int(w) for w in _philox.philox4x32(counter, key, rounds)) == want
 
 
 def test_dropout_mask_keeps_its_share_and_depends_on_every_key_part():

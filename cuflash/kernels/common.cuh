@@ -161,12 +161,17 @@ template <int MODS, bool EXACT = false> struct ScoreMod {
     }
 };
 
-// Philox4x32-10 of `c` under the key (k0, k1): _philox.philox4x32 (Salmon et al., SC'11). Ten rounds of
-// two 32 x 32 -> 64-bit products; the key schedule is recomputed in the loop rather than kept in twenty
-// registers.
+// Rounds of the Philox generator (_philox.ROUNDS, checked by tests/test_compile.py): FlashAttention-2's
+// seven, which Salmon et al. found to pass BigCrush (ten is their default, with a margin); three rounds
+// fewer cut dropout's forward by 5-8% (bench/NOTES.md, dropout d2).
+constexpr int kPhiloxRounds = 7;
+
+// Philox4x32 of `c` under the key (k0, k1), kPhiloxRounds rounds: _philox.philox4x32 (Salmon et al.,
+// SC'11). Each round is two 32 x 32 -> 64-bit products; the key schedule is recomputed in the loop (ptxas
+// keeps it in uniform registers: the key is the same for the whole grid).
 __device__ __forceinline__ uint4 philox4x32(uint4 c, unsigned k0, unsigned k1) {
 #pragma unroll
-    for (int round = 0; round < 10; ++round) {
+    for (int round = 0; round < kPhiloxRounds; ++round) {
         if (round > 0) {
             k0 += 0x9E3779B9u;
             k1 += 0xBB67AE85u;
@@ -184,16 +189,37 @@ __device__ __forceinline__ uint4 philox4x32(uint4 c, unsigned k0, unsigned k1) {
 // Kept probabilities are scaled by 1 / (1 - dropout_p) where the kernels apply their output factors.
 template <bool ENABLED> struct Dropout {
     unsigned key0, key1, bh, offset, threshold;
+    unsigned threshold_high;   // threshold << 16: a word's high draw is kept where the word is at least this
     __device__ __forceinline__ Dropout(unsigned long long seed, unsigned offset_, unsigned threshold_, int bh_)
         : key0(static_cast<unsigned>(seed)), key1(static_cast<unsigned>(seed >> 32)), bh(bh_), offset(offset_),
-          threshold(threshold_) {}
+          threshold(threshold_), threshold_high(threshold_ << 16) {}
     // The keep bits of the call that holds element (row, key), any one of its eight: its element in row
     // half rh, key half kh and key parity odd has bit keep_bit(rh, kh, odd). ~0 (keep all) without dropout.
     __device__ __forceinline__ unsigned bits(int row, int key) const {
         if constexpr (!ENABLED) return ~0u;
-        const uint4 w = philox4x32(make_uint4(((key >> 4) << 2) | ((key >> 1) & 3), ((row >> 4) << 3) | (row & 7),
-                                              bh, offset), key0, key1);
+        const uint4 w = draws(row, key);
         return keep2(w.x) | keep2(w.y) << 2 | keep2(w.z) << 4 | keep2(w.w) << 6;
+    }
+    // The call's four words as drawn: word 2 * kh + rh holds the draws of row half rh and key half kh,
+    // the even key's in its low 16 bits.
+    __device__ __forceinline__ uint4 draws(int row, int key) const {
+        return philox4x32(make_uint4(((key >> 4) << 2) | ((key >> 1) & 3), ((row >> 4) << 3) | (row & 7), bh, offset),
+                          key0, key1);
+    }
+    // Dropout on an A fragment of P (pairs[i]: two packed 16-bit values, the even key's in the low half, of
+    // row half i % 2 and key half i / 2 of the 16 x 16 block), in place: the call of the block whose
+    // element (row, key) this thread holds zeroes the dropped halves. Word i of the call holds exactly the
+    // draws of pairs[i], so each pair takes two compares and at most two ANDs, with no keep bits to
+    // extract.
+    __device__ __forceinline__ void drop_pairs(unsigned (&pairs)[4], int row, int key) const {
+        if constexpr (!ENABLED) return;
+        const uint4 w = draws(row, key);
+        const unsigned words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if ((words[i] & 0xffffu) < threshold) pairs[i] &= 0xffff0000u;
+            if (words[i] < threshold_high) pairs[i] &= 0x0000ffffu;
+        }
     }
     // The bit of bits() for the element in row half rh (row bit 3), key half kh (key bit 3) and key parity
     // odd (key bit 0). In accumulator layout it is 4 * (n8 tile & 1) + the fragment index e.
@@ -233,8 +259,7 @@ template <bool ENABLED> struct Dropout {
   private:
     // Two draws of a word: bit 0 keeps its low half (the even key), bit 1 its high half (the odd key).
     __device__ __forceinline__ unsigned keep2(unsigned word) const {
-        return static_cast<unsigned>((word & 0xffffu) >= threshold) |
-               static_cast<unsigned>((word >> 16) >= threshold) << 1;
+        return static_cast<unsigned>((word & 0xffffu) >= threshold) | static_cast<unsigned>(word >= threshold_high) << 1;
     }
 };
 

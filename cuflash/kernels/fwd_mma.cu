@@ -15,7 +15,7 @@
 // Scores are kept in base 2: x = (q . k) * scale * log2(e), so p = exp2(x - m_i). The stored lse is
 // converted back to natural log: lse = (m_i + log2(l_i)) * ln(2); a null lse stores none (a caller that
 // does not return it allocates none). Under dropout (kModDropout) l_i sums every P, P.V takes the kept
-// ones (Dropout's keep bits, drawn per sub-tile before S), and the epilogue scales by 1 / (1 - p).
+// ones (Dropout::drop_pairs on the packed P), and the epilogue scales by 1 / (1 - p).
 #include "mma.cuh"
 
 namespace cuflash {
@@ -192,13 +192,6 @@ fwd_mma(CUFLASH_FWD_PARAMS) {
             const unsigned k_tile = k_lane + (stage * BLOCK_N + sub * kSubN) * kRowBytes;
             const unsigned v_tile = v_lane + (stage * BLOCK_N + sub * kSubN) * kRowBytes;
             const int n0 = key_first + j * BLOCK_N + sub * kSubN;
-            // Dropout's keep bits of this warp's keys, drawn before S (when the fewest registers are live)
-            using Drop = Dropout<kDropout>;
-            unsigned keep[kDropout ? Drop::template kTileWords<kMAtoms, kNTiles / 2> : 1];
-            if constexpr (kDropout)
-                dropout.template tile_bits<kMAtoms, kNTiles / 2, 4>(keep, m0 + warp_row0 + g,
-                                                                    n0 + share * kWarpKeys + 2 * t);
-
             // S = Q K^T for this warp's rows and kSubN keys (raw, unscaled).
             float s[kMAtoms][kNTiles][4];
             zero(s);
@@ -289,7 +282,8 @@ fwd_mma(CUFLASH_FWD_PARAMS) {
                     }
                 }
                 // P = exp2(S * score_factor - m_i), packed straight into A fragments of P.V (no trip through
-                // shared memory). The row sums take every P; dropout zeroes the dropped ones in the fragments only.
+                // shared memory). The row sums take every P; dropout zeroes the dropped ones in the fragments
+                // only, one Philox call per fragment (Dropout::drop_pairs).
                 const float neg_base[2] = {-safe_max(m_i[ma][0]), -safe_max(m_i[ma][1])};
 #pragma unroll
                 for (int nb = 0; nb < kNTiles; ++nb) {
@@ -298,14 +292,13 @@ fwd_mma(CUFLASH_FWD_PARAMS) {
                     for (int e = 0; e < 4; ++e) pv[e] = exp2f(fmaf(s[ma][nb][e], score_factor, neg_base[e / 2]));
                     l_i[ma][0] += pv[0] + pv[1];
                     l_i[ma][1] += pv[2] + pv[3];
-                    if constexpr (kDropout) {
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            pv[e] = Drop::template tile_keeps<kMAtoms, kNTiles / 2>(keep, ma, nb, e) ? pv[e] : 0.f;
-                    }
                     p_frag[ma][nb / 2][(nb % 2) * 2 + 0] = pack2<T>(pv[0], pv[1]);
                     p_frag[ma][nb / 2][(nb % 2) * 2 + 1] = pack2<T>(pv[2], pv[3]);
                 }
+#pragma unroll
+                for (int kk = 0; kk < kWarpKSteps; ++kk)
+                    dropout.drop_pairs(p_frag[ma][kk], m0 + warp_row0 + ma * 16 + g,
+                                       n0 + share * kWarpKeys + kk * 16 + 2 * t);
             };
             if constexpr (KEY_SPLIT == 1) {
 #pragma unroll
