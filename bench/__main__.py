@@ -8,7 +8,7 @@ import sys
 from cuflash._env import gpu_unavailable_reason
 
 from .impls import IMPL_NAMES
-from .records import make_header, results_dir, write_json
+from .records import make_header, merge_records, read_json, results_dir, write_json
 from .suites import SUITES, suite_cells
 
 DEFAULT_OUT = "bench/results"
@@ -34,6 +34,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "still runs unrecorded, as the reference the others are checked against")
     parser.add_argument("--repeats", type=int, default=None, metavar="N",
                         help="timed repeats per cell in the grid (default: 10, --quick: 5)")
+    parser.add_argument("--head-dim", action="append", type=int, default=[], metavar="D", dest="head_dims",
+                        help="run only the cells of this head dim (repeatable)")
+    parser.add_argument("--merge", action="store_true",
+                        help="add the records to the suite's results file instead of replacing it (a record "
+                             "of the same cell and implementation is replaced); with --head-dim, a suite can "
+                             "run in parts")
     args = parser.parse_args(argv)
     args.suites = list(dict.fromkeys(args.suites + args.suite)) or list(SUITES)
     unknown = [s for s in args.suites if s not in SUITES]
@@ -45,6 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown implementation(s) {', '.join(unknown)}; choose from {', '.join(IMPL_NAMES)}")
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    for suite in args.suites:
+        if args.head_dims and not suite_cells(suite, args.quick, tuple(args.head_dims)):
+            dims = sorted({cell.shape.head_dim for cell in suite_cells(suite, args.quick)})
+            parser.error(f"--head-dim {', '.join(map(str, args.head_dims))} leaves no cells of the {suite} suite "
+                         f"(its head dims: {', '.join(map(str, dims))})")
     return args
 
 
@@ -62,12 +73,23 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"bench: {exc}") from None
     environment = impls.environment()
     print(f"bench: {environment['gpu']}; implementations: {', '.join(names)}", file=sys.stderr)
-    timed_cells = [cell for suite in args.suites if suite != "compile" for cell in suite_cells(suite, args.quick)]
+    head_dims = tuple(args.head_dims)
+    timed_cells = [cell for suite in args.suites if suite != "compile"
+                   for cell in suite_cells(suite, args.quick, head_dims)]
     suites.check_reference(timed_cells)
     folder = results_dir(args.out, environment["gpu"])
     for suite in args.suites:
-        records = suites.run_suite(suite, names, quick=args.quick, repeats=args.repeats)
-        json_path = write_json(folder / f"{suite}.json", make_header(suite, args.quick, **environment), records)
+        records = suites.run_suite(suite, names, quick=args.quick, repeats=args.repeats, head_dims=head_dims)
+        header = make_header(suite, args.quick, **environment)
+        path = folder / f"{suite}.json"
+        if args.merge and path.exists():
+            earlier, old = read_json(path)
+            if earlier.get("quick", False) != args.quick:
+                raise SystemExit(f"bench: --merge: {path} is {'a' if earlier.get('quick') else 'not a'} --quick "
+                                 "run and this one is not the same: run again without --merge to replace it")
+            records = merge_records(old, records)
+            header["merged_with"] = earlier.get("date")
+        json_path = write_json(path, header, records)
         for path in (json_path, *report.write_reports(json_path)):
             print(path)
 

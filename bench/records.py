@@ -119,6 +119,20 @@ def write_json(path: str | pathlib.Path, header: dict, records: list[dict]) -> p
     return path
 
 
+def record_key(record: dict) -> tuple:
+    """What a record measured, without the outcome: two records of one key are the same cell and
+    implementation."""
+    return tuple(record[field] for field in ("impl", "pass", "dtype", "batch", "seqlen_q", "seqlen_k", "heads",
+                                             "heads_kv", "head_dim", "causal", "feature"))
+
+
+def merge_records(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` with ``new`` added: a new record replaces the old one of its key, in the old one's place."""
+    fresh = {record_key(record): record for record in new}
+    merged = [fresh.pop(record_key(record), record) for record in old]
+    return merged + [record for record in new if record_key(record) in fresh]
+
+
 def read_json(path: str | pathlib.Path) -> tuple[dict, list[dict]]:
     """``(header, records)`` of a results file (an empty header when it has none)."""
     rows = json.loads(pathlib.Path(path).read_text())

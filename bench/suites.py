@@ -108,8 +108,14 @@ FULL = Settings(warmup=3, repeats=10, calls=500, measurements=15)
 QUICK = Settings(warmup=1, repeats=5, calls=50, measurements=3)
 
 
-def suite_cells(suite: str, quick: bool = False) -> list[Cell]:
-    """The cells of ``suite``, ordered so that cells sharing input arrays are adjacent."""
+def suite_cells(suite: str, quick: bool = False, head_dims: tuple[int, ...] = ()) -> list[Cell]:
+    """The cells of ``suite``, ordered so that cells sharing input arrays are adjacent; where ``head_dims``
+    is given, only those of these head dims."""
+    cells = _all_suite_cells(suite, quick)
+    return [cell for cell in cells if cell.shape.head_dim in head_dims] if head_dims else cells
+
+
+def _all_suite_cells(suite: str, quick: bool) -> list[Cell]:
     bf16 = DTYPES[0]
     if suite == "grid":
         seqlens = QUICK_GRID_SEQLENS if quick else GRID_SEQLENS
@@ -217,11 +223,13 @@ def _run_one(impl, cell: Cell, inputs, expected: tuple, measure, settings: Setti
         return record(status=status, note=message.splitlines()[0][:NOTE_CHARS] if message else type(exc).__name__)
 
 
-def run_suite(suite: str, impl_names: list[str], quick: bool = False, repeats: int | None = None) -> list[dict]:
-    """Run one suite on the GPU; returns its records (without the header)."""
+def run_suite(suite: str, impl_names: list[str], quick: bool = False, repeats: int | None = None,
+              head_dims: tuple[int, ...] = ()) -> list[dict]:
+    """Run one suite on the GPU (only its cells of ``head_dims`` where given); returns its records (without
+    the header)."""
     from tqdm import tqdm
 
-    cells = suite_cells(suite, quick)
+    cells = suite_cells(suite, quick, head_dims)
     settings = QUICK if quick else FULL
     if repeats is not None:
         settings = dataclasses.replace(settings, repeats=repeats)

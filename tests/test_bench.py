@@ -16,7 +16,8 @@ import pytest
 
 from bench import accuracy, features, naive, report
 from bench.flops import attention_flops, tflops
-from bench.records import RECORD_FIELDS, Shape, make_header, make_record, read_json, results_dir, slug, write_json
+from bench.records import (RECORD_FIELDS, Shape, make_header, make_record, merge_records, read_json, record_key,
+                           results_dir, slug, write_json)
 from bench.suites import MODEL_DIM, SUITES, TOKENS, suite_cells
 import cuflash
 from cuflash import reference
@@ -115,6 +116,16 @@ def test_results_dir_and_json_round_trip(tmp_path):
     assert read_json(path) == (header, [rec])
 
 
+def test_merge_replaces_a_cells_record_in_place_and_appends_new_cells():
+    old = [make_record("cuflash", "fwd", "bfloat16", SHAPE, True, times_ms=[2.0], feature=f) for f in ("a", "b")]
+    redo = make_record("cuflash", "fwd", "bfloat16", SHAPE, True, times_ms=[1.0], feature="b")
+    other = make_record("torch-flex", "fwd", "bfloat16", SHAPE, True, times_ms=[3.0], feature="b")
+    merged = merge_records(old, [other, redo])
+    assert merged == [old[0], redo, other]
+    assert len({record_key(r) for r in merged}) == 3 and record_key(redo) == record_key(old[1])
+    assert merge_records(old, []) == old and merge_records([], old) == old
+
+
 # suites
 
 
@@ -134,6 +145,13 @@ def test_quick_runs_are_small():
         assert 0 < len(suite_cells(suite, quick=True)) < len(suite_cells(suite))
     assert len(suite_cells("grid", quick=True)) == 12
     assert max(c.shape.seqlen_q for c in suite_cells("memory")) == 32768
+
+
+def test_head_dims_select_a_suites_cells():
+    cells = suite_cells("features", head_dims=(64,))
+    assert cells and {c.shape.head_dim for c in cells} == {64}
+    assert len(cells) + len(suite_cells("features", head_dims=(128,))) == len(suite_cells("features"))
+    assert suite_cells("features", head_dims=(96,)) == []
 
 
 def test_unknown_suite():
@@ -295,7 +313,8 @@ def test_causal_bias_is_bottom_right_aligned():
 def test_help_exits_zero():
     done = run_cli("bench", "--help")
     assert done.returncode == 0
-    for option in ("--quick", "--out", "--impl", "--suite", "grid", "memory", "overhead", "compile", "features"):
+    for option in ("--quick", "--out", "--impl", "--suite", "--head-dim", "--merge", "grid", "memory", "overhead",
+                   "compile", "features"):
         assert option in done.stdout
 
 
@@ -303,6 +322,11 @@ def test_unknown_suite_or_impl_is_a_usage_error():
     assert "unknown suite" in run_cli("bench", "latency").stderr
     done = run_cli("bench", "--impl", "cuflash,triton")
     assert done.returncode == 2 and "unknown implementation" in done.stderr
+
+
+def test_a_head_dim_outside_the_suite_is_a_usage_error():
+    done = run_cli("bench", "features", "--head-dim", "96")
+    assert done.returncode == 2 and "leaves no cells of the features suite (its head dims: 64, 128)" in done.stderr
 
 
 def test_gpu_suite_without_a_gpu_fails_cleanly(tmp_path):
