@@ -316,9 +316,10 @@ class TorchFlex:
                       else None)
         modified = softcap or slopes is not None
 
+        compiled = _compiled_flex(feature.name if feature is not None else "")
+
         def attend(q, k, v):
-            return _compiled_flex()(q, k, v, block_mask=block_mask, score_mod=score_mod if modified else None,
-                                    scale=x.scale)
+            return compiled(q, k, v, block_mask=block_mask, score_mod=score_mod if modified else None, scale=x.scale)
 
         # contiguous inputs: on the transposed views the compiled backward fell back to tracing
         # flex_attention's autograd function, which fails (torch 2.x: "all unwrapped values must be FakeTensor")
@@ -329,13 +330,17 @@ class TorchFlex:
 
 
 #: torch.compile recompiles flex_attention per (score_mod, block mask, shape): the features suite makes
-#: 4 features x 2 head dims x 4 seqlens x 2 passes of them, past dynamo's default of 8 cached graphs, after
+#: 2 head dims x 4 seqlens x 2 passes of them per feature, past dynamo's default of 8 cached graphs, after
 #: which it would fall back to eager FlexAttention (materialized scores).
 FLEX_RECOMPILES = 128
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled_flex():
+@functools.lru_cache(maxsize=None)
+def _compiled_flex(feature: str):
+    """flex_attention under torch.compile, one compiled function per feature: with one shared function,
+    the ALiBi backward (whose score_mod captures the slopes tensor) failed inside PyTorch after the other
+    features' graphs ("all unwrapped values must be FakeTensor"), while the same call on a fresh compiled
+    function ran."""
     import torch
     from torch.nn.attention.flex_attention import flex_attention
 
