@@ -337,17 +337,18 @@ FLEX_RECOMPILES = 128
 
 @functools.lru_cache(maxsize=None)
 def _compiled_flex(feature: str):
-    """flex_attention under torch.compile, one compiled function per feature: with one shared function,
-    the ALiBi backward (whose score_mod captures the slopes tensor) failed inside PyTorch after the other
-    features' graphs ("all unwrapped values must be FakeTensor"), while the same call on a fresh compiled
-    function ran."""
+    """flex_attention under torch.compile, one compiled function per feature, each shape its own static
+    graph (``dynamic=False``): after a function has seen a second shape, dynamo's automatic dynamic shapes
+    recompile it with symbolic sizes, and on those the ALiBi and softcap backward (and the softcap forward)
+    failed inside PyTorch ("all unwrapped values must be FakeTensor", "unbacked_bindings") and the ALiBi
+    forward ran 30% slower, while the same calls on a fresh compiled function ran."""
     import torch
     from torch.nn.attention.flex_attention import flex_attention
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, FLEX_RECOMPILES)
     torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit,
                                                             FLEX_RECOMPILES)
-    return torch.compile(flex_attention)
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _on_cupy_stream() -> contextlib.ExitStack:
