@@ -14,7 +14,7 @@ import functools
 
 import numpy as np
 
-from . import _config, _philox, _plan
+from . import _config, _params, _philox, _plan
 from ._compile import get_kernel
 from ._validate import Problem
 
@@ -86,23 +86,40 @@ def _strides_vector_ok(head_dim: int, itemsize: int, *strides) -> bool:
     return head_dim % elems == 0 and all(s % elems == 0 for triple in strides for s in triple)
 
 
-def _window(p: Problem) -> tuple[int, int, int]:
-    """The kernels' Window (kernels/common.cuh): diagonal, left, right, an unbounded side as seqlen_q + seqlen_k
-    (no |key - row - diagonal| reaches it)."""
+def _problem_fields(p: Problem) -> dict:
+    """The kernel fields every attention kernel of a problem shares (kernels/common.cuh): sizes, the
+    Window (diagonal, left, right; an unbounded side as seqlen_q + seqlen_k, which no |key - row - diagonal|
+    reaches), ScoreMod's and Dropout's values: ALiBi's batch stride (0 for slopes of shape (heads,)),
+    softcap_in = scale / softcap, softcap_out = softcap * log2(e), dropout's threshold
+    (_philox.keep_threshold) and scale 1 / (1 - dropout_p), and the base-2 softmax scale."""
     unbounded = p.seqlen_q + p.seqlen_k
-    return (p.diagonal, unbounded if p.window_left < 0 else min(p.window_left, unbounded),
-            unbounded if p.window_right < 0 else min(p.window_right, unbounded))
+    return dict(
+        batch=p.batch, heads=p.heads, group=p.group, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
+        head_dim=p.head_dim, diagonal=p.diagonal,
+        window_left=unbounded if p.window_left < 0 else min(p.window_left, unbounded),
+        window_right=unbounded if p.window_right < 0 else min(p.window_right, unbounded),
+        alibi_batch_stride=p.heads if p.alibi_shape is not None and len(p.alibi_shape) == 2 else 0,
+        softcap_in=p.softmax_scale / p.softcap if p.softcap else 0.0, softcap_out=p.softcap * LOG2E,
+        dropout_threshold=_philox.keep_threshold(p.dropout_p), dropout_scale=1.0 / (1.0 - p.dropout_p),
+        scale_log2=p.softmax_scale * LOG2E)
 
 
-def _modifiers(p: Problem) -> tuple:
-    """The kernels' ScoreMod and Dropout arguments (kernels/common.cuh) after the window: ALiBi's batch stride
-    (0 for slopes of shape (heads,)), softcap_in = scale / softcap, softcap_out = softcap * log2(e), dropout's
-    threshold (_philox.keep_threshold) and its scale 1 / (1 - dropout_p)."""
-    alibi_batch_stride = p.heads if p.alibi_shape is not None and len(p.alibi_shape) == 2 else 0
-    softcap_in = p.softmax_scale / p.softcap if p.softcap else 0.0
-    return (_int32(alibi_batch_stride), _by_value(softcap_in, np.float32),
-            _by_value(p.softcap * LOG2E, np.float32), _by_value(_philox.keep_threshold(p.dropout_p), np.uint32),
-            _by_value(1.0 / (1.0 - p.dropout_p), np.float32))
+def _stride_fields(**strides) -> dict:
+    """{name}_sb, {name}_ss, {name}_sh of each (batch, seq, head) element-stride triple."""
+    return {f"{name}_{axis}": s for name, triple in strides.items() for axis, s in zip(("sb", "ss", "sh"), triple)}
+
+
+def _tail_fields(field_list, tail: tuple[int, ...]) -> dict:
+    """A plan launch's tail (_plan.Launch: the int32 arguments that end the parameter list) by field name."""
+    return dict(zip([f.name for f in field_list[len(field_list) - len(tail):]], tail))
+
+
+#: the forward's arguments that change from call to call, in the order ForwardPlan passes them
+FORWARD_PER_CALL = ("q", "k", "v", "out", "lse", "alibi_slopes", "sinks", "dropout_seed", "dropout_offset",
+                    "vec_ok")
+#: the same for the backward's attention kernels (BackwardPlan)
+BACKWARD_PER_CALL = ("q", "k", "v", "dout", "lse", "delta", "dq", "dk", "dv", "dq_accum", "alibi_slopes",
+                     "dropout_seed", "dropout_offset", "vec_ok")
 
 
 #: the dropout seed and offset arguments of a call without dropout (the kernels do not read them)
@@ -149,10 +166,10 @@ class ForwardPlan:
         strides = [_strides_of(x, c) for x, c in zip((q, k, v), self.copies)]
         strides.append(_contiguous_strides(q.shape))  # out
         self.strides_vector_ok = _strides_vector_ok(p.head_dim, itemsize, *strides)
-        self.head = tuple(_by_value(s, np.int64) for triple in strides for s in triple) + tuple(
-            _int32(n) for n in (p.batch, p.heads, p.group, p.seqlen_q, p.seqlen_k, p.head_dim, *_window(p))) + (
-            *_modifiers(p), _by_value(p.softmax_scale * LOG2E, np.float32))
-        self.tail = tuple(_int32(n) for n in launch.tail)
+        fields = _params.forward_fields()
+        fixed = {**_stride_fields(q=strides[0], k=strides[1], v=strides[2], o=strides[3]), **_problem_fields(p),
+                 **_tail_fields(fields, launch.tail)}
+        self.arguments = _params.Arguments(fields, fixed, FORWARD_PER_CALL, _by_value)
 
     def run(self, q, k, v, alibi_slopes=None, sinks=None, seed=0, offset=0, with_lse: bool = True):
         """out, and lse where ``with_lse`` (else None: the kernel stores none), on CuPy's current stream.
@@ -168,15 +185,16 @@ class ForwardPlan:
         out = cupy.ndarray(self.out_shape, self.dtype)
         lse = cupy.ndarray(self.lse_shape, np.float32) if with_lse else None
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k.data.ptr | v.data.ptr) & 15
-        self.kernel(self.grid, self.block, (q, k, v, out, _NULL if lse is None else lse, _vector(alibi_slopes),
-                                            _vector(sinks)) + dropout + self.head + (_VECTOR_OK[vector_ok],)
-                    + self.tail, shared_mem=self.smem)
+        self.kernel(self.grid, self.block,
+                    self.arguments((q, k, v, out, _NULL if lse is None else lse, _vector(alibi_slopes), _vector(sinks))
+                                   + dropout + (_VECTOR_OK[vector_ok],)), shared_mem=self.smem)
         return out, lse
 
 
 class _Launch:
     """One kernel launch of a plan (``_plan.Launch``), compiled: the kernel, its grid and block, shared
-    memory, trailing arguments (the plan's int32 tail, then ``extra``)."""
+    memory, trailing arguments (the plan's int32 tail, then ``extra``). For the helper kernels, whose
+    short parameter lists are positional."""
 
     __slots__ = ("kernel", "grid", "block", "smem", "tail")
 
@@ -188,6 +206,25 @@ class _Launch:
 
     def __call__(self, args: tuple):
         self.kernel(self.grid, self.block, args + self.tail, shared_mem=self.smem)
+
+
+class _AttentionLaunch:
+    """One launch of a backward attention kernel, compiled: its arguments by field name (``_params``), the
+    plan's fixed ones with its tail (dq_splits, dq_pass), the per-call ones (BACKWARD_PER_CALL) given to
+    ``__call__`` in that order."""
+
+    __slots__ = ("kernel", "grid", "block", "smem", "arguments")
+
+    def __init__(self, launch: _plan.Launch, device_id: int, fixed: dict):
+        spec = launch.spec
+        self.kernel = get_kernel(spec, device_id)
+        self.grid, self.block, self.smem = launch.grid, (spec.threads,), spec.smem_bytes
+        fields = _params.backward_fields()
+        self.arguments = _params.Arguments(fields, {**fixed, **_tail_fields(fields, launch.tail)}, BACKWARD_PER_CALL,
+                                           _by_value)
+
+    def __call__(self, values: tuple):
+        self.kernel(self.grid, self.block, self.arguments(values), shared_mem=self.smem)
 
 
 class BackwardPlan:
@@ -221,15 +258,16 @@ class BackwardPlan:
                 _int32(n) for n in (p.batch, p.heads, p.seqlen_q, p.head_dim, plan.preprocess_lanes))
             self.preprocess_strides_ok = _strides_vector_ok(p.head_dim, itemsize, dout_s, out_s)
 
-            self.head = int64s(q_s, k_s, v_s, dout_s, dq_s, dk_s) + tuple(
-                _int32(n) for n in (p.batch, p.heads, p.group, p.seqlen_q, p.seqlen_k, p.head_dim, *_window(p))) + (
-                *_modifiers(p), _by_value(p.softmax_scale, np.float32), _by_value(p.softmax_scale * LOG2E, np.float32))
+            fixed = {**_stride_fields(q=q_s, k=k_s, v=v_s, do=dout_s, dq=dq_s, dk=dk_s), **_problem_fields(p),
+                     "scale": p.softmax_scale}
             self.strides_vector_ok = _strides_vector_ok(p.head_dim, itemsize, q_s, k_s, v_s, dout_s)
-            self.dkdv = [_Launch(launch, device_id) for launch in plan.dkdv]
-            convert_args = () if not plan.adds_dq else (
-                int64s(dq_s) + tuple(_int32(n) for n in (p.batch, p.heads, p.seqlen_q, p.head_dim))
-                + (_by_value(p.softmax_scale, np.float32), _int32(plan.accum_shape[0])))  # its copies
-            self.dq = _Launch(plan.dq, device_id, convert_args)
+            self.dkdv = [_AttentionLaunch(launch, device_id, fixed) for launch in plan.dkdv]
+            if plan.adds_dq:  # bwd_dq_convert; its last argument is the dQ buffer's copies
+                convert_args = int64s(dq_s) + tuple(_int32(n) for n in (p.batch, p.heads, p.seqlen_q, p.head_dim)) + (
+                    _by_value(p.softmax_scale, np.float32), _int32(plan.accum_shape[0]))
+                self.dq = _Launch(plan.dq, device_id, convert_args)
+            else:
+                self.dq = _AttentionLaunch(plan.dq, device_id, fixed)
 
     def run(self, dout, q, k, v, out, lse, alibi_slopes=None, sinks=None, seed=0, offset=0):
         """dq, dk, dv (and dsinks, float32 (heads,), with sinks) on CuPy's current stream."""
@@ -250,8 +288,8 @@ class BackwardPlan:
         vector_ok = self.preprocess_strides_ok and not (dout.data.ptr | out.data.ptr) & 15
         self.preprocess((dout, out, delta) + self.preprocess_head + (_VECTOR_OK[vector_ok],))
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k.data.ptr | v.data.ptr | dout.data.ptr) & 15
-        args = (q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, _vector(alibi_slopes)) + dropout + self.head + (
-            _VECTOR_OK[vector_ok],)
+        args = (q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, _vector(alibi_slopes), *dropout,
+                _VECTOR_OK[vector_ok])  # BACKWARD_PER_CALL
         for launch in self.dkdv:
             launch(args)
         self.dq((dq_accum, dq) if self.adds_dq else args)

@@ -138,7 +138,7 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct DkdvTiledSm
 };
 
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, bool ATOMIC_DQ>
-__global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_BWD_PARAMS) {
+__global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PARAMS(CUFLASH_BWD_FIELDS)) {
     constexpr int kThreads = kDkdvTiledThreads;
     constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
     constexpr int kPRow = PaddedRow<BLOCK_N>::kElems;
@@ -412,7 +412,7 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, bool ATOMIC_DQ> st
 };
 
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int PART, bool ATOMIC_DQ>
-__global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLASH_BWD_PARAMS) {
+__global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLASH_PARAMS(CUFLASH_BWD_FIELDS)) {
     constexpr bool kDk = PART != kDvOnly, kDv = PART != kDkOnly;
     static_assert(!ATOMIC_DQ || kDk, "dQ needs dS, which only a launch computing dK has");
     constexpr int kWarps = BLOCK_N / 16;
@@ -627,7 +627,7 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct DqSmem {
 };
 
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_BWD_PARAMS) {
+__global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_PARAMS(CUFLASH_BWD_FIELDS)) {
     constexpr int kThreads = WARPS * 32;
     constexpr int kRowsPerWarp = BLOCK_M / WARPS;
     constexpr int kMAtoms = kRowsPerWarp / 16;

@@ -352,41 +352,57 @@ struct DqAccum {
     }
 };
 
-// The parameters of both forward kernels (fwd_mma, fwd_simt): one list, one launch path
-// (_cupy_path.ForwardPlan). lse is null where the caller returns none; alibi_slopes and sinks (float32,
-// null without them), the window and the modifiers' values are as in the backward's list below;
-// query_blocks_fastest picks QueryBlock's grid order.
-#define CUFLASH_FWD_PARAMS                                                                            \
-    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v, T *__restrict__ out,   \
-        float *__restrict__ lse, const float *__restrict__ alibi_slopes,                              \
-        const float *__restrict__ sinks, unsigned long long dropout_seed, unsigned dropout_offset,    \
-        long long q_sb, long long q_ss, long long q_sh, long long k_sb, long long k_ss,               \
-        long long k_sh, long long v_sb, long long v_ss, long long v_sh, long long o_sb,               \
-        long long o_ss, long long o_sh, int batch, int heads, int group, int seqlen_q, int seqlen_k,   \
-        int head_dim, int diagonal, int window_left, int window_right, int alibi_batch_stride,        \
-        float softcap_in, float softcap_out, unsigned dropout_threshold, float dropout_scale,         \
-        float scale_log2, int vec_ok, int query_blocks_fastest
+// Kernel parameters: one field list per pass, an X-macro from which the kernels' parameter lists
+// (CUFLASH_PARAMS) are generated and which Python reads from this file to fill the arguments by name
+// (_params; tests/test_params.py). PTR(type, name) is a device pointer to `type`, declared __restrict__:
+// each array is reached through its own name only; VAL(type, name) a value; LAST(type, name) the list's
+// last value (the parameter list's end, where no comma follows).
+//
+// The forward's (fwd_mma, fwd_simt; _cupy_path.ForwardPlan): lse is null where the caller returns none;
+// alibi_slopes and sinks are float32, null without them; diagonal, window_left and window_right are
+// Window's fields (read by the masked specializations); alibi_batch_stride (0 for slopes of shape
+// (heads,)), softcap_in and softcap_out ScoreMod's; dropout_seed, dropout_offset and dropout_threshold
+// Dropout's, dropout_scale = 1 / (1 - dropout_p) (all read where MODS asks for them); *_sb, *_ss, *_sh
+// the element strides of batch, sequence and head; vec_ok says whether rows may be read as 16-byte
+// chunks; query_blocks_fastest picks QueryBlock's grid order.
+#define CUFLASH_FWD_FIELDS(PTR, VAL, LAST)                                                            \
+    PTR(const T, q) PTR(const T, k) PTR(const T, v) PTR(T, out) PTR(float, lse)                       \
+    PTR(const float, alibi_slopes) PTR(const float, sinks) VAL(unsigned long long, dropout_seed)      \
+    VAL(unsigned, dropout_offset) VAL(long long, q_sb) VAL(long long, q_ss) VAL(long long, q_sh)      \
+    VAL(long long, k_sb) VAL(long long, k_ss) VAL(long long, k_sh) VAL(long long, v_sb)               \
+    VAL(long long, v_ss) VAL(long long, v_sh) VAL(long long, o_sb) VAL(long long, o_ss)               \
+    VAL(long long, o_sh) VAL(int, batch) VAL(int, heads) VAL(int, group) VAL(int, seqlen_q)           \
+    VAL(int, seqlen_k) VAL(int, head_dim) VAL(int, diagonal) VAL(int, window_left)                    \
+    VAL(int, window_right) VAL(int, alibi_batch_stride) VAL(float, softcap_in) VAL(float, softcap_out) \
+    VAL(unsigned, dropout_threshold) VAL(float, dropout_scale) VAL(float, scale_log2) VAL(int, vec_ok) \
+    LAST(int, query_blocks_fastest)
 
-// The parameters of every backward kernel (bwd_mma.cu, simt.cu): one list, one launch path. diagonal,
-// window_left and window_right are Window's fields (read by the masked specializations); alibi_slopes
-// (float32, (batch, heads) with batch stride alibi_batch_stride, 0 for (heads,)), softcap_in and
-// softcap_out are ScoreMod's, dropout_seed, dropout_offset and dropout_threshold Dropout's, dropout_scale
-// = 1 / (1 - dropout_p) (all read where MODS asks for them). dq_accum is
-// float32 in the DqAccum layout above, zeroed, for the kernels that add dQ with atomics; null for the
-// others. dq_splits and dq_pass select KeyBlock's grid (dq_splits 0: banded; else the split grid's
-// pass dq_pass, one copy of dq_accum per split).
-#define CUFLASH_BWD_PARAMS                                                                            \
-    const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,                        \
-        const T *__restrict__ dout, const float *__restrict__ lse, const float *__restrict__ delta,   \
-        T *__restrict__ dq, T *__restrict__ dk, T *__restrict__ dv, float *__restrict__ dq_accum,     \
-        const float *__restrict__ alibi_slopes, unsigned long long dropout_seed, unsigned dropout_offset, \
-        long long q_sb, long long q_ss, long long q_sh, long long k_sb, long long k_ss,               \
-        long long k_sh, long long v_sb, long long v_ss, long long v_sh, long long do_sb,              \
-        long long do_ss, long long do_sh, long long dq_sb, long long dq_ss, long long dq_sh,          \
-        long long dk_sb, long long dk_ss, long long dk_sh, int batch, int heads, int group,           \
-        int seqlen_q, int seqlen_k, int head_dim, int diagonal, int window_left, int window_right,     \
-        int alibi_batch_stride, float softcap_in, float softcap_out, unsigned dropout_threshold,     \
-        float dropout_scale, float scale, float scale_log2,                                           \
-        int vec_ok, int dq_splits, int dq_pass
+// The backward's (bwd_dkdv_mma, bwd_dkdv_rows_mma, bwd_dq_mma, bwd_dkdv_simt, bwd_dq_simt;
+// _cupy_path.BackwardPlan), the forward's fields as there, plus: delta = rowsum(dout * out) (float32,
+// (batch, heads, seqlen_q)); dq_accum is float32 in the DqAccum layout above, zeroed, for the kernels that
+// add dQ with atomics, null for the others; scale is the softmax scale; dq_splits and dq_pass select
+// KeyBlock's grid (dq_splits 0: banded; else the split grid's pass dq_pass, one copy of dq_accum per split).
+#define CUFLASH_BWD_FIELDS(PTR, VAL, LAST)                                                            \
+    PTR(const T, q) PTR(const T, k) PTR(const T, v) PTR(const T, dout) PTR(const float, lse)          \
+    PTR(const float, delta) PTR(T, dq) PTR(T, dk) PTR(T, dv) PTR(float, dq_accum)                     \
+    PTR(const float, alibi_slopes) VAL(unsigned long long, dropout_seed) VAL(unsigned, dropout_offset) \
+    VAL(long long, q_sb) VAL(long long, q_ss) VAL(long long, q_sh) VAL(long long, k_sb)              \
+    VAL(long long, k_ss) VAL(long long, k_sh) VAL(long long, v_sb) VAL(long long, v_ss)               \
+    VAL(long long, v_sh) VAL(long long, do_sb) VAL(long long, do_ss) VAL(long long, do_sh)            \
+    VAL(long long, dq_sb) VAL(long long, dq_ss) VAL(long long, dq_sh) VAL(long long, dk_sb)           \
+    VAL(long long, dk_ss) VAL(long long, dk_sh) VAL(int, batch) VAL(int, heads) VAL(int, group)        \
+    VAL(int, seqlen_q) VAL(int, seqlen_k) VAL(int, head_dim) VAL(int, diagonal) VAL(int, window_left)  \
+    VAL(int, window_right) VAL(int, alibi_batch_stride) VAL(float, softcap_in) VAL(float, softcap_out) \
+    VAL(unsigned, dropout_threshold) VAL(float, dropout_scale) VAL(float, scale) VAL(float, scale_log2) \
+    VAL(int, vec_ok) VAL(int, dq_splits) LAST(int, dq_pass)
+
+// A kernel's parameter list from a field list: fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)). Kernel
+// parameters, not a struct passed by value: a struct of the same fields made ptxas spill up to 112 bytes
+// (the head_dim 128 dK/dV kernel; it loaded fields in pairs into registers where it reads single
+// parameters from the constant bank at their use; NVRTC 13.0, bench/NOTES.md, the house).
+#define CUFLASH_PARAM_PTR(type, name) type *__restrict__ name,
+#define CUFLASH_PARAM_VAL(type, name) type name,
+#define CUFLASH_PARAM_LAST(type, name) type name
+#define CUFLASH_PARAMS(FIELDS) FIELDS(CUFLASH_PARAM_PTR, CUFLASH_PARAM_VAL, CUFLASH_PARAM_LAST)
 
 }  // namespace cuflash

@@ -48,7 +48,7 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int KEY
 // two lets them keep everything in registers.
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int WARPS, int KEY_SPLIT>
 __global__ void __launch_bounds__(WARPS * 32, WARPS >= 8 ? 1 : BLOCK_M / WARPS == 16 ? 2 : 0)
-fwd_mma(CUFLASH_FWD_PARAMS) {
+fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     constexpr int kThreads = WARPS * 32;
     // KEY_SPLIT warps share each group of query rows (a pair where KEY_SPLIT = 2): each computes S for its
     // half of the tile's keys and P.V for its half of the head dim, trading row maxima and P with its

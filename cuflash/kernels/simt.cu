@@ -50,7 +50,7 @@ __device__ __forceinline__ float dot_rows(const float* a, const float* b) {
 // one row and every kThreadsPerRow-th column of it. A null lse stores none.
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
 __global__ void __launch_bounds__(kSimtThreads, 1)
-fwd_simt(CUFLASH_FWD_PARAMS) {
+fwd_simt(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
     static_assert(Tiles::kFwdFloats * 4 == SMEM_BYTES, "launch shared memory must match the tile plan");
     constexpr int kRow = Tiles::kRow, kScoreRow = Tiles::kScoreRow;
@@ -247,7 +247,7 @@ __device__ __forceinline__ void load_row_stats(float* lse2_s, float* delta_s, co
 // every query tile that can see its keys, accumulating in registers (thread: one key row, every
 // kThreadsPerRow-th column). dk and dv share strides (both allocated by cuflash).
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
-__global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_BWD_PARAMS) {
+__global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_PARAMS(CUFLASH_BWD_FIELDS)) {
     using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
     static_assert(Tiles::kBwdFloats * 4 == SMEM_BYTES, "launch shared memory must match the tile plan");
     constexpr int kRow = Tiles::kRow, kScoreRow = Tiles::kScoreRow;
@@ -325,7 +325,7 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_BWD_PAR
 
 // dQ: one block per (batch, head, BLOCK_M queries), walking the key tiles it can see; no atomics.
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
-__global__ void __launch_bounds__(kSimtThreads, 1) bwd_dq_simt(CUFLASH_BWD_PARAMS) {
+__global__ void __launch_bounds__(kSimtThreads, 1) bwd_dq_simt(CUFLASH_PARAMS(CUFLASH_BWD_FIELDS)) {
     using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
     static_assert(Tiles::kBwdFloats * 4 == SMEM_BYTES, "launch shared memory must match the tile plan");
     constexpr int kRow = Tiles::kRow, kScoreRow = Tiles::kScoreRow;
