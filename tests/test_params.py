@@ -12,18 +12,14 @@ from cuflash._config import BFLOAT16
 
 from .test_plan import problem
 
-#: a C++ spelling of each field type, for the compile check below (T: the kernel's element type)
-CPP_TYPES = {"unsigned long long": "unsigned long long", "unsigned": "unsigned", "long long": "long long",
-             "int": "int", "float": "float"}
-
-
 #: a type equality NVRTC can check without the standard headers it lacks
 SAME = ("template <class A, class B> struct same_type { static constexpr bool value = false; };\n"
         "template <class A> struct same_type<A, A> { static constexpr bool value = true; };\n")
 
 
 def cpp_parameter_types(field_list, element: str) -> str:
-    return ", ".join(f"{f.ctype.replace('T', element)}*" if f.pointer else CPP_TYPES[f.ctype] for f in field_list)
+    """The C++ parameter types of ``field_list`` (as the macro writes them), T being ``element``."""
+    return ", ".join(f"{f.ctype.replace('T', element)}*" if f.pointer else f.ctype for f in field_list)
 
 
 def test_the_field_lists_are_the_kernels_parameter_lists():
