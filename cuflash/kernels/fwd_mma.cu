@@ -6,7 +6,8 @@
 // a one-atom warp: bench/NOTES.md). Where registers cannot hold two atoms' output (head_dim 256), a
 // pair of warps shares 32 rows instead (KEY_SPLIT, below). The Q tile stays on chip throughout (in
 // registers when they suffice, else in shared memory) while the block walks the key/value tiles,
-// BLOCK_N keys at a time, double-buffered with cp.async: tile j+1 is in flight while tile j is used.
+// BLOCK_N keys at a time from the highest down, double-buffered with cp.async: the next tile is in
+// flight while one is used.
 // The tiles' rows are XOR-swizzled where the head dim allows (ForwardRow in mma.cuh: 16-byte copies
 // land 32-byte aligned). Per row the online-softmax state is m_i (running max of the base-2 scores),
 // l_i (running sum of exp2(score - m_i), per-thread partial until the epilogue) and acc (the
@@ -102,10 +103,14 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     const T* q_head = q + b * q_sb + h * q_sh;
     const T* k_head = k + b * k_sb + h_kv * k_sh;
     const T* v_head = v + b * v_sb + h_kv * v_sh;
-    // Under a mask the block walks only the key tiles its rows see: key_first, then n_tiles tiles.
+    // Under a mask the block walks only the key tiles its rows see: n_tiles tiles from key_first, the last
+    // one first. Walking down from the highest keys meets the masked tiles of the diagonal first and, under
+    // ALiBi, the largest scores of each row (its bias falls with the distance), so the row maxima seldom
+    // grow afterwards and the warps seldom rescale (see exponentiate).
     const int key_first = window.key_begin(m0) / BLOCK_N * BLOCK_N;
     const int n_end = window.key_end(m0 + BLOCK_M, seqlen_k);
     const int n_tiles = (n_end - key_first + BLOCK_N - 1) / BLOCK_N;   // <= 0 where no row sees a key
+    auto tile_key = [&](int j) { return key_first + (n_tiles - 1 - j) * BLOCK_N; };   // the j-th tile walked
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
@@ -134,10 +139,10 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
 
     load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads, Row>(q_s, q_head, q_ss, m0, seqlen_q, head_dim, vec_ok, tid);
     if (n_tiles > 0) {
-        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(k_s, k_head, k_ss, key_first, seqlen_k, head_dim, vec_ok,
-                                                              tid);
-        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(v_s, v_head, v_ss, key_first, seqlen_k, head_dim, vec_ok,
-                                                              tid);
+        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(k_s, k_head, k_ss, tile_key(0), seqlen_k, head_dim,
+                                                              vec_ok, tid);
+        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(v_s, v_head, v_ss, tile_key(0), seqlen_k, head_dim,
+                                                              vec_ok, tid);
     }
     cp_async_commit();
 
@@ -167,7 +172,7 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     for (int j = 0; j < n_tiles; ++j) {
         const int stage = j & 1;
         if (j + 1 < n_tiles) {
-            const int nxt = key_first + (j + 1) * BLOCK_N;
+            const int nxt = tile_key(j + 1);
             load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(k_s + (stage ^ 1) * BLOCK_N * kRow, k_head, k_ss,
                                                                   nxt, seqlen_k, head_dim, vec_ok, tid);
             load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(v_s + (stage ^ 1) * BLOCK_N * kRow, v_head, v_ss,
@@ -185,13 +190,13 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
             }
         }
 
-        // The tile's keys kSubN at a time (all at once except at head_dim 128 on 128 x 64 tiles); the loop is
-        // not unrolled: unrolled, ptxas interleaved the sub-tiles and spilled.
+        // The tile's keys kSubN at a time (all at once except at head_dim 128 on 128 x 64 tiles), the highest
+        // first as the tiles; the loop is not unrolled: unrolled, ptxas interleaved the sub-tiles and spilled.
 #pragma unroll 1
-        for (int sub = 0; sub < BLOCK_N / kSubN; ++sub) {
+        for (int sub = BLOCK_N / kSubN - 1; sub >= 0; --sub) {
             const unsigned k_tile = k_lane + (stage * BLOCK_N + sub * kSubN) * kRowBytes;
             const unsigned v_tile = v_lane + (stage * BLOCK_N + sub * kSubN) * kRowBytes;
-            const int n0 = key_first + j * BLOCK_N + sub * kSubN;
+            const int n0 = tile_key(j) + sub * kSubN;
             // S = Q K^T for this warp's rows and kSubN keys (raw, unscaled).
             float s[kMAtoms][kNTiles][4];
             zero(s);
@@ -226,28 +231,23 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
             const bool need_mask = n0 + kSubN > seqlen_k || !window.covers(m0, m0 + BLOCK_M, n0, n0 + kSubN);
             float tile_max[kMAtoms][2];   // per row: the max of the scaled scores of the sub-tile's keys
             auto take_row_max = [&](int ma) {
+                const int row0 = m0 + warp_row0 + ma * 16 + g;      // the row of elements 0 and 1
+                const int key0 = n0 + share * kWarpKeys + 2 * t;   // the key of element 0 of n8 tile 0
                 if constexpr (Mod::kAny) {
-                    const int row0 = m0 + warp_row0 + ma * 16 + g;
 #pragma unroll
-                    for (int nb = 0; nb < kNTiles; ++nb) {
+                    for (int nb = 0; nb < kNTiles; ++nb)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int key = n0 + share * kWarpKeys + nb * 8 + 2 * t + (e & 1);
-                            s[ma][nb][e] = mod.score(s[ma][nb][e], row0 + 8 * (e / 2), key, diagonal);
-                        }
-                    }
+                        for (int e = 0; e < 4; ++e)
+                            s[ma][nb][e] =
+                                mod.score(s[ma][nb][e], row0 + 8 * (e / 2), key0 + nb * 8 + (e & 1), diagonal);
                 }
                 if (need_mask) {
-                    const int row0 = m0 + warp_row0 + ma * 16 + g;
 #pragma unroll
-                    for (int nb = 0; nb < kNTiles; ++nb) {
+                    for (int nb = 0; nb < kNTiles; ++nb)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int key = n0 + share * kWarpKeys + nb * 8 + 2 * t + (e & 1);
-                            if (!window.sees(row0 + 8 * (e / 2), key, seqlen_k))
+                        for (int e = 0; e < 4; ++e)
+                            if (!window.sees(row0 + 8 * (e / 2), key0 + nb * 8 + (e & 1), seqlen_k))
                                 s[ma][nb][e] = -CUFLASH_INF;
-                        }
-                    }
                 }
                 float row_max[2] = {-CUFLASH_INF, -CUFLASH_INF};
 #pragma unroll
