@@ -12,11 +12,12 @@ import numpy as np
 
 from . import _numpy_path, reference
 from ._config import HEAD_DIMS, MAX_HEAD_DIM, SUPPORTED_DTYPES
+from ._merge import merge_states
 from ._philox import dropout_mask
 from ._validate import array_module, check_backward, check_dropout, check_flag, check_forward
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_backward", "dropout_mask", "reference", "HEAD_DIMS", "MAX_HEAD_DIM",
+__all__ = ["attention", "attention_backward", "dropout_mask", "merge_states", "reference", "HEAD_DIMS", "MAX_HEAD_DIM",
            "SUPPORTED_DTYPES", "__version__"]
 
 #: Plans of the calls seen, keyed on everything validation and the kernel choice read: each array's class,

@@ -57,7 +57,7 @@ def array_module(**arrays):
                 " (arrays of other GPU libraries convert without a copy: cupy.from_dlpack(x))")
     if len(set(kinds.values())) > 1:
         listing = ", ".join(f"{n} is {k}" for n, k in kinds.items())
-        raise TypeError(f"q, k, v (and the backward's arrays) must all be NumPy or all be CuPy arrays; {listing}")
+        raise TypeError(f"the arrays of one call must all be NumPy or all be CuPy arrays; {listing}")
     return cupy if "cupy" in kinds.values() else np
 
 

@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 
 __all__ = ["attention", "attention_backward", "attention_in_dtype", "attention_backward_in_dtype", "causal_mask",
-           "mask", "rounding", "tolerance"]
+           "mask", "merge_states", "rounding", "tolerance"]
 
 
 def causal_mask(seqlen_q: int, seqlen_k: int) -> np.ndarray:
@@ -212,6 +212,26 @@ def attention_backward(dout, q, k, v, causal: bool = False, softmax_scale=None, 
     options = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                    dropout_p=dropout_p, dropout_mask=dropout_mask, alignment=alignment)
     return _backward(dout, q, k, v, out, causal, softmax_scale, options, _keep_all, np.float64)
+
+
+def merge_states(outs, lses):
+    """:func:`cuflash.merge_states` in float64: parts ``outs[i]`` (batch, seqlen_q, heads, head_dim) with
+    logsumexps ``lses[i]`` (batch, heads, seqlen_q) over disjoint key sets, combined into ``(out, lse)`` over
+    their union; a row that no part saw gets output 0 and lse ``-inf``."""
+    outs = [np.asarray(_host(o), np.float64) for o in outs]
+    lses = np.stack([np.asarray(_host(x), np.float64) for x in lses])
+    shift = lses.max(axis=0)
+    shift = np.where(np.isneginf(shift), 0.0, shift)
+    weights = np.exp(lses - shift)
+    total = weights.sum(axis=0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(total > 0, np.log(total) + shift, -np.inf)
+    out = np.zeros_like(outs[0])
+    for weight, part in zip(weights, outs):
+        row_weight = np.divide(weight, total, out=np.zeros_like(weight), where=total > 0)
+        row_weight = row_weight.transpose(0, 2, 1)[..., None]
+        out += np.where(row_weight > 0, row_weight * part, 0.0)
+    return out, lse
 
 
 def _round(x: np.ndarray, dtype) -> np.ndarray:
