@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._config import SUPPORTED_DTYPES
-from ._validate import array_module, check_same_device
+from ._validate import _check_dtype, array_module, check_same_device
 
 _OUT_LAYOUT = "(batch, seqlen_q, heads, head_dim)"
 _LSE_LAYOUT = "(batch, heads, seqlen_q)"
@@ -47,9 +46,8 @@ def check_merge(outs, lses):
         raise ValueError(f"outs and lses must hold the same number of parts, got {len(out_parts)} and "
                          f"{len(lse_parts)}")
     batch, seqlen_q, heads, _ = out_shape = tuple(out_parts[0].shape)
+    _check_dtype("outs", out_parts[0])
     dtype = np.dtype(out_parts[0].dtype)
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"outs must have dtype float16, bfloat16 or float32, got {dtype}")
     for i, (out, lse) in enumerate(zip(out_parts, lse_parts)):
         if tuple(out.shape) != out_shape:
             raise ValueError(f"outs[{i}] must have the shape of outs[0] {out_shape}, got {tuple(out.shape)}")

@@ -109,7 +109,7 @@ LSE = np.zeros((2, 1, 3, 4), np.float32)
     ([OUT[0], "x"], LSE, TypeError, r"outs\[1\] must be an array"),
     ([OUT[0], OUT[1, :, :2]], LSE, ValueError, r"outs\[1\] must have the shape of outs\[0\]"),
     ([OUT[0], OUT[1].astype(np.float16)], LSE, TypeError, r"outs\[1\] must have the dtype of outs\[0\]"),
-    (OUT.astype(np.float64), LSE, TypeError, "outs must have dtype float16, bfloat16 or float32, got float64"),
+    (OUT.astype(np.float64), LSE, TypeError, "outs must have dtype float16, bfloat16, float32, got float64"),
     (OUT, LSE[:1], ValueError, "outs and lses must hold the same number of parts, got 2 and 1"),
     (OUT, LSE.astype(np.float64), TypeError, r"lses\[0\] must be float32, got float64"),
     (OUT, LSE.transpose(0, 1, 3, 2), ValueError, r"lses\[0\] must have shape \(batch, heads, seqlen_q\)"),
