@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _numpy_path, reference
+from . import _kvcache, _numpy_path, reference
 from ._config import HEAD_DIMS, MAX_HEAD_DIM, SUPPORTED_DTYPES
 from ._merge import merge_states
 from ._philox import dropout_mask
-from ._validate import array_module, check_backward, check_dropout, check_flag, check_forward
+from ._validate import (array_module, check_backward, check_cache_length, check_dropout, check_flag, check_forward,
+                        check_kvcache)
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_backward", "dropout_mask", "merge_states", "reference", "HEAD_DIMS", "MAX_HEAD_DIM",
-           "SUPPORTED_DTYPES", "__version__"]
+__all__ = ["attention", "attention_backward", "attention_with_kvcache", "dropout_mask", "merge_states", "reference",
+           "HEAD_DIMS", "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "__version__"]
 
 #: Plans of the calls seen, keyed on everything validation and the kernel choice read: each array's class,
 #: shape, strides, dtype and device, and the options with their types (``causal=1`` is refused where
@@ -27,7 +28,7 @@ __all__ = ["attention", "attention_backward", "dropout_mask", "merge_states", "r
 #: replans, one that repeats a few never does.
 _plans: dict = {}
 MAX_PLANS = 4096
-_FORWARD, _BACKWARD = "forward", "backward"
+_FORWARD, _BACKWARD, _KVCACHE = "forward", "backward", "kvcache"
 
 
 def _array_key(x) -> tuple:
@@ -232,3 +233,104 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_sc
         plan = _remember(key, _plan_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
                                              window_size, softcap, alibi_slopes, sinks, dropout_p, alignment))
     return plan(dout, q, k, v, out, lse, alibi_slopes, sinks, seed, offset)
+
+
+def _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size, softcap,
+                  alibi_slopes, sinks, num_splits):
+    """Validate an attention_with_kvcache call and return the function that runs it: ``(q, k_cache, v_cache, k,
+    v, cache_seqlens, block_table, alibi_slopes, sinks, with_lse) -> (out, lse)``, which checks an int
+    ``cache_seqlens`` (its value is not part of the plan) before anything is written."""
+    arrays = _optional_arrays(k=k, v=v, block_table=block_table, alibi_slopes=alibi_slopes, sinks=sinks,
+                              cache_seqlens=cache_seqlens if hasattr(cache_seqlens, "dtype") else None)
+    xp = array_module(q=q, k_cache=k_cache, v_cache=v_cache, **arrays)
+    problem = check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
+                            window_size, softcap, alibi_slopes, sinks, num_splits)
+    a = problem.attn
+    if xp is np or a.is_empty:
+        def run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, with_lse):
+            if problem.lengths == "int":
+                check_cache_length(cache_seqlens, problem)
+            if k is not None:
+                _kvcache.append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table)
+            if a.is_empty:
+                return xp.zeros(q.shape, q.dtype), xp.full((a.batch, a.heads, a.seqlen_q), -xp.inf, xp.float32)
+            keys = _kvcache.lengths_of(cache_seqlens, a.batch, a.seqlen_k) + problem.seqlen_new
+
+            def attend(q_b, k_b, v_b, slopes):
+                return attention(q_b, k_b, v_b, a.causal, a.softmax_scale, True,
+                                 window_size=(a.window_left, a.window_right), softcap=a.softcap, alibi_slopes=slopes,
+                                 sinks=sinks)
+
+            return _kvcache.per_sequence(attend, q, k_cache, v_cache, keys, block_table, alibi_slopes)
+        return run
+    from . import _cupy_path
+
+    plan = _cupy_path.KVCachePlan(problem, q.data.device_id, q, k_cache, v_cache, cache_seqlens, block_table,
+                                  num_splits)
+    if problem.lengths != "int":
+        return plan.run
+
+    def run_checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, with_lse):
+        check_cache_length(cache_seqlens, problem)
+        return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, with_lse)
+    return run_checked
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
+                           causal: bool = False, softmax_scale: float | None = None,
+                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                           sinks=None, num_splits: int = 0, return_lse: bool = False):
+    """Attention of new queries against a KV cache (decoding), optionally appending new keys and values to it
+    first: FlashAttention's ``flash_attn_with_kvcache``. Forward only.
+
+    Parameters
+    ----------
+    q : array, (batch, seqlen_q, heads, head_dim)
+        The queries of each sequence's newest positions. float16 or bfloat16 on the GPU (float32 too on NumPy).
+    k_cache, v_cache : arrays of the kind and dtype of q
+        Contiguous: (batch, seqlen_cache, heads_kv, head_dim). Paged (with ``block_table``): (num_blocks,
+        page_size, heads_kv, head_dim), page_size a multiple of 64. Read in place (the last axis contiguous);
+        written where ``k`` and ``v`` are given. ``heads`` is a multiple of ``heads_kv`` (GQA, MQA).
+    k, v : arrays (batch, seqlen_new, heads_kv, head_dim), optional
+        Written into the caches at positions ``cache_seqlens[b]``, ``cache_seqlens[b] + 1``, ... of each
+        sequence before the attention, which then covers them: the one write into a caller's array. Need
+        ``cache_seqlens``. Written with array operations (a slice assignment, or one scatter per cache).
+    cache_seqlens : int, int32 array (batch,), or None
+        Keys already in each sequence's cache; None: every sequence fills the cache. An int is checked against
+        the cache's room; the values of an array are not (that would read device memory): an array value
+        past the cache's room, or a ``block_table`` entry outside ``num_blocks``, is undefined behaviour.
+    block_table : int32 array (batch, max_blocks_per_sequence), optional
+        Key ``n`` of sequence ``b`` is row ``n % page_size`` of page ``block_table[b, n // page_size]``.
+    causal, softmax_scale, window_size, softcap, alibi_slopes, sinks
+        As in :func:`attention`; sequence ``b`` has ``cache_seqlens[b] + seqlen_new`` keys and its diagonal
+        at the bottom-right corner (query ``i`` is position ``cache_seqlens[b] + seqlen_new - seqlen_q + i``).
+    num_splits : int
+        Key splits per sequence (Flash-Decoding: each split is a block of its own, the splits merged by their
+        logsumexp, :func:`merge_states`' rule). 0 (default) lets the plan choose from the shape and the GPU;
+        1 disables splitting. Ignored on the NumPy path.
+    return_lse : bool
+        Also return the logsumexp, float32 (batch, heads, seqlen_q).
+
+    Returns
+    -------
+    out : array (batch, seqlen_q, heads, head_dim), dtype of q; and lse with ``return_lse``.
+
+    On the GPU the query heads that share a kv head are rows of one tile, so each kv head's cache is read once
+    per step (except under ALiBi, whose slope the kernel takes per query head).
+    """
+    try:
+        lengths_key = cache_seqlens.__class__ if not hasattr(cache_seqlens, "dtype") else _array_key(cache_seqlens)
+        key = (_KVCACHE, _array_key(q), _array_key(k_cache), _array_key(v_cache), _optional_key(k), _optional_key(v),
+               lengths_key, _optional_key(block_table), causal, causal.__class__, softmax_scale,
+               softmax_scale.__class__, window_size, softcap, softcap.__class__, _optional_key(alibi_slopes),
+               _optional_key(sinks), num_splits, num_splits.__class__)
+        plan = _plans.get(key)
+    except (AttributeError, TypeError):
+        key = plan = None
+    if plan is None:
+        plan = _remember(key, _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
+                                            softmax_scale, window_size, softcap, alibi_slopes, sinks, num_splits))
+    if return_lse.__class__ is not bool:
+        check_flag("return_lse", return_lse)
+    out, lse = plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, return_lse)
+    return (out, lse) if return_lse else out

@@ -57,6 +57,7 @@ KERNEL_FILES = {
     "bwd_dkdv_rows_mma": "bwd_mma.cu",
     "bwd_dq_mma": "bwd_mma.cu",
     "bwd_dq_convert": "bwd_mma.cu",
+    "merge_parts": "merge.cu",
 }
 #: tensor-core kernels: shared memory derived from the tile shape
 MMA_KERNELS = frozenset({"fwd_mma", "bwd_dkdv_mma", "bwd_dkdv_rows_mma", "bwd_dq_mma"})
@@ -127,6 +128,7 @@ class KernelSpec:
     atomic_dq: bool = False  # the dK/dV kernels only: also add dQ into a float32 buffer with atomics
     key_split: int = 1  # fwd_mma only: warps that share each group of query rows (KEY_SPLIT in fwd_mma.cu)
     mods: int = 0  # MOD_* bits (the kernels' MODS)
+    kvcache: bool = False  # fwd_mma only: the KV-cache forward (KVCACHE in fwd_mma.cu; _plan.kvcache)
 
     @property
     def source_file(self) -> str:
@@ -136,7 +138,7 @@ class KernelSpec:
     def name(self) -> str:
         """The C++ template instance, e.g. ``cuflash::fwd_mma<__half, 128, true, 128, 64, 4, 1>``."""
         ctype = CUDA_TYPES[np.dtype(self.dtype)]
-        if self.kernel == "bwd_preprocess":
+        if self.kernel in ("bwd_preprocess", "merge_parts"):
             args = [ctype]
         elif self.kernel == "bwd_dq_convert":
             args = [ctype, str(self.head_dim)]
@@ -147,7 +149,7 @@ class KernelSpec:
             if self.kernel in ("fwd_mma", "bwd_dq_mma"):
                 args.append(str(self.threads // 32))
             if self.kernel == "fwd_mma":
-                args.append(str(self.key_split))
+                args += [str(self.key_split), "true" if self.kvcache else "false"]
             if self.kernel == "bwd_dkdv_rows_mma":
                 args.append(str(self.part))
             if self.kernel in ("bwd_dkdv_mma", "bwd_dkdv_rows_mma"):
@@ -157,7 +159,7 @@ class KernelSpec:
     @property
     def cache_key(self) -> tuple:
         return (self.kernel, np.dtype(self.dtype).name, self.head_dim, int(self.mask), self.block_m, self.block_n,
-                self.threads, self.smem_bytes, self.part, self.atomic_dq, self.key_split, self.mods)
+                self.threads, self.smem_bytes, self.part, self.atomic_dq, self.key_split, self.mods, self.kvcache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,6 +440,82 @@ def forward_query_blocks_fastest(head_dim: int, causal: bool) -> bool:
     return not causal and head_dim in (128, 256)
 
 
+#: rows merged per block of merge_parts, one warp each (``kMergeWarps`` in kernels/merge.cu)
+MERGE_WARPS = 4
+#: A paged KV cache's pages hold a multiple of this many keys: the KV-cache forward's key tiles (as wide as
+#: divides the page size, at least this many keys) then never straddle a page.
+PAGE_SIZE_MULTIPLE = 64
+#: The most key splits of the KV-cache forward: each writes a float32 partial output that the merge reads.
+MAX_KV_SPLITS = 128
+#: The fewest key tiles a split of the KV-cache forward walks (its prologue and epilogue cost about a tile).
+MIN_SPLIT_TILES = 2
+#: Splits that would still walk this many key tiles each are worth more SMs (kvcache_splits).
+LONG_SPLIT_TILES = 32
+
+
+def kvcache_forward_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: int,
+                         page_size: int = 0) -> KernelSpec:
+    """fwd_mma's KV-cache specialization (``_plan.kvcache``): blocks of 16 packed query rows (seqlen_q x the
+    query heads of a group, ``CacheBlock`` in kernels/common.cuh) on 4 warps that split each key tile among
+    them (kKeyWarps in kernels/fwd_mma.cu); key tiles of 128 keys up to head_dim 128 (64 past it), halved
+    until the tile fits in shared memory and divides ``page_size`` (a paged cache's; 0: contiguous).
+
+    Decoding reads the cache once and computes little on it: the block that keeps the most bytes in flight
+    and the least latency per tile wins. Measured on the H200, bfloat16, head_dim 128, 32 query / 8 kv heads,
+    seqlen_q 1, ms with the plan's splits, batch x cache 1 x 4k / 8 x 8k / 1 x 128k / 64 x 16k / 64 x 1k
+    (bench/NOTES.md, decode d1, d2): 16 rows, 4 warps splitting 128-key tiles 0.018 / 0.079 / 0.140 / 0.963 /
+    0.084; 64 rows, a warp per 16 (the others idle under one query) on 128-key tiles 0.021 / 0.080 / 0.144 /
+    0.958 / 0.088, on 64-key tiles 0.022 / 0.082 / 0.149 / 0.972 / 0.079; 16 rows on one warp, 64-key tiles
+    0.023 / 0.082 / 0.156 / 0.995 / 0.086. float16 and bfloat16 only; no dropout (``attention_with_kvcache``
+    takes none).
+    """
+    dtype = np.dtype(dtype)
+    if dtype not in (np.dtype(np.float16), BFLOAT16):
+        raise TypeError(f"the KV-cache forward runs float16 and bfloat16 on the GPU, got {dtype}")
+    if mods & MOD_DROPOUT:
+        raise ValueError("the KV-cache forward takes no dropout")
+    d = padded_head_dim(head_dim)
+    block_m, warps = MMA_ROWS_PER_WARP, 4  # one atom; the warps split the keys
+    block_n = 128 if d <= 128 else 64
+    while True:
+        spec = mma_spec("fwd_mma", dtype, d, int(mask), block_m, block_n, warps, mods=mods)
+        if spec.smem_bytes <= device.max_smem_per_block and page_size % block_n == 0:
+            return dataclasses.replace(spec, kvcache=True)
+        if block_n == MMA_ROWS_PER_WARP:
+            raise ValueError(f"no KV-cache forward tile for head_dim {head_dim} fits in {device.max_smem_per_block} "
+                             "bytes of shared memory")
+        block_n //= 2
+
+
+def resident_blocks(spec: KernelSpec, device: DeviceProps) -> int:
+    """Blocks of ``spec`` an SM holds at once, by shared memory (each block also takes 1 KB the runtime
+    reserves) and threads (2048 per SM)."""
+    by_smem = (device.max_smem_per_block + 1024) // (spec.smem_bytes + 1024)
+    return max(1, min(by_smem, 2048 // spec.threads))
+
+
+def kvcache_splits(blocks: int, key_tiles: int, resident: int, sm_count: int) -> int:
+    """Key splits of the KV-cache forward: each of its ``blocks`` (query blocks x head groups x batch) walks
+    1 / splits of its ``key_tiles`` and merge_parts combines them (Flash-Decoding).
+
+    A block streams the cache at what one SM pulls, so few blocks leave the bandwidth unused; but each split
+    adds a partial output and its merge, which cost more than they save once the blocks occupy about half
+    of the ``resident`` x ``sm_count`` slots. So: the most splits whose blocks fill at most half the slots
+    (at least 1, at most MAX_KV_SPLITS, each split at least MIN_SPLIT_TILES tiles), doubled while the blocks
+    still fit in the slots and each split keeps LONG_SPLIT_TILES tiles. Measured on the H200 (bfloat16,
+    head_dim 128, 32 / 8 heads, one query, ms at 1 / 2 / 4 / 8 / 16 / 32 splits, bench/NOTES.md decode d2):
+    batch 1 x 4k keys 0.036 / 0.025 / 0.020 / 0.018 / 0.021 / 0.027; 1 x 128k 0.90 / 0.46 / 0.24 / 0.146 /
+    0.140 / 0.154; 8 x 1k 0.021 / 0.022 / 0.027 / 0.033 / 0.034 / 0.034; 8 x 8k 0.079 / 0.080 / 0.084 /
+    0.089 / 0.096 / 0.118.
+    """
+    slots = resident * sm_count
+    most = max(1, min(MAX_KV_SPLITS, key_tiles // MIN_SPLIT_TILES))
+    splits = min(most, max(1, slots // (2 * blocks)))
+    while 2 * splits <= most and 2 * splits * blocks <= slots and key_tiles // (2 * splits) >= LONG_SPLIT_TILES:
+        splits *= 2
+    return splits
+
+
 #: Resident blocks per SM that a band of the dK/dV grid is sized for: two, bwd_dkdv_rows_mma's occupancy
 #: (255 registers x 128 threads), with which the bands were measured. bwd_dkdv_mma holds one block of
 #: 256 threads per SM, so its bands span two waves; the bench grid was measured that way.
@@ -583,7 +661,8 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
     (each dtype, head dim and mask kind), and a covering set of the modifier kernels: all modifiers at
     once (the most registers), with and without dropout (which changes the forward's tiles), without a
     mask and under a window, at every head dim, for bfloat16 (float16 is the same code) and float32. Not the
-    cross product of the modifiers: 16 combinations per kernel."""
+    cross product of the modifiers: 16 combinations per kernel. The KV-cache forward likewise (contiguous and
+    on the smallest pages, plain and under a window with every modifier), and merge_parts for each dtype."""
     specs = {}
 
     def add(dtype, d, mask, mods):
@@ -598,4 +677,13 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
             for mask in (MASK_NONE, MASK_WINDOW):
                 add(dtype, d, mask, ALL_MODS)
                 add(dtype, d, mask, ALL_MODS & ~MOD_DROPOUT)
+        # the KV-cache forward, contiguous and on pages of PAGE_SIZE_MULTIPLE keys (its narrowest tile), plain
+        # and with every modifier it takes
+        for page_size in (0, PAGE_SIZE_MULTIPLE):
+            for mask, mods in ((MASK_NONE, 0), (MASK_WINDOW, ALL_MODS & ~MOD_DROPOUT)):
+                spec = kvcache_forward_spec(d, BFLOAT16, mask, device, mods, page_size)
+                specs[spec.cache_key] = spec
+    for dtype in SUPPORTED_DTYPES:
+        spec = KernelSpec("merge_parts", dtype, threads=MERGE_WARPS * 32)
+        specs[spec.cache_key] = spec
     return list(specs.values())

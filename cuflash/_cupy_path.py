@@ -14,9 +14,9 @@ import functools
 
 import numpy as np
 
-from . import _config, _params, _philox, _plan
+from . import _config, _kvcache, _params, _philox, _plan
 from ._compile import get_kernel
-from ._validate import Problem
+from ._validate import CacheProblem, Problem
 
 LOG2E = float(np.log2(np.e))
 
@@ -122,6 +122,10 @@ BACKWARD_PER_CALL = ("q", "k", "v", "dout", "lse", "delta", "dq", "dk", "dv", "d
                      "dropout_seed", "dropout_offset", "vec_ok")
 
 
+#: the KV-cache fields (CUFLASH_FWD_FIELDS, kernels/common.cuh) of a forward that reads no cache
+NO_CACHE_FIELDS = dict(cache_seqlens=_NULL, block_table=_NULL, out_partial=_NULL, lse_partial=_NULL,
+                       block_table_stride=0, seqlen_k_new=0, pack=1, num_splits=1, page_size=0)
+
 #: the dropout seed and offset arguments of a call without dropout (the kernels do not read them)
 _NO_DROPOUT = (_by_value(0, np.uint64), _by_value(0, np.uint32))
 
@@ -168,7 +172,7 @@ class ForwardPlan:
         self.strides_vector_ok = _strides_vector_ok(p.head_dim, itemsize, *strides)
         fields = _params.forward_fields()
         fixed = {**_stride_fields(q=strides[0], k=strides[1], v=strides[2], o=strides[3]), **_problem_fields(p),
-                 **_tail_fields(fields, launch.tail)}
+                 **_tail_fields(fields, launch.tail), **NO_CACHE_FIELDS}
         self.arguments = _params.Arguments(fields, fixed, FORWARD_PER_CALL, _by_value)
 
     def run(self, q, k, v, alibi_slopes=None, sinks=None, seed=0, offset=0, with_lse: bool = True):
@@ -313,3 +317,118 @@ def backward(dout, q, k, v, out, lse, p: Problem, deterministic: bool = False,
     """dq, dk, dv through a plan made for this call; ``cfg`` overrides the tile table's backward kernels (for
     tuning tools)."""
     return BackwardPlan(p, q.data.device_id, deterministic, dout, q, k, v, out, lse, cfg).run(dout, q, k, v, out, lse)
+
+
+#: the KV-cache forward's arguments that change from call to call, in the order KVCachePlan passes them
+KVCACHE_PER_CALL = ("q", "k", "v", "out", "lse", "alibi_slopes", "sinks", "cache_seqlens", "block_table",
+                    "out_partial", "lse_partial", "seqlen_k", "vec_ok")
+
+
+def _int32_vector(x, copy: bool):
+    """An int32 vector or table argument (cache_seqlens, block_table) as the kernel reads it: rows contiguous."""
+    return _NULL if x is None else cupy.ascontiguousarray(x) if copy else x
+
+
+def kvcache_fixed_fields(p: CacheProblem, plan: _plan.CacheLaunches, strides, table_stride: int) -> dict:
+    """The KV-cache forward's fields that are the same for each call of a plan (KVCACHE_PER_CALL the rest):
+    ``strides`` the (batch or page, seq, head) element strides of q, k_cache, v_cache and out."""
+    fields = _params.forward_fields()
+    fixed = {**_stride_fields(q=strides[0], k=strides[1], v=strides[2], o=strides[3]), **_problem_fields(p.attn),
+             **_tail_fields(fields, plan.forward.tail), "dropout_seed": 0, "dropout_offset": 0,
+             "block_table_stride": table_stride, "seqlen_k_new": p.seqlen_new, "pack": plan.pack,
+             "num_splits": plan.splits, "page_size": p.page_size}
+    del fixed["seqlen_k"]  # per call: an int cache_seqlens changes from step to step
+    return fixed
+
+
+class KVCachePlan:
+    """attention_with_kvcache of one problem on one device: the appends (array operations, _kvcache.append),
+    the KV-cache forward (fwd_mma with KVCACHE), and merge_parts where its keys are split (_plan.kvcache)."""
+
+    def __init__(self, p: CacheProblem, device_id: int, q, k_cache, v_cache, cache_seqlens, block_table,
+                 num_splits: int):
+        a = p.attn
+        self.problem = p
+        self.device_id = device_id
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if _needs_copy(cache):
+                raise ValueError(f"{name} must have a contiguous last axis and strides of whole elements: the "
+                                 f"kernels read and write the cache in place, got strides {cache.strides}")
+        plan = _plan.kvcache(p, device_props(device_id), num_splits)
+        self.splits = plan.splits
+        self.copy_q = _needs_copy(q)
+        self.copy_lengths = cache_seqlens is not None and hasattr(cache_seqlens, "dtype") and \
+            not cache_seqlens.flags.c_contiguous
+        self.copy_table = block_table is not None and block_table.strides[1] != block_table.itemsize
+        with cupy.cuda.Device(device_id):
+            self.kernel = get_kernel(plan.forward.spec, device_id)
+            self.merge = None if plan.merge is None else _Launch(plan.merge, device_id)
+        self.grid, self.block = plan.forward.grid, (plan.forward.spec.threads,)
+        self.smem = plan.forward.spec.smem_bytes
+        self.out_shape, self.dtype = tuple(q.shape), q.dtype
+        self.lse_shape = (a.batch, a.heads, a.seqlen_q)
+        self.partial_shapes = ((plan.splits, *q.shape), (plan.splits, *self.lse_shape))
+        strides = [_strides_of(q, self.copy_q), _strides_of(k_cache, False), _strides_of(v_cache, False),
+                   _contiguous_strides(q.shape)]
+        self.strides_vector_ok = _strides_vector_ok(a.head_dim, q.dtype.itemsize, *strides)
+        table_stride = 0 if block_table is None else block_table.shape[1] if self.copy_table else \
+            block_table.strides[0] // block_table.itemsize
+        fixed = kvcache_fixed_fields(p, plan, strides, table_stride)
+        self.arguments = _params.Arguments(_params.forward_fields(), fixed, KVCACHE_PER_CALL, _by_value)
+        if self.merge is not None:
+            self.merge_args = tuple(_by_value(s, np.int64) for s in strides[3]) + tuple(
+                _int32(n) for n in (plan.splits, a.batch, a.seqlen_q, a.heads, a.head_dim))
+
+    def run(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, with_lse: bool):
+        """out, and lse where ``with_lse`` (else None), on CuPy's current stream, after appending k and v."""
+        return _run_on(self.device_id, self._launch, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                       alibi_slopes, sinks, with_lse)
+
+    def _launch(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, with_lse):
+        p = self.problem
+        if k is not None:
+            _kvcache.append(cupy, k_cache, v_cache, k, v, cache_seqlens, block_table)
+        if p.lengths == "int":
+            seqlen_k, lengths = cache_seqlens + p.seqlen_new, _NULL
+        else:
+            seqlen_k = p.attn.seqlen_k
+            lengths = _int32_vector(cache_seqlens, self.copy_lengths) if p.lengths == "array" else _NULL
+        if self.copy_q:
+            q = cupy.ascontiguousarray(q)
+        out = cupy.ndarray(self.out_shape, self.dtype)
+        lse = cupy.ndarray(self.lse_shape, np.float32) if with_lse else None
+        if self.merge is None:
+            out_partial = lse_partial = _NULL
+        else:
+            out_partial = cupy.ndarray(self.partial_shapes[0], np.float32)
+            lse_partial = cupy.ndarray(self.partial_shapes[1], np.float32)
+        vector_ok = self.strides_vector_ok and not (q.data.ptr | k_cache.data.ptr | v_cache.data.ptr) & 15
+        self.kernel(self.grid, self.block, self.arguments(
+            (q, k_cache, v_cache, out, _NULL if lse is None else lse, _vector(alibi_slopes), _vector(sinks), lengths,
+             _int32_vector(block_table, self.copy_table), out_partial, lse_partial, _int32(seqlen_k),
+             _VECTOR_OK[vector_ok])), shared_mem=self.smem)
+        if self.merge is not None:
+            self.merge((out_partial, lse_partial, out, _NULL if lse is None else lse, _vector(sinks)) + self.merge_args)
+        return out, lse
+
+
+def merge_states(outs, lses):
+    """merge_states on the GPU: ``outs`` and ``lses`` stacked (as given, or from lists of parts) into
+    contiguous float32 arrays (a copy only where they are not), then merge_parts."""
+    out_dtype = outs.dtype if hasattr(outs, "dtype") else outs[0].dtype
+    device_id = (outs if hasattr(outs, "data") else outs[0]).data.device_id
+
+    def stacked(x):
+        return cupy.ascontiguousarray(x if hasattr(x, "ndim") else cupy.stack(x), dtype=np.float32)
+
+    def launch():
+        parts_out, parts_lse = stacked(outs), stacked(lses)
+        parts, batch, seqlen_q, heads, head_dim = parts_out.shape
+        out = cupy.ndarray(parts_out.shape[1:], out_dtype)
+        lse = cupy.ndarray((batch, heads, seqlen_q), np.float32)
+        kernel = _Launch(_plan.merge(batch, seqlen_q, heads, out_dtype), device_id)
+        kernel((parts_out, parts_lse, out, lse, _NULL)
+               + tuple(_by_value(s, np.int64) for s in _contiguous_strides(out.shape))
+               + tuple(_int32(n) for n in (parts, batch, seqlen_q, heads, head_dim)))
+        return out, lse
+    return _run_on(device_id, launch)

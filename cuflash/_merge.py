@@ -71,6 +71,9 @@ def merge_states(outs, lses):
 
     computed in float32 with the largest ``lse_i`` of each row subtracted first. This is how split-key
     (Flash-Decoding), cascade, prefix-shared and context-parallel attention combine their partial results.
+    On CuPy one kernel merges them, the one that merges :func:`attention_with_kvcache`'s key splits (on
+    contiguous float32 stacks of the parts: lists, other dtypes and strided arrays are copied into them
+    first); on NumPy, array operations.
 
     Parameters
     ----------
@@ -104,6 +107,11 @@ def merge_states(outs, lses):
     True
     """
     xp, out_parts, lse_parts = check_merge(outs, lses)
+    if xp is not np:
+        from . import _cupy_path
+
+        return _cupy_path.merge_states(outs if hasattr(outs, "ndim") else out_parts,
+                                       lses if hasattr(lses, "ndim") else lse_parts)
     lse_all = xp.stack(lse_parts)  # (parts, batch, heads, seqlen_q)
     shift = lse_all.max(axis=0)
     shift = xp.where(shift == -xp.inf, xp.float32(0), shift)  # rows no part saw: every weight below is 0

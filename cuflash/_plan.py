@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import _config
-from ._validate import Problem
+from ._validate import CacheProblem, Problem
 
 #: CUDA's limit on gridDim.x
 MAX_GRID_X = 2**31 - 1
@@ -99,3 +99,43 @@ def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
         spec = cfg.bwd_dq
         dq = Launch(spec, grid(-(-p.seqlen_q // spec.block_m) * p.batch * p.heads), (0, 0))
     return BackwardLaunches(preprocess, lanes, tuple(dkdv), dq, adds_dq, accum_shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLaunches:
+    """The launches of one attention_with_kvcache call: the KV-cache forward (fwd_mma with KVCACHE, its query
+    heads packed ``pack`` to a row group, its keys in ``splits`` splits), then, where splits > 1,
+    ``merge`` (merge_parts) combining the splits' float32 partials."""
+
+    forward: Launch
+    pack: int
+    splits: int
+    merge: Launch | None
+
+
+def kvcache(p: CacheProblem, device: _config.DeviceProps, num_splits: int = 0,
+            spec: _config.KernelSpec | None = None) -> CacheLaunches:
+    """The KV-cache forward's launches. The query heads of a kv head share its blocks (pack = the GQA group),
+    except under ALiBi, whose slope the kernel takes per block (pack 1). ``num_splits`` 0 lets
+    ``_config.kvcache_splits`` choose from the cache's capacity; otherwise that many, at most one per key
+    tile. ``spec`` overrides the forward's (tuning tools). The forward's tail is QueryBlock's order (unread
+    here: CacheBlock has its own)."""
+    a = p.attn
+    pack = 1 if a.alibi_shape is not None else a.group
+    rows = a.seqlen_q * pack
+    if spec is None:
+        spec = _config.kvcache_forward_spec(a.head_dim, a.dtype, a.mask_kind, device, a.mods, p.page_size)
+    blocks = -(-rows // spec.block_m) * (a.heads // pack) * a.batch
+    key_tiles = max(1, -(-a.seqlen_k // spec.block_n))
+    if num_splits == 0:
+        splits = _config.kvcache_splits(blocks, key_tiles, _config.resident_blocks(spec, device), device.sm_count)
+    else:
+        splits = min(num_splits, key_tiles)
+    merge_launch = merge(a.batch, a.seqlen_q, a.heads, a.dtype) if splits > 1 else None
+    return CacheLaunches(Launch(spec, grid(blocks * splits), (0,)), pack, splits, merge_launch)
+
+
+def merge(batch: int, seqlen_q: int, heads: int, dtype) -> Launch:
+    """merge_parts (kernels/merge.cu), one warp per (batch, row, head), writing ``dtype``."""
+    spec = _config.KernelSpec("merge_parts", dtype, threads=_config.MERGE_WARPS * 32)
+    return Launch(spec, grid(-(-batch * seqlen_q * heads // _config.MERGE_WARPS)))

@@ -156,6 +156,17 @@ def check_forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=
     left, right = check_window(window_size, causal)
     if alignment not in ALIGNMENTS:
         raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
+    alibi_shape = check_head_vectors(q, alibi_slopes, sinks, batch, heads)
+    dropout_p, _, _ = check_dropout(dropout_p, 0, 0)
+    return Problem(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, np.dtype(q.dtype), bool(causal),
+                   resolve_scale(softmax_scale, head_dim), left, right,
+                   seqlen_k - seqlen_q if alignment == BOTTOM_RIGHT else 0, check_softcap(softcap), alibi_shape,
+                   sinks is not None, dropout_p)
+
+
+def check_head_vectors(q, alibi_slopes, sinks, batch: int, heads: int) -> tuple | None:
+    """Check the per-head float32 vectors (ALiBi slopes (heads,) or (batch, heads), sinks (heads,)), on q's
+    device; returns the slopes' shape, None without them."""
     alibi_shape = None
     if alibi_slopes is not None:
         alibi_shape = check_float32_vector("alibi_slopes", alibi_slopes, ((heads,), (batch, heads)),
@@ -164,11 +175,7 @@ def check_forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=
     if sinks is not None:
         check_float32_vector("sinks", sinks, ((heads,),), "(heads,)")
         check_same_device(q=q, sinks=sinks)
-    dropout_p, _, _ = check_dropout(dropout_p, 0, 0)
-    return Problem(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, np.dtype(q.dtype), bool(causal),
-                   resolve_scale(softmax_scale, head_dim), left, right,
-                   seqlen_k - seqlen_q if alignment == BOTTOM_RIGHT else 0, check_softcap(softcap), alibi_shape,
-                   sinks is not None, dropout_p)
+    return alibi_shape
 
 
 def check_backward(dout, q, k, v, out, lse, causal, softmax_scale, window_size=(-1, -1), softcap=0.0,
@@ -295,3 +302,125 @@ def check_same_device(**arrays):
     if len(set(devices.values())) > 1:
         listing = ", ".join(f"{n} on device {d}" for n, d in devices.items())
         raise ValueError(f"all arrays must be on one device; {listing}")
+
+
+#: the largest num_splits accepted (the plan's own choice stays within _config.MAX_KV_SPLITS too)
+MAX_NUM_SPLITS = 128
+_INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheProblem:
+    """The validated shape of one attention_with_kvcache call.
+
+    ``attn`` is the attention of one step: its seqlen_k is the keys a sequence can hold (the cache's length,
+    or pages per sequence x page_size), its diagonal unused (each sequence's own length sets it)."""
+
+    attn: Problem
+    page_size: int  # keys per page of a paged cache; 0 where the cache is contiguous
+    num_pages: int  # pages of a paged cache (its first axis); 0 where contiguous
+    seqlen_new: int  # keys appended by the call (k, v); 0 without
+    #: how the sequences' lengths come: "array" (cache_seqlens an int32 array), "int" (one int for every
+    #: sequence, read per call), "full" (None: every sequence fills the cache)
+    lengths: str
+
+
+def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size,
+                  softcap, alibi_slopes, sinks, num_splits) -> CacheProblem:
+    """Validate attention_with_kvcache's arguments, all but an int ``cache_seqlens``'s value (which changes per
+    call: ``check_cache_length``) and what only device memory holds (the values of a cache_seqlens array and
+    of block_table)."""
+    _check_4d("q", q, "(batch, seqlen_q, heads, head_dim)")
+    paged = block_table is not None
+    layout = "(num_blocks, page_size, heads_kv, head_dim)" if paged else "(batch, seqlen_cache, heads_kv, head_dim)"
+    for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if name != "q":
+            _check_4d(name, a, layout)
+        _check_dtype(name, a)
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"q, k_cache and v_cache must share one dtype, got q {q.dtype}, k_cache {k_cache.dtype}, "
+                        f"v_cache {v_cache.dtype}")
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    batch, seqlen_q, heads, head_dim = q.shape
+    cache_rows, cache_len, heads_kv, cache_dim = k_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"head_dim must match: q {head_dim}, k_cache {cache_dim}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
+    if heads_kv == 0 or heads % heads_kv:
+        raise ValueError(f"heads of q ({heads}) must be a multiple of the cache's heads_kv ({heads_kv}), which must "
+                         "be positive")
+    check_flag("causal", causal)
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache)
+    page_size = num_pages = 0
+    if paged:
+        from ._config import PAGE_SIZE_MULTIPLE
+
+        if not hasattr(block_table, "dtype") or block_table.dtype != np.int32 or block_table.ndim != 2:
+            raise TypeError(f"block_table must be an int32 array (batch, max_blocks_per_sequence), got "
+                            f"{getattr(block_table, 'dtype', type(block_table).__name__)} of shape "
+                            f"{tuple(getattr(block_table, 'shape', ()))}")
+        if block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have batch = {batch} rows, got {block_table.shape[0]}")
+        page_size, num_pages = cache_len, cache_rows
+        if page_size == 0 or page_size % PAGE_SIZE_MULTIPLE:
+            raise ValueError(f"the paged cache's page_size (k_cache.shape[1]) must be a positive multiple of "
+                             f"{PAGE_SIZE_MULTIPLE}, got {page_size}")
+        capacity = block_table.shape[1] * page_size
+        check_same_device(q=q, block_table=block_table)
+    else:
+        if cache_rows != batch:
+            raise ValueError(f"k_cache must hold batch = {batch} sequences (without block_table), got {cache_rows}")
+        capacity = cache_len
+    if capacity > _INT32_MAX:
+        raise ValueError(f"the cache holds {capacity} keys per sequence, past int32")
+    seqlen_new = 0
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the keys and values to append), or neither")
+    if k is not None:
+        if cache_seqlens is None:
+            raise ValueError("k and v need cache_seqlens: they are written into the cache from position "
+                             "cache_seqlens[b]")
+        for name, a in (("k", k), ("v", v)):
+            _check_4d(name, a, "(batch, seqlen_new, heads_kv, head_dim)")
+            if a.dtype != q.dtype:
+                raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {a.dtype}")
+        if tuple(k.shape) != tuple(v.shape) or k.shape[0] != batch or tuple(k.shape[2:]) != (heads_kv, head_dim):
+            raise ValueError(f"k and v must have shape (batch, seqlen_new, heads_kv, head_dim) = ({batch}, "
+                             f"seqlen_new, {heads_kv}, {head_dim}), got {tuple(k.shape)} and {tuple(v.shape)}")
+        seqlen_new = k.shape[1]
+        check_same_device(q=q, k=k, v=v)
+    if cache_seqlens is None:
+        lengths = "full"
+    elif _is_number(cache_seqlens, numbers.Integral):
+        lengths = "int"
+    elif hasattr(cache_seqlens, "dtype"):
+        if cache_seqlens.dtype != np.int32 or tuple(cache_seqlens.shape) != (batch,):
+            raise TypeError(f"cache_seqlens must be an int or an int32 array (batch,) = ({batch},), got "
+                            f"{cache_seqlens.dtype} of shape {tuple(cache_seqlens.shape)}")
+        check_same_device(q=q, cache_seqlens=cache_seqlens)
+        lengths = "array"
+    else:
+        raise TypeError(f"cache_seqlens must be an int, an int32 array (batch,) or None, got "
+                        f"{type(cache_seqlens).__name__}")
+    if not _is_number(num_splits, numbers.Integral) or not 0 <= num_splits <= MAX_NUM_SPLITS:
+        raise ValueError(f"num_splits must be an int in [0, {MAX_NUM_SPLITS}] (0: the plan chooses), got "
+                         f"{num_splits!r}")
+    left, right = check_window(window_size, causal)
+    alibi_shape = check_head_vectors(q, alibi_slopes, sinks, batch, heads)
+    attn = Problem(batch, seqlen_q, capacity, heads, heads_kv, head_dim, np.dtype(q.dtype), bool(causal),
+                   resolve_scale(softmax_scale, head_dim), left, right, 0, check_softcap(softcap), alibi_shape,
+                   sinks is not None)
+    return CacheProblem(attn, page_size, num_pages, seqlen_new, lengths)
+
+
+def check_cache_length(cache_seqlens: int, p: CacheProblem) -> int:
+    """An int ``cache_seqlens``: the keys of every sequence before the call, room left for the appended ones."""
+    room = p.attn.seqlen_k - p.seqlen_new
+    if not 0 <= cache_seqlens <= room:
+        raise ValueError(f"cache_seqlens must be in [0, {room}] (the cache holds {p.attn.seqlen_k} keys per sequence"
+                         f"{f', {p.seqlen_new} of them appended by k and v' if p.seqlen_new else ''}), "
+                         f"got {cache_seqlens}")
+    return int(cache_seqlens)

@@ -26,8 +26,10 @@ import math
 import ml_dtypes
 import numpy as np
 
-__all__ = ["attention", "attention_backward", "attention_in_dtype", "attention_backward_in_dtype", "causal_mask",
-           "mask", "merge_states", "rounding", "tolerance"]
+from . import _kvcache
+
+__all__ = ["attention", "attention_backward", "attention_with_kvcache", "attention_in_dtype",
+           "attention_backward_in_dtype", "causal_mask", "mask", "merge_states", "rounding", "tolerance"]
 
 
 def causal_mask(seqlen_q: int, seqlen_k: int) -> np.ndarray:
@@ -212,6 +214,37 @@ def attention_backward(dout, q, k, v, causal: bool = False, softmax_scale=None, 
     options = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                    dropout_p=dropout_p, dropout_mask=dropout_mask, alignment=alignment)
     return _backward(dout, q, k, v, out, causal, softmax_scale, options, _keep_all, np.float64)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
+                           causal: bool = False, softmax_scale=None, window_size=(-1, -1), softcap: float = 0.0,
+                           alibi_slopes=None, sinks=None, in_dtype=None):
+    """:func:`cuflash.attention_with_kvcache` in float64, without writing the caches: sequence ``b``'s keys
+    are its first ``cache_seqlens[b]`` cached ones (all of them where None) followed by ``k[b]`` (likewise
+    the values), and its queries attend to them as :func:`attention` with the bottom-right diagonal
+    (:func:`attention_in_dtype` where ``in_dtype`` is given: the low-precision side of the tolerance rule).
+
+    Returns (out (batch, seqlen_q, heads, head_dim), lse (batch, heads, seqlen_q)), float64.
+    """
+    k_cache, v_cache = np.array(_host(k_cache)), np.array(_host(v_cache))  # copies: the appends land in them
+    block_table = None if block_table is None else _host(block_table)
+    batch = q.shape[0]
+    full = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+    keys = _kvcache.lengths_of(cache_seqlens, batch, full)
+    if k is not None:
+        start = cache_seqlens if isinstance(cache_seqlens, int) else np.asarray(_host(cache_seqlens))
+        _kvcache.append(np, k_cache, v_cache, _host(k), _host(v), start, block_table)
+        keys = keys + k.shape[1]
+
+    def attend(q_b, k_b, v_b, slopes):
+        options = dict(window_size=window_size, softcap=softcap, alibi_slopes=slopes,
+                       sinks=None if sinks is None else _host(sinks))
+        if in_dtype is None:
+            return attention(q_b, k_b, v_b, causal, softmax_scale, **options)
+        return attention_in_dtype(q_b, k_b, v_b, causal, softmax_scale, in_dtype, **options)
+
+    alibi = None if alibi_slopes is None else _host(alibi_slopes)
+    return _kvcache.per_sequence(attend, _host(q), k_cache, v_cache, keys, block_table, alibi)
 
 
 def merge_states(outs, lses):

@@ -46,7 +46,12 @@ def test_every_specialization_compiles(reports):
     # the covering set of the modifiers: 8 head dims x 2 mask kinds x with and without dropout, bfloat16
     # and float32
     masks, head_dims = len(_config.MASK_KINDS), len(_config.HEAD_DIMS)
-    assert kernels["fwd_mma"] == 2 * masks * head_dims + 2 * 2 * head_dims
+    # contiguous and paged (one tile past head_dim 128) x (plain, windowed with every modifier)
+    fused = sum(d <= _config.MMA_BACKWARD_FUSED_HEAD_DIM for d in _config.HEAD_DIMS)
+    kvcache = sum(r.spec.kvcache for r in reports)
+    assert kvcache == 2 * (fused + head_dims)
+    assert kernels["fwd_mma"] == 2 * masks * head_dims + 2 * 2 * head_dims + kvcache
+    assert kernels["merge_parts"] == len(_config.SUPPORTED_DTYPES)
     assert kernels["fwd_simt"] == masks * head_dims + 2 * 2 * head_dims
     no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT
     assert {r.spec.mods for r in reports} == {0, _config.ALL_MODS, _config.ALL_MODS & ~_config.MOD_SINKS, no_dropout,
@@ -116,6 +121,8 @@ def test_python_mirrors_the_kernels_constants():
                "\"_config.DQ_ACCUM_ROWS\");")
     _nvrtc_compile(kernel_source("fwd_mma.cu") + "\n" + forward_rows + "\n" + dq_rows + "\n"
                    + "\n".join(smem_asserts("fwd_mma.cu")) + "\n", "sm_90", [])
+    merge_warps = f"static_assert(cuflash::kMergeWarps == {_config.MERGE_WARPS}, \"_config.MERGE_WARPS\");"
+    _nvrtc_compile(kernel_source("merge.cu") + "\n" + merge_warps + "\n", "sm_90", [])
     dkdv_threads = (f"static_assert(cuflash::kDkdvTiledThreads == {_config.DKDV_TILED_THREADS}, "
                     "\"_config.DKDV_TILED_THREADS\");")
     _nvrtc_compile(kernel_source("bwd_mma.cu") + "\n" + dkdv_threads + "\n"

@@ -135,11 +135,15 @@ def test_rejects_old_gpus_and_bad_dtypes():
 
 def test_spec_names_are_template_instances():
     cfg = choose_config(64, np.float16, True, _config.H100)
-    assert cfg.forward.name == "cuflash::fwd_mma<__half, 64, 1, 0, 128, 64, 4, 1>"
+    assert cfg.forward.name == "cuflash::fwd_mma<__half, 64, 1, 0, 128, 64, 4, 1, false>"
     pairs = choose_config(256, np.float16, False, _config.H100).forward
-    assert pairs.name == "cuflash::fwd_mma<__half, 256, 0, 0, 128, 64, 8, 2>"
+    assert pairs.name == "cuflash::fwd_mma<__half, 256, 0, 0, 128, 64, 8, 2, false>"
     window = choose_config(64, np.float16, _config.MASK_WINDOW, _config.H100).forward
-    assert window.name == "cuflash::fwd_mma<__half, 64, 2, 0, 128, 64, 4, 1>"
+    assert window.name == "cuflash::fwd_mma<__half, 64, 2, 0, 128, 64, 4, 1, false>"
+    decode = _config.kvcache_forward_spec(128, np.float16, _config.MASK_CAUSAL, _config.H100, _config.MOD_SINKS)
+    assert decode.name == "cuflash::fwd_mma<__half, 128, 1, 4, 16, 128, 4, 1, true>"
+    assert decode.cache_key != dataclasses.replace(decode, kvcache=False).cache_key
+    assert _config.KernelSpec("merge_parts", BFLOAT16, threads=128).name == "cuflash::merge_parts<__nv_bfloat16>"
     assert cfg.bwd_preprocess.name == "cuflash::bwd_preprocess<__half>"
     assert cfg.bwd_dkdv[0].name == "cuflash::bwd_dkdv_mma<__half, 64, 1, 0, 128, 128, false>"
     assert cfg.bwd_dkdv_atomic[0].name.endswith(", 128, 128, true>")
@@ -149,15 +153,15 @@ def test_spec_names_are_template_instances():
     assert cfg.bwd_dq_convert.name == "cuflash::bwd_dq_convert<__half, 64>"
     # the forward takes every modifier; the backward kernels all but the sinks (they read them through lse)
     mods = choose_config(64, np.float16, _config.MASK_WINDOW, _config.H100, _config.SCORE_MODS | _config.MOD_SINKS)
-    assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 7, 128, 64, 4, 1>"
+    assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 7, 128, 64, 4, 1, false>"
     assert mods.bwd_dq.name == "cuflash::bwd_dq_mma<__half, 64, 2, 3, 128, 32, 4>"
     # dropout (bit 8) shares the plain forward tiles on sm_90; on sm_8x it takes 32-key tiles at head_dim 64
     # (registers)
     mods = choose_config(64, np.float16, _config.MASK_WINDOW, _config.H100, _config.ALL_MODS)
-    assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 15, 128, 64, 4, 1>"
+    assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 15, 128, 64, 4, 1, false>"
     assert mods.bwd_dq.name == "cuflash::bwd_dq_mma<__half, 64, 2, 11, 128, 32, 4>"
     mods = choose_config(64, np.float16, _config.MASK_WINDOW, _config.A100, _config.ALL_MODS)
-    assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 15, 128, 32, 4, 1>"
+    assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 15, 128, 32, 4, 1, false>"
     simt = choose_config(64, np.float32, True, _config.H100).bwd_dq
     assert simt.name == f"cuflash::bwd_dq_simt<float, 64, 1, 0, 32, 32, {simt.smem_bytes}>"
 
@@ -180,7 +184,11 @@ def test_all_specs_are_distinct_and_cover_the_table():
     # limit (without its atomic form: the softcap's backward is the deterministic pair) and the rows
     # kernel's two parts plus the atomic dK-only part past it; float32's three kernels.
     modified = 2 * 2 * ((2 * len(_config.HEAD_DIMS) + fused + 3 * split) + 3 * len(_config.HEAD_DIMS))
-    assert len(specs) == 2 * half + single + modified
+    # the KV-cache forward: contiguous and on 64-key pages (a narrower tile up to head_dim 128), plain and windowed
+    # with its modifiers, per head dim; merge_parts per dtype
+    kvcache = 2 * (fused + len(_config.HEAD_DIMS))
+    assert sum(s.kvcache for s in specs) == kvcache
+    assert len(specs) == 2 * half + single + modified + kvcache + len(_config.SUPPORTED_DTYPES)
     no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT
     assert {s.mods for s in specs} == {0, _config.ALL_MODS, _config.ALL_MODS & ~_config.MOD_SINKS, no_dropout,
                                        no_dropout & ~_config.MOD_SINKS}
@@ -292,3 +300,17 @@ def test_tuning_builds_the_tables_specs_from_their_tiles(device, head_dim):
                 continue  # the rows kernel's parts fitted apart (shared memory differs with the dS^T tile)
             assert _config.dkdv_specs(first.kernel, BFLOAT16, head_dim, mask, first.block_m, first.block_n,
                                       atomic) == launches
+
+
+def test_kvcache_tiles_fit_the_pages_and_the_gpu():
+    for device in (_config.H100, _config.A100, _config.RTX_4090):
+        for d in _config.HEAD_DIMS:
+            for page_size in (0, 64, 128, 192, 256):
+                spec = _config.kvcache_forward_spec(d, BFLOAT16, _config.MASK_NONE, device, 0, page_size)
+                assert spec.kvcache and spec.block_m == 16 and spec.threads == 128
+                assert spec.smem_bytes <= device.max_smem_per_block and page_size % spec.block_n == 0
+                assert spec.block_n >= _config.PAGE_SIZE_MULTIPLE or device is _config.RTX_4090
+    assert _config.kvcache_forward_spec(128, BFLOAT16, 0, _config.H100, 0).block_n == 128
+    assert _config.kvcache_forward_spec(128, BFLOAT16, 0, _config.H100, 0, page_size=192).block_n == 64
+    with pytest.raises(TypeError, match="float16 and bfloat16"):
+        _config.kvcache_forward_spec(64, np.float32, 0, _config.H100, 0)

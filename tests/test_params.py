@@ -9,6 +9,7 @@ import pytest
 
 from cuflash import _config, _cupy_path, _params, _plan
 from cuflash._config import BFLOAT16
+from cuflash._validate import CacheProblem
 
 from .test_plan import problem
 
@@ -54,7 +55,8 @@ def test_the_lists_read_from_the_source():
     assert [f.name for f in forward[:9]] == ["q", "k", "v", "out", "lse", "alibi_slopes", "sinks", "dropout_seed",
                                             "dropout_offset"]
     assert forward[-1].name == "query_blocks_fastest" and backward[-2:][0].name == "dq_splits"
-    assert {f.name for f in forward if f.pointer} == {"q", "k", "v", "out", "lse", "alibi_slopes", "sinks"}
+    assert {f.name for f in forward if f.pointer} == {"q", "k", "v", "out", "lse", "alibi_slopes", "sinks",
+                                                     "cache_seqlens", "block_table", "out_partial", "lse_partial"}
     assert _params.fields("CUFLASH_BWD_FIELDS")[9] == _params.Field("dq_accum", "float", True)
     assert dict((f.name, f.dtype) for f in forward)["dropout_threshold"] == np.uint32
     with pytest.raises(RuntimeError, match="no field list"):
@@ -71,7 +73,8 @@ def test_a_plan_names_every_field_once(options):
     fields = _params.forward_fields()
     strides = [(1, 2, 3), (4, 5, 6), (7, 8, 9), (10, 11, 12)]
     fixed = {**_cupy_path._stride_fields(q=strides[0], k=strides[1], v=strides[2], o=strides[3]),
-             **_cupy_path._problem_fields(p), **_cupy_path._tail_fields(fields, launch.tail)}
+             **_cupy_path._problem_fields(p), **_cupy_path._tail_fields(fields, launch.tail),
+             **_cupy_path.NO_CACHE_FIELDS}
     per_call = [f"<{name}>" for name in _cupy_path.FORWARD_PER_CALL]
     args = dict(zip([f.name for f in fields], _params.Arguments(fields, fixed, _cupy_path.FORWARD_PER_CALL)(tuple(per_call))))
     assert [args[name] for name in _cupy_path.FORWARD_PER_CALL] == per_call
@@ -103,3 +106,21 @@ def test_arguments_refuse_an_incomplete_or_unknown_list():
             _params.Arguments(fields, fixed, per_call)
     with pytest.raises(ValueError):  # a call gives exactly the per-call values
         _params.Arguments(fields, {"n": 3, "s": 0.5}, ("x",))(("ptr", "extra"))
+
+
+@pytest.mark.parametrize("lengths", ["array", "int"])
+def test_a_kvcache_plan_names_every_field_once(lengths):
+    # the KV-cache forward's fixed and per-call fields cover the list exactly; the plan's packing and splits
+    # land in their fields
+    attn = problem(batch=3, seqlen_q=1, seqlen_k=4096, heads=32, heads_kv=8, head_dim=128)
+    p = CacheProblem(attn, page_size=256, num_pages=100, seqlen_new=1, lengths=lengths)
+    plan = _plan.kvcache(p, _config.H100)
+    fields = _params.forward_fields()
+    strides = [(1, 2, 3), (4, 5, 6), (7, 8, 9), (10, 11, 12)]
+    fixed = _cupy_path.kvcache_fixed_fields(p, plan, strides, table_stride=16)
+    per_call = tuple(f"<{name}>" for name in _cupy_path.KVCACHE_PER_CALL)
+    args = dict(zip([f.name for f in fields], _params.Arguments(fields, fixed, _cupy_path.KVCACHE_PER_CALL)(per_call)))
+    assert [args[name] for name in _cupy_path.KVCACHE_PER_CALL] == list(per_call)
+    assert (args["pack"], args["num_splits"], args["page_size"]) == (4, plan.splits, 256)
+    assert args["block_table_stride"] == 16
+    assert args["seqlen_k_new"] == 1 and type(args["block_table_stride"]) is np.int64 and args["k_sb"] == 4

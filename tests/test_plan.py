@@ -104,3 +104,43 @@ def test_a_grid_past_cudas_limit_is_a_value_error():
     with pytest.raises(ValueError, match="problem too large"):
         _plan.grid(2**31)
     assert _plan.grid(0) == (1,) and _plan.grid(2**31 - 1) == (2**31 - 1,)
+
+
+def cache_problem(batch=1, seqlen_q=1, capacity=4096, heads=32, heads_kv=8, head_dim=128, **options):
+    from cuflash._validate import CacheProblem
+
+    return CacheProblem(problem(batch, seqlen_q, capacity, heads, heads_kv, head_dim, causal=False, **options),
+                        page_size=0, num_pages=0, seqlen_new=0, lengths="array")
+
+
+def test_kvcache_packs_the_query_heads_of_a_kv_head():
+    # 32 query heads on 8 kv heads, one query: 4 rows per block, one block (x splits) per kv head
+    plan = _plan.kvcache(cache_problem(), H100)
+    assert plan.pack == 4 and plan.forward.spec.kvcache and plan.forward.spec.block_m == 16
+    assert plan.forward.grid == (8 * plan.splits,)
+    # four queries of 8 query heads per kv head: 32 rows, two blocks per kv head
+    plan = _plan.kvcache(cache_problem(seqlen_q=4, heads=64), H100)
+    assert plan.pack == 8 and plan.forward.grid == (2 * 8 * plan.splits,)
+    # ALiBi's slope is per block: no packing, a block per query head
+    plan = _plan.kvcache(cache_problem(alibi_shape=(32,)), H100)
+    assert plan.pack == 1 and plan.forward.grid == (32 * plan.splits,)
+
+
+def test_kvcache_splits_fill_the_gpu_and_merge():
+    # one sequence of 4096 keys: 8 blocks would leave most SMs idle, so the keys are split and merged
+    small = _plan.kvcache(cache_problem(), H100)
+    assert small.splits == 8 and small.merge is not None and small.merge.spec.kernel == "merge_parts"
+    assert small.merge.grid == (-(-32 // _config.MERGE_WARPS),)
+    # a batch that fills the GPU by itself takes no splits
+    big = _plan.kvcache(cache_problem(batch=64, capacity=1024), H100)
+    assert big.splits == 1 and big.merge is None
+    # the caller's count, at most one split per key tile
+    assert _plan.kvcache(cache_problem(), H100, num_splits=1).merge is None
+    assert _plan.kvcache(cache_problem(capacity=300), H100, num_splits=64).splits == 3  # 128-key tiles
+
+
+@pytest.mark.parametrize("blocks,key_tiles,splits", [(8, 32, 8), (8, 1024, 16), (64, 8, 1), (8, 128, 8), (512, 128, 1),
+                                                    (1, 1, 1), (3000, 16, 1), (2, 8, 4), (8, 64, 8)])
+def test_kvcache_splits_rule(blocks, key_tiles, splits):
+    # one block per SM on 132 SMs: half the slots, doubled while each split keeps LONG_SPLIT_TILES tiles
+    assert _config.kvcache_splits(blocks, key_tiles, 1, 132) == splits

@@ -293,6 +293,25 @@ struct QueryBlock {
     }
 };
 
+// The work of a thread block of the KV-cache forward (fwd_mma with KVCACHE; _plan.kvcache). Query heads are
+// packed `pack` to a group of rows: row r of head group hg is query position r / pack of query head
+// hg * pack + r % pack, so where pack is the GQA group the query heads that share a kv head read its cache
+// once (ALiBi, whose slope is per block, runs with pack = 1). One block per (query block of these rows,
+// key split, head group, batch), query blocks fastest: the blocks that read one cache run side by side.
+struct CacheBlock {
+    int b, h, m0, split;   // h: the group's first query head; m0: the block's first row
+    __device__ __forceinline__ CacheBlock(int block_m, int rows, int head_groups, int pack, int num_splits) {
+        const int num_m_blocks = (rows + block_m - 1) / block_m;
+        int rest = static_cast<int>(blockIdx.x);
+        m0 = rest % num_m_blocks * block_m;
+        rest /= num_m_blocks;
+        split = rest % num_splits;
+        rest /= num_splits;
+        h = rest % head_groups * pack;
+        b = rest / head_groups;
+    }
+};
+
 // The key block of a thread block in the dK/dV kernels, one per (key block, batch, kv head). Two grids:
 // - banded (dq_splits = 0; every backward but the deterministic one's split form): blockIdx.y picks a
 //   band of `band` (batch, kv head) pairs, band = gridDim.x / (key blocks per head), and blockIdx.x walks
@@ -364,7 +383,15 @@ struct DqAccum {
 // (heads,)), softcap_in and softcap_out ScoreMod's; dropout_seed, dropout_offset and dropout_threshold
 // Dropout's, dropout_scale = 1 / (1 - dropout_p) (all read where MODS asks for them); *_sb, *_ss, *_sh
 // the element strides of batch, sequence and head; vec_ok says whether rows may be read as 16-byte
-// chunks; query_blocks_fastest picks QueryBlock's grid order.
+// chunks; query_blocks_fastest picks QueryBlock's grid order. The KV-cache forward's (fwd_mma with KVCACHE;
+// the others get nulls and zeros, and pack = num_splits = 1): k and v are the cache, batch b's keys number
+// cache_seqlens[b] + seqlen_k_new (int32; null: seqlen_k for every batch) and sit at the bottom-right
+// corner (diagonal = keys - seqlen_q); block_table (int32, block_table_stride per batch; null: contiguous)
+// maps key n of batch b to row n % page_size of page block_table[b][n / page_size], k_sb and v_sb then
+// the page strides; pack query heads share each group of rows (CacheBlock); where num_splits > 1 the
+// blocks write float32 partials for merge_parts (kernels/merge.cu): out_partial (num_splits, batch,
+// seqlen_q, heads, head_dim) normalized over a split's keys, lse_partial (num_splits, batch, heads,
+// seqlen_q), without the sinks, which the merge adds.
 #define CUFLASH_FWD_FIELDS(PTR, VAL, LAST)                                                            \
     PTR(const T, q) PTR(const T, k) PTR(const T, v) PTR(T, out) PTR(float, lse)                       \
     PTR(const float, alibi_slopes) PTR(const float, sinks) VAL(unsigned long long, dropout_seed)      \
@@ -374,8 +401,10 @@ struct DqAccum {
     VAL(long long, o_sh) VAL(int, batch) VAL(int, heads) VAL(int, group) VAL(int, seqlen_q)           \
     VAL(int, seqlen_k) VAL(int, head_dim) VAL(int, diagonal) VAL(int, window_left)                    \
     VAL(int, window_right) VAL(int, alibi_batch_stride) VAL(float, softcap_in) VAL(float, softcap_out) \
-    VAL(unsigned, dropout_threshold) VAL(float, dropout_scale) VAL(float, scale_log2) VAL(int, vec_ok) \
-    LAST(int, query_blocks_fastest)
+    VAL(unsigned, dropout_threshold) VAL(float, dropout_scale) VAL(float, scale_log2)                  \
+    PTR(const int, cache_seqlens) PTR(const int, block_table) PTR(float, out_partial)                 \
+    PTR(float, lse_partial) VAL(long long, block_table_stride) VAL(int, seqlen_k_new) VAL(int, pack)  \
+    VAL(int, num_splits) VAL(int, page_size) VAL(int, vec_ok) LAST(int, query_blocks_fastest)
 
 // The backward's (bwd_dkdv_mma, bwd_dkdv_rows_mma, bwd_dq_mma, bwd_dkdv_simt, bwd_dq_simt;
 // _cupy_path.BackwardPlan), the forward's fields as there, plus: delta = rowsum(dout * out) (float32,

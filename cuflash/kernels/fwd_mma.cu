@@ -13,6 +13,11 @@
 // l_i (running sum of exp2(score - m_i), per-thread partial until the epilogue) and acc (the
 // unnormalized output, in mma accumulator layout).
 //
+// KVCACHE: the decoding forward of attention_with_kvcache. The block's 16 rows are query heads packed with
+// their positions (CacheBlock), its keys one split of a cache of per-sequence length, contiguous or paged,
+// its 4 warps each scoring a quarter of every key tile (kKeyWarps), their states merged at the end; with
+// key splits it writes float32 partials that merge_parts (merge.cu) combines.
+//
 // Scores are kept in base 2: x = (q . k) * scale * log2(e), so p = exp2(x - m_i). The stored lse is
 // converted back to natural log: lse = (m_i + log2(l_i)) * ln(2); a null lse stores none (a caller that
 // does not return it allocates none). Under dropout (kModDropout) l_i sums every P, P.V takes the kept
@@ -46,9 +51,11 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int KEY
 // 256-thread blocks at two per SM (128 registers) and spills at head_dim 160; with it, 128-thread
 // blocks of two atoms per warp at head_dim 128 reach 255 registers and spill; with none, one-atom
 // 128-thread blocks (sm_8x, head_dim 128) stop at 168 registers and spill 24 bytes, and a minimum of
-// two lets them keep everything in registers.
-template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int WARPS, int KEY_SPLIT>
-__global__ void __launch_bounds__(WARPS * 32, WARPS >= 8 ? 1 : BLOCK_M / WARPS == 16 ? 2 : 0)
+// two lets them keep everything in registers. The KV-cache blocks (one per SM: their tiles take most of
+// its shared memory) spilled 12 bytes at 168 registers without a minimum; with one they fit.
+template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int WARPS, int KEY_SPLIT,
+          bool KVCACHE>
+__global__ void __launch_bounds__(WARPS * 32, WARPS >= 8 || KVCACHE ? 1 : BLOCK_M / WARPS == 16 ? 2 : 0)
 fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     constexpr int kThreads = WARPS * 32;
     // KEY_SPLIT warps share each group of query rows (a pair where KEY_SPLIT = 2): each computes S for its
@@ -56,7 +63,13 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     // partner through shared memory. Each warp holds two atoms' rows at head_dim 256 with one atom's
     // accumulator registers, and reads 52 KB of shared memory per 64-key tile instead of 72 (Q 16, K 16,
     // V 16, P 4 against Q 8, K 32, V 32), for two pair barriers per tile (bench/NOTES.md forward v8).
-    constexpr int kRowGroups = WARPS / KEY_SPLIT;
+    // Under KVCACHE the warps share one 16-row atom and split each key tile among them instead (kKeyWarps):
+    // warp w scores keys [w * kWarpKeys, (w + 1) * kWarpKeys) of every tile and multiplies them into its own
+    // acc over every column, with its own m_i and l_i, and the warps' states are merged at the end. A
+    // decoding block's rows are few and its tiles many: one warp walking them all left it waiting on its
+    // own latency at every tile (bench/NOTES.md, decode d2).
+    constexpr int kKeyWarps = KVCACHE ? WARPS : KEY_SPLIT;
+    constexpr int kRowGroups = WARPS / kKeyWarps;
     constexpr int kRowsPerWarp = BLOCK_M / kRowGroups;
     constexpr int kMAtoms = kRowsPerWarp / 16;
     using Row = ForwardRow<HEAD_DIM>;   // swizzled rows where HEAD_DIM allows, else padded (mma.cuh)
@@ -66,19 +79,21 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     // registers per thread, a 64-key S beside it (another 64) left ptxas too few for the swizzled
     // addresses and it spilled (head_dim 128, 128 x 64 tiles); sub-tiles whose S takes 32 registers fit.
     // Warp pairs take whole tiles: their exchange slots are reused only after the barrier ending a tile.
-    constexpr int kSubN = KEY_SPLIT == 1 && kMAtoms * HEAD_DIM / 2 >= 128 && kMAtoms * BLOCK_N / 2 > 32
+    constexpr int kSubN = !KVCACHE && KEY_SPLIT == 1 && kMAtoms * HEAD_DIM / 2 >= 128 && kMAtoms * BLOCK_N / 2 > 32
                               ? 64 / kMAtoms : BLOCK_N;
-    constexpr int kWarpKeys = kSubN / KEY_SPLIT;      // keys of a sub-tile whose scores this warp computes
+    constexpr int kWarpKeys = kSubN / kKeyWarps;      // keys of a sub-tile whose scores this warp computes
     constexpr int kWarpKSteps = kWarpKeys / 16;       // their k16 steps of P.V
     constexpr int kNTiles = kWarpKeys / 8;            // n8 accumulator tiles of S per atom
     constexpr int kDTiles = HEAD_DIM / KEY_SPLIT / 8; // n8 accumulator tiles of acc per atom (this warp's columns)
     // Q fragments take kMAtoms * HEAD_DIM / 4 registers; past 32 they crowd out acc and S.
-    constexpr bool kQInRegisters = KEY_SPLIT == 1 && kMAtoms * HEAD_DIM <= 128 && BLOCK_N <= 64;
+    constexpr bool kQInRegisters = KEY_SPLIT == 1 && kMAtoms * HEAD_DIM <= 128 && (BLOCK_N <= 64 || KVCACHE);
     static_assert(KEY_SPLIT == 1 || KEY_SPLIT == 2, "rows are shared by one warp or a pair");
     static_assert(BLOCK_M % (16 * kRowGroups) == 0 && kWarpKeys % 16 == 0, "tiles are made of 16 x 16 mma blocks");
     static_assert(BLOCK_N % kSubN == 0, "the key tile is made of whole sub-tiles");
     // A pair's column halves start on a 128-byte boundary of a swizzled row (the XOR pattern restarts).
     static_assert(KEY_SPLIT == 1 || kDTiles % 8 == 0, "column shares are whole 64-column groups");
+    static_assert(!KVCACHE || (KEY_SPLIT == 1 && (MODS & kModDropout) == 0 && BLOCK_M == 16),
+                  "the KV-cache forward: one atom, no pairs, no dropout");
 
     using Smem = FwdSmem<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, KEY_SPLIT>;
     static_assert(KEY_SPLIT == 1 || (kSubN == BLOCK_N && Smem::kMAtoms == kMAtoms), "the pair slots' layout");
@@ -89,9 +104,29 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     float* pair_max = reinterpret_cast<float*>(q_s + Smem::kTiles);
     uint4* pair_p = reinterpret_cast<uint4*>(pair_max + WARPS * Smem::kMaxSlots);   // 16-byte aligned
 
-    const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, query_blocks_fastest);
-    const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
-    const Window<MASK> window{diagonal, window_left, window_right};
+    // The block's rows: query rows m0.. of (batch b, head h), or under KVCACHE rows m0.. of the packed
+    // query heads h.. (CacheBlock), of split `split` of the keys. `rows` counts a head's (or head group's)
+    // rows and position(row) is a row's query position; `keys` counts batch b's keys, whose diagonal is
+    // `diag` (a KV cache's own length, aligned bottom-right).
+    int b, h, h_kv, m0, bh, split = 0;
+    if constexpr (KVCACHE) {
+        const CacheBlock blk(BLOCK_M, seqlen_q * pack, heads / pack, pack, num_splits);
+        b = blk.b, h = blk.h, m0 = blk.m0, split = blk.split;
+        h_kv = h / group;
+        bh = b * heads + h;
+    } else {
+        const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, query_blocks_fastest);
+        bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
+    }
+    const int rows = KVCACHE ? seqlen_q * pack : seqlen_q;
+    auto position = [&](int row) { return KVCACHE ? row / pack : row; };
+    int keys = seqlen_k, diag = diagonal;
+    if constexpr (KVCACHE) {
+        if (cache_seqlens != nullptr) keys = cache_seqlens[b] + seqlen_k_new;
+        diag = keys - seqlen_q;
+    }
+    const int pos_begin = position(m0), pos_end = position(m0 + BLOCK_M - 1) + 1;   // the rows' positions
+    const Window<MASK> window{diag, window_left, window_right};
     using Mod = ScoreMod<MODS>;
     const Mod mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
     // the factor from raw products to base-2 scores inside the exponent: scale_log2, or 1 where the
@@ -107,15 +142,21 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     // one first. Walking down from the highest keys meets the masked tiles of the diagonal first and, under
     // ALiBi, the largest scores of each row (its bias falls with the distance), so the row maxima seldom
     // grow afterwards and the warps seldom rescale (see exponentiate).
-    const int key_first = window.key_begin(m0) / BLOCK_N * BLOCK_N;
-    const int n_end = window.key_end(m0 + BLOCK_M, seqlen_k);
-    const int n_tiles = (n_end - key_first + BLOCK_N - 1) / BLOCK_N;   // <= 0 where no row sees a key
+    int key_first = window.key_begin(pos_begin) / BLOCK_N * BLOCK_N;
+    const int n_end = window.key_end(pos_end, keys);
+    int n_tiles = (n_end - key_first + BLOCK_N - 1) / BLOCK_N;   // <= 0 where no row sees a key
+    if constexpr (KVCACHE) {   // split `split` walks its share of these tiles, consecutive ones
+        const int split_tiles = (n_tiles + num_splits - 1) / num_splits;
+        key_first += split * split_tiles * BLOCK_N;
+        n_tiles = min(split_tiles, n_tiles - split * split_tiles);
+    }
     auto tile_key = [&](int j) { return key_first + (n_tiles - 1 - j) * BLOCK_N; };   // the j-th tile walked
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
-    const int warp_row0 = warp / KEY_SPLIT * kRowsPerWarp;
+    const int warp_row0 = warp / kKeyWarps * kRowsPerWarp;
     const int share = warp % KEY_SPLIT;   // this warp's share of the keys (S) and of the columns (P.V)
+    const int key_share = KVCACHE ? warp : share;   // the keys of a tile it scores (kKeyWarps)
     // Where warps share rows: this lane's slots in pair_max and pair_p; the partner's (warp ^ 1) are one
     // warp's slots after or before them. (Indexing the partner's slots by its warp index instead made
     // ptxas spill 40 bytes.)
@@ -137,13 +178,34 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     };
     auto partner_value = [&](int ma, int r) { return my_max[(ma * 2 + r) * 32 + partner_side * kMaxSlots]; };
 
-    load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads, Row>(q_s, q_head, q_ss, m0, seqlen_q, head_dim, vec_ok, tid);
-    if (n_tiles > 0) {
-        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(k_s, k_head, k_ss, tile_key(0), seqlen_k, head_dim,
-                                                              vec_ok, tid);
-        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(v_s, v_head, v_ss, tile_key(0), seqlen_k, head_dim,
-                                                              vec_ok, tid);
+    // The K and V tiles of keys n.. into stage `stage`. In a paged cache a tile lies within one page
+    // (page_size is a multiple of BLOCK_N): the page's rows from n % page_size.
+    auto load_keys = [&](int stage, int n) {
+        const T *k_src = k_head, *v_src = v_head;
+        int row = n, rows_valid = keys;
+        if constexpr (KVCACHE) {
+            if (block_table != nullptr) {
+                const long long page = block_table[b * block_table_stride + n / page_size];
+                row = n % page_size;
+                rows_valid = keys - n + row;
+                k_src = k + page * k_sb + h_kv * k_sh;
+                v_src = v + page * v_sb + h_kv * v_sh;
+            }
+        }
+        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(k_s + stage * BLOCK_N * kRow, k_src, k_ss, row,
+                                                              rows_valid, head_dim, vec_ok, tid);
+        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(v_s + stage * BLOCK_N * kRow, v_src, v_ss, row,
+                                                              rows_valid, head_dim, vec_ok, tid);
+    };
+    if constexpr (KVCACHE) {
+        load_rows_async<T, BLOCK_M, HEAD_DIM, kThreads, Row>(q_s, [&](int r) -> const T* {
+            const int row = m0 + r;
+            return row < rows ? q_head + position(row) * q_ss + row % pack * q_sh : nullptr;
+        }, q_head, head_dim, vec_ok, tid);
+    } else {
+        load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads, Row>(q_s, q_head, q_ss, m0, seqlen_q, head_dim, vec_ok, tid);
     }
+    if (n_tiles > 0) load_keys(0, tile_key(0));
     cp_async_commit();
 
     float acc[kMAtoms][kDTiles][4];
@@ -161,7 +223,7 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     // constant number of rows further.
     constexpr int kRowBytes = kRow * sizeof(T);
     const unsigned q_lane = smem_addr(q_s + Row::offset(warp_row0 + (lane % 8) + 8 * ((lane / 8) % 2), lane / 16));
-    const unsigned k_lane = smem_addr(k_s + Row::offset(share * kWarpKeys + (lane % 8) + 8 * (lane / 16),
+    const unsigned k_lane = smem_addr(k_s + Row::offset(key_share * kWarpKeys + (lane % 8) + 8 * (lane / 16),
                                                         (lane / 8) % 2));
     const unsigned v_lane = smem_addr(v_s + Row::offset((lane % 8) + 8 * ((lane / 8) % 2),
                                                         share * kDTiles + lane / 16));
@@ -171,13 +233,7 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
 
     for (int j = 0; j < n_tiles; ++j) {
         const int stage = j & 1;
-        if (j + 1 < n_tiles) {
-            const int nxt = tile_key(j + 1);
-            load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(k_s + (stage ^ 1) * BLOCK_N * kRow, k_head, k_ss,
-                                                                  nxt, seqlen_k, head_dim, vec_ok, tid);
-            load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(v_s + (stage ^ 1) * BLOCK_N * kRow, v_head, v_ss,
-                                                                  nxt, seqlen_k, head_dim, vec_ok, tid);
-        }
+        if (j + 1 < n_tiles) load_keys(stage ^ 1, tile_key(j + 1));
         cp_async_commit();   // possibly empty, so that "all but the newest group" is always tile j
         cp_async_wait<1>();
         __syncthreads();
@@ -228,25 +284,29 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
             // keys are masked. Without modifiers the row max is taken on the raw products (scale_log2 > 0
             // keeps the order) and one FMA then scales and subtracts; with them (a softcap, ALiBi) the
             // scores are made first, and the max taken on them.
-            const bool need_mask = n0 + kSubN > seqlen_k || !window.covers(m0, m0 + BLOCK_M, n0, n0 + kSubN);
+            const bool need_mask = n0 + kSubN > keys || !window.covers(pos_begin, pos_end, n0, n0 + kSubN);
             float tile_max[kMAtoms][2];   // per row: the max of the scaled scores of the sub-tile's keys
             auto take_row_max = [&](int ma) {
                 const int row0 = m0 + warp_row0 + ma * 16 + g;      // the row of elements 0 and 1
-                const int key0 = n0 + share * kWarpKeys + 2 * t;   // the key of element 0 of n8 tile 0
+                // the query position of element e's row; under KVCACHE the rows' positions, computed once (a
+                // two-element array of them instead made ptxas spill in the plain kernels, sm_80)
+                const int pos0 = position(row0), pos8 = position(row0 + 8);
+                auto row_position = [&](int e) { return KVCACHE ? (e < 2 ? pos0 : pos8) : row0 + 8 * (e / 2); };
+                const int key0 = n0 + key_share * kWarpKeys + 2 * t;   // the key of element 0 of n8 tile 0
                 if constexpr (Mod::kAny) {
 #pragma unroll
                     for (int nb = 0; nb < kNTiles; ++nb)
 #pragma unroll
                         for (int e = 0; e < 4; ++e)
                             s[ma][nb][e] =
-                                mod.score(s[ma][nb][e], row0 + 8 * (e / 2), key0 + nb * 8 + (e & 1), diagonal);
+                                mod.score(s[ma][nb][e], row_position(e), key0 + nb * 8 + (e & 1), diag);
                 }
                 if (need_mask) {
 #pragma unroll
                     for (int nb = 0; nb < kNTiles; ++nb)
 #pragma unroll
                         for (int e = 0; e < 4; ++e)
-                            if (!window.sees(row0 + 8 * (e / 2), key0 + nb * 8 + (e & 1), seqlen_k))
+                            if (!window.sees(row_position(e), key0 + nb * 8 + (e & 1), keys))
                                 s[ma][nb][e] = -CUFLASH_INF;
                 }
                 float row_max[2] = {-CUFLASH_INF, -CUFLASH_INF};
@@ -343,7 +403,7 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
                         my_p[(ma * kWarpKSteps + kk) * 32] =
                             make_uint4(p_frag[ma][kk][0], p_frag[ma][kk][1], p_frag[ma][kk][2], p_frag[ma][kk][3]);
             }
-            multiply_pv(p_frag, share);
+            multiply_pv(p_frag, key_share);
             if constexpr (KEY_SPLIT > 1) {
                 pair_sync();
                 unsigned p_partner[kMAtoms][kWarpKSteps][4];
@@ -368,6 +428,52 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     // lse = -inf (with a sink: output 0, lse = the sink).
     cp_async_wait<0>();
     __syncthreads();
+    if constexpr (kKeyWarps > KEY_SPLIT) {
+        // The KV-cache warps' states over their keys merged into warp 0's, through the key tiles' memory (no
+        // longer read): each warp's m_i per row, then its l_i and acc rescaled to the largest m_i, summed by
+        // warp 0, which alone runs the epilogue. A warp that saw no key has m_i = -inf and counts for nothing.
+        static_assert(kMAtoms == 1 && (2 + kDTiles * 4) * 32 * WARPS * 4 <= 4 * BLOCK_N * kRow * sizeof(T),
+                      "the merge's slots fit in the key tiles");
+        float* row_slots = reinterpret_cast<float*>(k_s);          // [WARPS][2 rows][32 lanes]
+        float* acc_slots = row_slots + WARPS * 2 * 32;              // [WARPS][kDTiles][4][32 lanes]
+        float m_all[2], factor[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) row_slots[(warp * 2 + r) * 32 + lane] = m_i[0][r];
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            m_all[r] = -CUFLASH_INF;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) m_all[r] = fmaxf(m_all[r], row_slots[(w * 2 + r) * 32 + lane]);
+            factor[r] = exp2f(m_i[0][r] - safe_max(m_all[r]));
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < 2; ++r) row_slots[(warp * 2 + r) * 32 + lane] = quad_sum(l_i[0][r]) * factor[r];
+#pragma unroll
+        for (int db = 0; db < kDTiles; ++db)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_slots[((warp * kDTiles + db) * 4 + e) * 32 + lane] = acc[0][db][e] * factor[e / 2];
+        __syncthreads();
+        if (warp != 0) return;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float l = 0.f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) l += row_slots[(w * 2 + r) * 32 + lane];
+            m_i[0][r] = m_all[r];
+            l_i[0][r] = t == 0 ? l : 0.f;   // the epilogue sums l_i over the quad
+        }
+#pragma unroll
+        for (int db = 0; db < kDTiles; ++db)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float sum = 0.f;
+#pragma unroll
+                for (int w = 0; w < WARPS; ++w) sum += acc_slots[((w * kDTiles + db) * 4 + e) * 32 + lane];
+                acc[0][db][e] = sum;
+            }
+    }
     // Where warps share rows, each holds the row sums of its own keys: the partners trade them (through
     // the row-maxima slots), and each stages its columns, then stores its share of the rows.
     float partner_l[kMAtoms][2];
@@ -384,7 +490,10 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
             for (int r = 0; r < 2; ++r) partner_l[ma][r] = partner_value(ma, r);
     }
     float* lse_head = lse == nullptr ? nullptr : lse + static_cast<long long>(bh) * seqlen_q;
-    const float sink2 = (MODS & kModSinks) != 0 ? sinks[h] * kLog2e : 0.f;   // this head's sink, base 2
+    const float sink2 = (MODS & kModSinks) != 0 && !KVCACHE ? sinks[h] * kLog2e : 0.f;   // this head's sink, base 2
+    // With key splits each block writes its split's result as float32 partials, straight from registers,
+    // without the sinks (merge_parts adds them); a KV-cache row's head is h + row % pack.
+    const bool partial = KVCACHE && num_splits > 1;
 #pragma unroll
     for (int ma = 0; ma < kMAtoms; ++ma) {
 #pragma unroll
@@ -393,15 +502,36 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
             if constexpr (KEY_SPLIT > 1) l += partner_l[ma][r];
             float m = m_i[ma][r], acc_factor = 1.f;
             if constexpr ((MODS & kModSinks) != 0) {   // the sink joins the denominator: rescale to max(m, sink)
-                const float m_new = safe_max(fmaxf(m, sink2));
+                const float row_sink2 = !KVCACHE ? sink2 : partial ? -CUFLASH_INF
+                                                     : sinks[h + (m0 + warp_row0 + ma * 16 + g + 8 * r) % pack] * kLog2e;
+                const float m_new = safe_max(fmaxf(m, row_sink2));
                 acc_factor = exp2f(m - m_new);
-                l = l * acc_factor + exp2f(sink2 - m_new);
+                l = l * acc_factor + exp2f(row_sink2 - m_new);
                 m = m_new;
             }
             const float inv_l = l == 0.f ? 0.f : (kDropout ? acc_factor * dropout_scale : acc_factor) / l;
             const int tile_row = warp_row0 + ma * 16 + g + 8 * r;
-            if (lse_head != nullptr && t == 0 && share == 0 && m0 + tile_row < seqlen_q)
-                lse_head[m0 + tile_row] = l == 0.f ? -CUFLASH_INF : (m + log2f(l)) * kLn2;
+            if constexpr (KVCACHE) {
+                const int row = m0 + tile_row;
+                const long long slot = (static_cast<long long>(b) * heads + h + row % pack) * seqlen_q + position(row);
+                const float row_lse = l == 0.f ? -CUFLASH_INF : (m + log2f(l)) * kLn2;
+                if (partial && row < rows) {
+                    if (t == 0) lse_partial[static_cast<long long>(split) * batch * heads * seqlen_q + slot] = row_lse;
+                    float* dst = out_partial + ((static_cast<long long>(split) * batch + b) * seqlen_q + position(row)) *
+                                                   heads * head_dim + (h + row % pack) * head_dim;
+#pragma unroll
+                    for (int db = 0; db < kDTiles; ++db) {
+                        const int col = db * 8 + 2 * t;
+                        if (col < head_dim) dst[col] = acc[ma][db][2 * r] * inv_l;
+                        if (col + 1 < head_dim) dst[col + 1] = acc[ma][db][2 * r + 1] * inv_l;
+                    }
+                    continue;
+                }
+                if (lse != nullptr && t == 0 && row < rows) lse[slot] = row_lse;
+            } else {
+                if (lse_head != nullptr && t == 0 && share == 0 && m0 + tile_row < seqlen_q)
+                    lse_head[m0 + tile_row] = l == 0.f ? -CUFLASH_INF : (m + log2f(l)) * kLn2;
+            }
 #pragma unroll
             for (int db = 0; db < kDTiles; ++db)
                 *reinterpret_cast<unsigned*>(q_s + Row::offset(tile_row, share * kDTiles + db) + 2 * t) =
@@ -415,8 +545,16 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     else
         __syncwarp();
     const int store_row0 = warp_row0 + share * kStoreRows;
-    store_rows<T, kStoreRows, HEAD_DIM, 32, Row>(out + b * o_sb + h * o_sh, o_ss, m0 + store_row0, seqlen_q,
-                                                 head_dim, q_s + store_row0 * kRow, lane);
+    if constexpr (KVCACHE) {
+        if (!partial)
+            store_rows_to<T, kStoreRows, HEAD_DIM, 32, Row>([&](int r) -> T* {
+                const int row = m0 + store_row0 + r;
+                return row < rows ? out + b * o_sb + position(row) * o_ss + (h + row % pack) * o_sh : nullptr;
+            }, head_dim, q_s + store_row0 * kRow, lane);
+    } else {
+        store_rows<T, kStoreRows, HEAD_DIM, 32, Row>(out + b * o_sb + h * o_sh, o_ss, m0 + store_row0, seqlen_q,
+                                                     head_dim, q_s + store_row0 * kRow, lane);
+    }
 }
 
 }  // namespace cuflash

@@ -215,6 +215,48 @@ __device__ __forceinline__ void store_rows(T* head_base, long long row_stride, i
     }
 }
 
+// The same two copies for tiles whose rows are not one stride apart (the KV-cache forward's packed query
+// heads): row r of the tile is the row at row_src(r), null for a row past the data (zero-filled on load,
+// not stored); `any_row` is any valid global address (the source of the zero-byte copies). A tile loaded
+// once per block, so the general loop of load_tile_async serves.
+template <typename T, int ROWS, int HEAD_DIM, int NTHREADS, typename Layout, typename RowSrc>
+__device__ __forceinline__ void load_rows_async(T* tile, RowSrc row_src, const T* any_row, int head_dim,
+                                                bool vec_ok, int tid) {
+    constexpr int kChunks = HEAD_DIM / 8;
+    for (int i = tid; i < ROWS * kChunks; i += NTHREADS) {
+        const int r = i / kChunks, d0 = (i % kChunks) * 8;
+        T* dst = tile + Layout::offset(r, d0 / 8);
+        const T* src = row_src(r);
+        if (vec_ok) {
+            const bool ok = src != nullptr && d0 < head_dim;
+            cp_async_16(dst, ok ? src + d0 : any_row, ok ? 16 : 0);
+        } else {
+            uint4 packed;
+            T* vals = reinterpret_cast<T*>(&packed);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) vals[e] = (src != nullptr && d0 + e < head_dim) ? src[d0 + e] : from_float<T>(0.f);
+            *reinterpret_cast<uint4*>(dst) = packed;
+        }
+    }
+}
+template <typename T, int ROWS, int HEAD_DIM, int NTHREADS, typename Layout, typename RowDst>
+__device__ __forceinline__ void store_rows_to(RowDst row_dst, int head_dim, const T* tile, int thread) {
+    constexpr int kChunks = HEAD_DIM / 8;
+#pragma unroll 1
+    for (int i = thread; i < ROWS * kChunks; i += NTHREADS) {
+        const int r = i / kChunks, col = (i % kChunks) * 8;
+        T* row = row_dst(r);
+        if (row == nullptr || col >= head_dim) continue;
+        const T* src = tile + Layout::offset(r, col / 8);
+        T* dst = row + col;
+        if (col + 8 <= head_dim && reinterpret_cast<unsigned long long>(dst) % 16 == 0) {
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+            for (int e = 0; e < 8 && col + e < head_dim; ++e) dst[e] = src[e];
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Warp-level products on padded shared tiles (rows of HEAD_DIM elements, kRow apart).
 

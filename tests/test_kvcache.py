@@ -1,0 +1,288 @@
+"""attention_with_kvcache: decoding against a KV cache, contiguous and paged, with and without appending,
+every key split, every mask and score modifier, against the float64 reference (a loop of dense calls over
+each sequence's keys); the cache written exactly where the call says and nowhere else; refused calls write
+nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import cuflash
+from cuflash import _config, reference
+
+from ._checks import BF16, assert_fa_close, max_abs_finite, poison_pool, to_numpy
+from .conftest import GPU, requires_gpu
+
+HALF = (np.dtype(np.float16), BF16)
+
+
+def dtypes_of(xp):
+    """The dtypes the path takes: the GPU's KV-cache forward runs float16 and bfloat16."""
+    return HALF if xp is not np else (*HALF, np.dtype(np.float32))
+
+
+def draw(xp, rng, shape, dtype):
+    return xp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
+
+
+def paged_copies(xp, rng, caches, page_size: int, spare_pages: int = 3):
+    """The contiguous ``caches`` (batch, capacity, heads_kv, d) as pages of shuffled pools, one block table for
+    all of them, with spare pages of noise; the last page of a sequence is zero past its capacity."""
+    hosts = [to_numpy(c) for c in caches]
+    batch, capacity = hosts[0].shape[:2]
+    per_sequence = -(-capacity // page_size)
+    num_pages = batch * per_sequence + spare_pages
+    table = rng.permutation(num_pages)[:batch * per_sequence].reshape(batch, per_sequence).astype(np.int32)
+    pools = []
+    for cache in hosts:
+        pool = rng.standard_normal((num_pages, page_size, *cache.shape[2:])).astype(cache.dtype)
+        padded = np.zeros((batch, per_sequence * page_size, *cache.shape[2:]), cache.dtype)
+        padded[:, :capacity] = cache
+        pool[table.reshape(-1)] = padded.reshape(batch * per_sequence, page_size, *cache.shape[2:])
+        pools.append(xp.asarray(pool))
+    return pools, xp.asarray(table)
+
+
+def check_against_reference(out, lse, q, k_cache, v_cache, k, v, dtype, **options):
+    """out and lse against the float64 reference within FlashAttention's forward rule (caches as before the
+    call: the reference appends k and v itself)."""
+    host = {name: None if x is None else to_numpy(x) for name, x in
+            dict(k=k, v=v, alibi_slopes=options.pop("alibi_slopes", None), sinks=options.pop("sinks", None),
+                 cache_seqlens=options.pop("cache_seqlens", None), block_table=options.pop("block_table", None)).items()}
+    if isinstance(host["cache_seqlens"], np.ndarray) and host["cache_seqlens"].ndim == 0:
+        host["cache_seqlens"] = int(host["cache_seqlens"])
+    args = (to_numpy(q), to_numpy(k_cache), to_numpy(v_cache))
+    ref_out, ref_lse = reference.attention_with_kvcache(*args, **host, **options)
+    low_out, low_lse = reference.attention_with_kvcache(*args, **host, **options, in_dtype=dtype)
+    assert_fa_close(out, ref_out, low_out, dtype, 2, "out", max_score=max_abs_finite(ref_lse))
+    assert_fa_close(lse, ref_lse, low_lse, np.float32, 2, "lse", max_score=max_abs_finite(ref_lse))
+
+
+FEATURES = {
+    "plain": {},
+    "causal": dict(causal=True),
+    "window": dict(window_size=(37, 5)),
+    "causal-window": dict(causal=True, window_size=(70, -1)),
+    "softcap-sinks": dict(softcap=3.0, sinks=True),
+    "alibi": dict(alibi_slopes=True, causal=True),
+}
+
+
+def resolve(xp, rng, options: dict, batch: int, heads: int) -> dict:
+    """FEATURES' placeholders made into arrays: sinks (heads,), ALiBi slopes (batch, heads)."""
+    options = dict(options)
+    if options.get("sinks"):
+        options["sinks"] = xp.asarray(rng.standard_normal(heads).astype(np.float32))
+    if options.get("alibi_slopes"):
+        options["alibi_slopes"] = xp.asarray(rng.uniform(0.01, 0.3, (batch, heads)).astype(np.float32))
+    return options
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+@pytest.mark.parametrize("heads,heads_kv", [(8, 2), (4, 4), (6, 1)])
+@pytest.mark.parametrize("seqlen_q,seqlen_new", [(1, 0), (1, 1), (4, 4), (5, 0)])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_matches_the_reference(xp, rng, feature, heads, heads_kv, seqlen_q, seqlen_new, paged):
+    """Per-sequence lengths (one empty, one full), appended keys, GQA packing, every mask and modifier."""
+    batch, capacity, head_dim = 3, 200, 64
+    dtype = dtypes_of(xp)[rng.integers(len(dtypes_of(xp)))]
+    q = draw(xp, rng, (batch, seqlen_q, heads, head_dim), dtype)
+    k_cache, v_cache = (draw(xp, rng, (batch, capacity, heads_kv, head_dim), dtype) for _ in range(2))
+    lengths = xp.asarray(np.array([0, capacity - seqlen_new, rng.integers(1, capacity - seqlen_new)], np.int32))
+    k, v = (draw(xp, rng, (batch, seqlen_new, heads_kv, head_dim), dtype) if seqlen_new else None for _ in range(2))
+    options = resolve(xp, rng, FEATURES[feature], batch, heads)
+    table = None
+    if paged:
+        (k_cache, v_cache), table = paged_copies(xp, rng, (k_cache, v_cache), 64)
+    before = [to_numpy(x).copy() for x in (k_cache, v_cache)]
+    poison_pool(xp)
+    out, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, block_table=table,
+                                              return_lse=True, **options)
+    assert out.dtype == dtype and lse.dtype == np.float32 and lse.shape == (batch, heads, seqlen_q)
+    check_against_reference(out, lse, q, *(xp.asarray(x) for x in before), k, v, dtype, cache_seqlens=lengths,
+                            block_table=table, **options)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("lengths_kind", ["int", "array"])
+def test_append_writes_exactly_the_new_rows(xp, rng, paged, lengths_kind):
+    """k and v land at positions cache_seqlens[b].. of each sequence; every other element of the caches is
+    unchanged; a second step appends after the first."""
+    batch, capacity, heads_kv, head_dim, seqlen_new = 2, 128, 2, 32, 3
+    dtype = dtypes_of(xp)[0]
+    caches = [draw(xp, rng, (batch, capacity, heads_kv, head_dim), dtype) for _ in range(2)]
+    table = None
+    if paged:
+        caches, table = paged_copies(xp, rng, caches, 64)
+    q = draw(xp, rng, (batch, 1, 4, head_dim), dtype)
+    start = np.array([5, 61], np.int32) if lengths_kind == "array" else 61
+    expected = [to_numpy(c).copy() for c in caches]
+    for step in range(2):
+        k, v = (draw(xp, rng, (batch, seqlen_new, heads_kv, head_dim), dtype) for _ in range(2))
+        lengths = start + step * seqlen_new
+        cuflash.attention_with_kvcache(q, *caches, k, v, causal=True, block_table=table,
+                                       cache_seqlens=xp.asarray(lengths) if lengths_kind == "array" else lengths)
+        for b in range(batch):
+            first = int(np.broadcast_to(lengths, (batch,))[b])
+            for pos in range(first, first + seqlen_new):
+                for cache, new in zip(expected, (k, v)):
+                    if table is None:
+                        cache[b, pos] = to_numpy(new)[b, pos - first]
+                    else:
+                        cache[to_numpy(table)[b, pos // 64], pos % 64] = to_numpy(new)[b, pos - first]
+    for cache, want in zip(caches, expected):
+        np.testing.assert_array_equal(to_numpy(cache), want)
+
+
+@pytest.mark.parametrize("lengths_kind", ["int", "full"])
+def test_int_and_full_lengths(xp, rng, lengths_kind):
+    """cache_seqlens as one int for every sequence, or None (every sequence fills the cache)."""
+    batch, capacity, heads, heads_kv, head_dim = 2, 150, 8, 2, 128
+    dtype = dtypes_of(xp)[-1]
+    q = draw(xp, rng, (batch, 2, heads, head_dim), dtype)
+    caches = [draw(xp, rng, (batch, capacity, heads_kv, head_dim), dtype) for _ in range(2)]
+    lengths = 77 if lengths_kind == "int" else None
+    out, lse = cuflash.attention_with_kvcache(q, *caches, cache_seqlens=lengths, causal=True, return_lse=True)
+    check_against_reference(out, lse, q, *caches, None, None, dtype, cache_seqlens=lengths, causal=True)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_sequences_without_keys(xp, rng, sinks):
+    """A sequence with no key gives output 0 and lse -inf (the sink with sinks), whatever the splits."""
+    dtype = dtypes_of(xp)[0]
+    q = draw(xp, rng, (2, 1, 4, 64), dtype)
+    caches = [draw(xp, rng, (2, 256, 2, 64), dtype) for _ in range(2)]
+    sink = xp.asarray(rng.standard_normal(4).astype(np.float32)) if sinks else None
+    for num_splits in (1, 3):
+        out, lse = cuflash.attention_with_kvcache(q, *caches, cache_seqlens=xp.asarray(np.array([0, 9], np.int32)),
+                                                  sinks=sink, num_splits=num_splits, return_lse=True)
+        np.testing.assert_array_equal(to_numpy(out)[0], 0)
+        want = to_numpy(sink)[:, None] if sinks else np.full((4, 1), -np.inf, np.float32)
+        np.testing.assert_array_equal(to_numpy(lse)[0], want)
+
+
+@requires_gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 72])
+@pytest.mark.parametrize("feature", ["plain", "window", "softcap-sinks"])
+def test_every_split_count_agrees_with_one(rng, head_dim, feature):
+    """num_splits 2..n (the merge kernel) against 1 (no merge) within the tolerance rule, and the plan's own
+    choice; paged equals contiguous bit for bit (the same tiles in the same order)."""
+    import cupy as xp
+
+    batch, heads, heads_kv, capacity = 2, 16, 4, 1000
+    q = draw(xp, rng, (batch, 1, heads, head_dim), BF16)
+    caches = [draw(xp, rng, (batch, capacity, heads_kv, head_dim), BF16) for _ in range(2)]
+    lengths = xp.asarray(np.array([capacity, 517], np.int32))
+    options = resolve(xp, rng, FEATURES[feature], batch, heads)
+    runs = {}
+    for num_splits in (1, 2, 5, 16, 0):
+        poison_pool(xp)
+        runs[num_splits] = cuflash.attention_with_kvcache(q, *caches, cache_seqlens=lengths, num_splits=num_splits,
+                                                          return_lse=True, **options)
+        check_against_reference(*runs[num_splits], q, *caches, None, None, BF16, cache_seqlens=lengths, **options)
+    pools, table = paged_copies(xp, rng, caches, 128)
+    for num_splits in (1, 5):
+        paged = cuflash.attention_with_kvcache(q, *pools, cache_seqlens=lengths, block_table=table,
+                                               num_splits=num_splits, return_lse=True, **options)
+        for got, want in zip(paged, runs[num_splits]):
+            np.testing.assert_array_equal(to_numpy(got), to_numpy(want))
+
+
+@st.composite
+def decode_problems(draw_from):
+    """Shapes, lengths and options of a decoding call: packed query heads, odd head dims, lengths from empty
+    to full, pages of 64 or 128 keys."""
+    heads_kv = draw_from(st.sampled_from([1, 2, 3]))
+    return dict(batch=draw_from(st.integers(1, 4)), seqlen_q=draw_from(st.integers(1, 6)),
+                heads_kv=heads_kv, group=draw_from(st.sampled_from([1, 2, 5, 8])),
+                head_dim=draw_from(st.sampled_from([8, 40, 64, 96, 128, 160, 256])),
+                capacity=draw_from(st.integers(1, 400)), seqlen_new=draw_from(st.integers(0, 3)),
+                page_size=draw_from(st.sampled_from([0, 64, 128])), num_splits=draw_from(st.sampled_from([0, 1, 3])),
+                feature=draw_from(st.sampled_from(sorted(FEATURES))), seed=draw_from(st.integers(0, 2**31)))
+
+
+@given(decode_problems())
+def test_fuzzed_decoding(xp, case):
+    rng = np.random.default_rng(case["seed"])
+    batch, seqlen_q, heads_kv = case["batch"], case["seqlen_q"], case["heads_kv"]
+    heads, head_dim, seqlen_new = heads_kv * case["group"], case["head_dim"], case["seqlen_new"]
+    capacity = max(case["capacity"], seqlen_new)
+    dtype = dtypes_of(xp)[case["seed"] % 2]
+    q = draw(xp, rng, (batch, seqlen_q, heads, head_dim), dtype)
+    caches = [draw(xp, rng, (batch, capacity, heads_kv, head_dim), dtype) for _ in range(2)]
+    lengths = xp.asarray(rng.integers(0, capacity - seqlen_new + 1, batch).astype(np.int32))
+    k, v = (draw(xp, rng, (batch, seqlen_new, heads_kv, head_dim), dtype) if seqlen_new else None for _ in range(2))
+    table = None
+    if case["page_size"]:
+        caches, table = paged_copies(xp, rng, caches, case["page_size"])
+    before = [to_numpy(c).copy() for c in caches]
+    options = resolve(xp, rng, FEATURES[case["feature"]], batch, heads)
+    out, lse = cuflash.attention_with_kvcache(q, *caches, k, v, cache_seqlens=lengths, block_table=table,
+                                              num_splits=case["num_splits"], return_lse=True, **options)
+    check_against_reference(out, lse, q, *(xp.asarray(c) for c in before), k, v, dtype, cache_seqlens=lengths,
+                            block_table=table, **options)
+
+
+def test_refused_calls_write_nothing(xp, rng):
+    """Each bad argument is a ValueError or TypeError naming it, raised before k and v touch the cache."""
+    dtype = dtypes_of(xp)[0]
+    q = draw(xp, rng, (2, 1, 4, 32), dtype)
+    caches = [draw(xp, rng, (2, 100, 2, 32), dtype) for _ in range(2)]
+    k, v = (draw(xp, rng, (2, 3, 2, 32), dtype) for _ in range(2))
+    pools = [draw(xp, rng, (6, 64, 2, 32), dtype) for _ in range(2)]
+    table = xp.asarray(np.array([[0, 1], [2, 3]], np.int32))
+    before = [to_numpy(c).copy() for c in (*caches, *pools)]
+    lengths = xp.asarray(np.array([1, 2], np.int32))
+    bad = [
+        (dict(cache_seqlens=98), ValueError, "cache_seqlens must be in \\[0, 97\\]"),
+        (dict(cache_seqlens=-1), ValueError, "cache_seqlens"),
+        (dict(cache_seqlens=None), ValueError, "k and v need cache_seqlens"),
+        (dict(cache_seqlens=2.0), TypeError, "cache_seqlens must be an int"),
+        (dict(cache_seqlens=xp.asarray(np.array([1, 2], np.int64))), TypeError, "int32 array"),
+        (dict(cache_seqlens=xp.asarray(np.array([1, 2, 3], np.int32))), TypeError, "\\(batch,\\) = \\(2,\\)"),
+        (dict(cache_seqlens=lengths, num_splits=-1), ValueError, "num_splits"),
+        (dict(cache_seqlens=lengths, num_splits=129), ValueError, "num_splits"),
+        (dict(cache_seqlens=lengths, sinks=xp.zeros(3, np.float32)), ValueError, "sinks must have shape"),
+        (dict(cache_seqlens=lengths, window_size=(-2, 0)), ValueError, "window_size"),
+        (dict(cache_seqlens=lengths, k=k[:, :, :1]), ValueError, "k and v must have shape"),
+        (dict(cache_seqlens=lengths, v=None), ValueError, "k and v must be given together"),
+        (dict(cache_seqlens=lengths, k=k.astype(np.float32)), TypeError, "k must have the dtype of q"),
+    ]
+    for overrides, error, message in bad:
+        args = {"k": k, "v": v, **overrides}
+        with pytest.raises(error, match=message):
+            cuflash.attention_with_kvcache(q, *caches, **args)
+    paged_bad = [
+        (dict(block_table=table.astype(np.int64)), TypeError, "block_table must be an int32"),
+        (dict(block_table=table[:1]), ValueError, "block_table must have batch = 2"),
+        (dict(block_table=table, cache_seqlens=126), ValueError, "cache_seqlens must be in \\[0, 125\\]"),
+    ]
+    for overrides, error, message in paged_bad:
+        args = {"k": k, "v": v, "cache_seqlens": lengths, **overrides}
+        with pytest.raises(error, match=message):
+            cuflash.attention_with_kvcache(q, *pools, **args)
+    with pytest.raises(ValueError, match="page_size .* multiple of 64"):
+        cuflash.attention_with_kvcache(q, *(p[:, :48] for p in pools), k, v, cache_seqlens=lengths,
+                                       block_table=table)
+    with pytest.raises(ValueError, match="k_cache must hold batch = 2"):
+        cuflash.attention_with_kvcache(q, *(c[:1] for c in caches), cache_seqlens=1)
+    with pytest.raises(ValueError, match="must be a multiple of the cache's heads_kv"):
+        cuflash.attention_with_kvcache(q[:, :, :3], *caches, cache_seqlens=1)
+    for cache, want in zip((*caches, *pools), before):
+        np.testing.assert_array_equal(to_numpy(cache), want)
+
+
+@requires_gpu
+def test_gpu_refuses_float32_and_strided_caches(rng):
+    import cupy as xp
+
+    q = draw(xp, rng, (1, 1, 2, 32), np.float32)
+    caches = [draw(xp, rng, (1, 64, 2, 32), np.float32) for _ in range(2)]
+    with pytest.raises(TypeError, match="float16 and bfloat16 on the GPU"):
+        cuflash.attention_with_kvcache(q, *caches, cache_seqlens=3)
+    caches = [draw(xp, rng, (1, 64, 2, 64), BF16)[..., ::2] for _ in range(2)]
+    with pytest.raises(ValueError, match="k_cache must have a contiguous last axis"):
+        cuflash.attention_with_kvcache(q.astype(BF16), *caches, cache_seqlens=3)
