@@ -20,7 +20,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Benchmark cuflash against naive CuPy attention and PyTorch SDPA (flash, cuDNN, "
                     "efficient). Suites: grid (TFLOP/s on FlashAttention's grid), memory (peak bytes beyond "
                     "inputs and outputs), overhead (host ms per call at tiny shapes), compile (first call "
-                    "with a cold and a warm kernel cache).",
+                    "with a cold and a warm kernel cache), features (masks and score modifiers against "
+                    "FlexAttention), decode (one step against a KV cache).",
         epilog="Regenerate tables and plots from a results file: python -m bench.report RESULTS.json")
     parser.add_argument("suites", nargs="*", metavar="SUITE", help=f"suites to run, of {', '.join(SUITES)} "
                         "(default: all)")

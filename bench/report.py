@@ -69,6 +69,9 @@ LAYOUTS = {
                       "ms", fmt_ms, False),
     "features": Layout("tflops", "seqlen_q", ("pass", "head_dim", "feature"), "TFLOP/s on the visible entries",
                        "TFLOP/s", fmt_rate, True, "above 1: cuflash is faster"),
+    "decode": Layout("ms_median", "seqlen_k", ("batch", "seqlen_q", "heads", "feature"),
+                     "GPU ms per decoding step (feature host: host ms per call)", "ms", fmt_ms, True,
+                     "below 1: cuflash is faster", log_y=True),
 }
 
 
@@ -98,7 +101,8 @@ def _panel_title(keys: tuple[str, ...], values: tuple) -> str:
         if key == "causal":
             parts.append("causal" if value else "non-causal")
         elif key == "feature":
-            parts.append(str(value))
+            if value:  # none: the plain cells of a suite that also has feature cells
+                parts.append(str(value))
         elif key == "pass":
             parts.append(str(value))
         else:
@@ -158,11 +162,34 @@ def markdown(header: dict, records: list[dict], suite: str) -> str:
         lines.append("FLOPs: 4 * batch * heads * head_dim * the score entries the mask leaves visible (causal: "
                      "seqlen (seqlen + 1) / 2; a window of w keys: min(i + 1, w + 1) for row i) for the forward; "
                      "fwd+bwd 3.5x that. Every feature is causal.")
+    if suite == "decode":
+        lines.append("Columns: keys per sequence in the cache (every sequence full), bfloat16, head_dim 128, "
+                     "non-causal; heads = query heads (kv heads in the file). GPU time, launch hidden, L2 "
+                     "flushed (bench/decode.py). Under each table: the cache read rate, TB/s (the copy: bytes "
+                     "read and written).")
     groups = _group(records, layout.panel + ("dtype",))
     for key in _sorted_keys(layout.panel + ("dtype",), groups):
         lines += ["", f"## {_panel_title(layout.panel + ('dtype',), key)}", "",
                   markdown_table(groups[key], layout)]
+        if suite == "decode" and key[layout.panel.index("feature")] != "host":
+            lines += ["", bandwidth_table(groups[key])]
     return "\n".join(lines) + "\n"
+
+
+def bandwidth_table(records: list[dict]) -> str:
+    """The decode suite's cache read rate per implementation and cache size, TB/s: the caches' bytes over
+    the median time (the copy's: twice that, what it reads and writes)."""
+    from .decode import cache_bytes
+    from .records import Shape
+
+    def rate(r):
+        shape = Shape(*(r[k] for k in ("batch", "seqlen_q", "seqlen_k", "heads", "heads_kv", "head_dim")))
+        moved = cache_bytes(shape) * (2 if r["impl"] == "copy" else 1)
+        return moved / (r["ms_median"] * 1e-3) / 1e12
+
+    layout = Layout("rate", "seqlen_k", (), "TB/s", "TB/s", lambda x: f"{x:.2f}", False)
+    rows = [{**r, "rate": rate(r) if r["status"] == "ok" and r["ms_median"] else None} for r in records]
+    return markdown_table(rows, layout)
 
 
 def plot(header: dict, records: list[dict], suite: str, path: str | pathlib.Path) -> pathlib.Path:

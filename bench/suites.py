@@ -17,10 +17,11 @@ import subprocess
 import sys
 import tempfile
 
+from .decode import DECODE_DTYPE, decode_shapes
 from .features import BY_NAME, FEATURES
 from .records import COMPILE_PASSES, Shape, make_record
 
-SUITES = ("grid", "memory", "overhead", "compile", "features")
+SUITES = ("grid", "memory", "overhead", "compile", "features", "decode")
 
 # grid: FlashAttention's benchmark grid, a fixed token count and model width for every seqlen/head_dim
 TOKENS = 16384  # batch * seqlen
@@ -143,6 +144,8 @@ def _all_suite_cells(suite: str, quick: bool) -> list[Cell]:
         dtypes = (bf16,) if quick else DTYPES
         return [Cell(Shape.square(1, COMPILE_SEQLEN, COMPILE_HEADS, d), dtype, False, "fwd")
                 for dtype in dtypes for d in head_dims]
+    if suite == "decode":  # bench.decode: one step against a KV cache of seqlen_k keys per sequence
+        return [Cell(shape, DECODE_DTYPE, False, "fwd") for shape in decode_shapes(quick)]
     raise ValueError(f"unknown suite {suite!r}; choose from {SUITES}")
 
 
@@ -235,6 +238,10 @@ def run_suite(suite: str, impl_names: list[str], quick: bool = False, repeats: i
         settings = dataclasses.replace(settings, repeats=repeats)
     if suite == "compile":
         return _run_compile(cells, [name for name in impl_names if name in JIT_IMPLS])
+    if suite == "decode":
+        from . import decode
+
+        return decode.run(impl_names, quick, settings.warmup, settings.repeats)
 
     from .impls import Cuflash, make_impls, make_inputs, release_memory
     from .timing import EventTimer

@@ -358,3 +358,24 @@ def test_feature_options_run_on_the_numpy_path():
         out = cuflash.attention(q, k, v, causal=True, **feature.options(4))
         want, _ = reference.attention(q, k, v, True, **feature.reference_options(4, 1, 40))
         assert np.abs(out - want).max() < 1e-5, feature.name
+
+
+def test_decode_suite_cells_and_bandwidth_report():
+    from bench import decode, report
+
+    cells = suite_cells("decode")
+    assert all(c.pass_ == "fwd" and not c.causal and c.shape.head_dim == decode.DECODE_HEAD_DIM for c in cells)
+    assert {c.shape.seqlen_k for c in cells} == set(decode.DECODE_CACHES)
+    assert {(c.shape.heads, c.shape.heads_kv) for c in cells} == set(decode.DECODE_HEADS)
+    assert not any(c.shape.batch == 64 and c.shape.seqlen_k > decode.BATCH_64_MAX_CACHE for c in cells)
+    assert all(c.shape.batch * c.shape.seqlen_k % decode.PAGE_SIZE == 0 for c in cells)
+    # one step reading 256 MiB in 0.1 ms is 2.68 TB/s; a copy of it in 0.2 ms moves twice the bytes, as fast
+    shape = Shape(8, 1, 8192, 32, 8, 128)
+    assert decode.cache_bytes(shape) == 256 * 2**20
+    records = [make_record("cuflash", "fwd", "bfloat16", shape, False, times_ms=[0.1], with_tflops=False),
+               make_record("copy", "fwd", "bfloat16", shape, False, times_ms=[0.2], with_tflops=False),
+               make_record("torch-cudnn", "fwd", "bfloat16", shape, False, times_ms=[0.125], with_tflops=False)]
+    text = report.markdown({"gpu": "test"}, records, "decode")
+    assert "## batch 8, seqlen 1, heads 32, dtype bfloat16" in text
+    assert "| cuflash / torch-cudnn | 0.80x |" in text
+    assert "| cuflash | 2.68 |" in text and "| copy | 2.68 |" in text

@@ -1,9 +1,10 @@
-"""The README's API examples run as written: the NumPy one everywhere, the CuPy one on a GPU."""
+"""The README's API examples run as written: the NumPy one everywhere, the CuPy and decoding ones on a GPU."""
 
 from __future__ import annotations
 
 import pathlib
 import re
+import textwrap
 
 import pytest
 
@@ -13,13 +14,15 @@ README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
 def _examples() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    """The README's Python blocks, dedented (a block inside a list item is indented with it)."""
+    return [textwrap.dedent(block) for block in re.findall(r"```python\n(.*?)```", README.read_text(), re.S)]
 
 
-def test_the_readme_has_a_numpy_and_a_cupy_example():
-    first, second = _examples()
+def test_the_readme_has_a_numpy_a_cupy_and_a_decoding_example():
+    first, second, decoding = _examples()
     assert "import numpy as np" in first and "cupy" not in first
     assert "import cupy as cp" in second
+    assert "import cupy as cp" in decoding and "attention_with_kvcache" in decoding
 
 
 @pytest.mark.parametrize("index", [0, pytest.param(1, marks=requires_gpu)], ids=["numpy", "cupy"])
@@ -29,3 +32,12 @@ def test_example_runs(index):
     for name in ("out", "lse", "dq", "dk", "dv"):
         assert name in scope
     assert scope["dq"].shape == scope["q"].shape and scope["dk"].shape == scope["k"].shape
+
+
+@requires_gpu
+def test_decoding_example_runs():
+    scope: dict = {}
+    exec(compile(_examples()[2], "README.md example 3", "exec"), scope)
+    assert scope["out"].shape == scope["q"].shape
+    assert int(scope["lengths"].get().max()) == 1  # one step appended
+    assert bool((scope["k_cache"][:, 0] == scope["k"][:, 0]).all())  # written at position 0
