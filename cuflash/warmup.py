@@ -1,5 +1,6 @@
-"""Compile the kernels for the current GPU ahead of time, in parallel: every head dim, dtype and mask, and
-the modifier kernels with all modifiers at once, with and without dropout (``_config.all_specs``).
+"""Compile the kernels for the current GPU ahead of time, in parallel: every head dim, dtype and mask, the
+modifier kernels with all modifiers at once, with and without dropout, and the KV-cache forward and its merge
+(``_config.all_specs``).
 
 ``python -m cuflash warmup [--jobs N]`` (or ``python -m cuflash.warmup``) fills CuPy's on-disk kernel
 cache (``CUPY_CACHE_DIR``) so that no later process pays NVRTC time on a first call. Without it each new
