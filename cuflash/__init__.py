@@ -236,20 +236,25 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_sc
 
 
 def _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size, softcap,
-                  alibi_slopes, sinks, num_splits):
+                  alibi_slopes, sinks, num_splits, rotary_cos, rotary_sin, rotary_interleaved):
     """Validate an attention_with_kvcache call and return the function that runs it: ``(q, k_cache, v_cache, k,
-    v, cache_seqlens, block_table, alibi_slopes, sinks, with_lse) -> (out, lse)``, which checks an int
-    ``cache_seqlens`` (its value is not part of the plan) before anything is written."""
+    v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin, with_lse) -> (out, lse)``,
+    which checks an int ``cache_seqlens`` (its value is not part of the plan) before anything is written."""
     arrays = _optional_arrays(k=k, v=v, block_table=block_table, alibi_slopes=alibi_slopes, sinks=sinks,
-                              cache_seqlens=cache_seqlens if hasattr(cache_seqlens, "dtype") else None)
+                              cache_seqlens=cache_seqlens if hasattr(cache_seqlens, "dtype") else None,
+                              rotary_cos=rotary_cos, rotary_sin=rotary_sin)
     xp = array_module(q=q, k_cache=k_cache, v_cache=v_cache, **arrays)
     problem = check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
-                            window_size, softcap, alibi_slopes, sinks, num_splits)
+                            window_size, softcap, alibi_slopes, sinks, num_splits, rotary_cos, rotary_sin,
+                            rotary_interleaved)
     a = problem.attn
+    interleaved = bool(rotary_interleaved)
     if xp is np or a.is_empty:
-        def run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, with_lse):
+        def run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin,
+                with_lse):
             if problem.lengths == "int":
                 check_cache_length(cache_seqlens, problem)
+            q, k = _kvcache.prepare(xp, q, k, cache_seqlens, rotary_cos, rotary_sin, interleaved, a.masked)
             if k is not None:
                 _kvcache.append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table)
             if a.is_empty:
@@ -266,20 +271,23 @@ def _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
     from . import _cupy_path
 
     plan = _cupy_path.KVCachePlan(problem, q.data.device_id, q, k_cache, v_cache, cache_seqlens, block_table,
-                                  num_splits)
+                                  num_splits, interleaved)
     if problem.lengths != "int":
         return plan.run
 
-    def run_checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, with_lse):
+    def run_checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos,
+                    rotary_sin, with_lse):
         check_cache_length(cache_seqlens, problem)
-        return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, with_lse)
+        return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos,
+                        rotary_sin, with_lse)
     return run_checked
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
-                           causal: bool = False, softmax_scale: float | None = None,
-                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                           sinks=None, num_splits: int = 0, return_lse: bool = False):
+                           rotary_cos=None, rotary_sin=None, rotary_interleaved: bool = True, causal: bool = False,
+                           softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
+                           softcap: float = 0.0, alibi_slopes=None, sinks=None, num_splits: int = 0,
+                           return_lse: bool = False):
     """Attention of new queries against a KV cache (decoding), optionally appending new keys and values to it
     first: FlashAttention's ``flash_attn_with_kvcache``. Forward only.
 
@@ -301,6 +309,14 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         past the cache's room, or a ``block_table`` entry outside ``num_blocks``, is undefined behaviour.
     block_table : int32 array (batch, max_blocks_per_sequence), optional
         Key ``n`` of sequence ``b`` is row ``n % page_size`` of page ``block_table[b, n // page_size]``.
+    rotary_cos, rotary_sin : arrays (seqlen_ro, rotary_dim / 2) of q's dtype or float32, optional
+        Rotary embeddings, as FlashAttention applies them: the first rotary_dim channels of ``k`` are turned at
+        positions ``cache_seqlens[b] + i`` before they are written into the cache, those of ``q`` at the same
+        positions where causal or windowed, else all at ``cache_seqlens[b]``; the caller's q and k are not
+        written. Need ``cache_seqlens``; an int is checked against seqlen_ro, an array's values are not.
+        Computed in float32 with array operations, then rounded to q's dtype.
+    rotary_interleaved : bool
+        Channel pairs (2i, 2i + 1) (GPT-J) where True, (i, i + rotary_dim / 2) (GPT-NeoX) where False.
     causal, softmax_scale, window_size, softcap, alibi_slopes, sinks
         As in :func:`attention`; sequence ``b`` has ``cache_seqlens[b] + seqlen_new`` keys and its diagonal
         at the bottom-right corner (query ``i`` is position ``cache_seqlens[b] + seqlen_new - seqlen_q + i``).
@@ -321,7 +337,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     try:
         lengths_key = cache_seqlens.__class__ if not hasattr(cache_seqlens, "dtype") else _array_key(cache_seqlens)
         key = (_KVCACHE, _array_key(q), _array_key(k_cache), _array_key(v_cache), _optional_key(k), _optional_key(v),
-               lengths_key, _optional_key(block_table), causal, causal.__class__, softmax_scale,
+               lengths_key, _optional_key(block_table), _optional_key(rotary_cos), _optional_key(rotary_sin),
+               rotary_interleaved, rotary_interleaved.__class__, causal, causal.__class__, softmax_scale,
                softmax_scale.__class__, window_size, softcap, softcap.__class__, _optional_key(alibi_slopes),
                _optional_key(sinks), num_splits, num_splits.__class__)
         plan = _plans.get(key)
@@ -329,8 +346,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         key = plan = None
     if plan is None:
         plan = _remember(key, _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
-                                            softmax_scale, window_size, softcap, alibi_slopes, sinks, num_splits))
+                                            softmax_scale, window_size, softcap, alibi_slopes, sinks, num_splits,
+                                            rotary_cos, rotary_sin, rotary_interleaved))
     if return_lse.__class__ is not bool:
         check_flag("return_lse", return_lse)
-    out, lse = plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, return_lse)
+    out, lse = plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin,
+                    return_lse)
     return (out, lse) if return_lse else out

@@ -346,9 +346,10 @@ class KVCachePlan:
     the KV-cache forward (fwd_mma with KVCACHE), and merge_parts where its keys are split (_plan.kvcache)."""
 
     def __init__(self, p: CacheProblem, device_id: int, q, k_cache, v_cache, cache_seqlens, block_table,
-                 num_splits: int):
+                 num_splits: int, rotary_interleaved: bool = True):
         a = p.attn
         self.problem = p
+        self.rotary_interleaved = rotary_interleaved
         self.device_id = device_id
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if _needs_copy(cache):
@@ -356,7 +357,7 @@ class KVCachePlan:
                                  f"kernels read and write the cache in place, got strides {cache.strides}")
         plan = _plan.kvcache(p, device_props(device_id), num_splits)
         self.splits = plan.splits
-        self.copy_q = _needs_copy(q)
+        self.copy_q = _needs_copy(q) and not p.rotary_dim  # a rotated q is a new contiguous array
         self.copy_lengths = cache_seqlens is not None and hasattr(cache_seqlens, "dtype") and \
             not cache_seqlens.flags.c_contiguous
         self.copy_table = block_table is not None and block_table.strides[1] != block_table.itemsize
@@ -368,8 +369,8 @@ class KVCachePlan:
         self.out_shape, self.dtype = tuple(q.shape), q.dtype
         self.lse_shape = (a.batch, a.heads, a.seqlen_q)
         self.partial_shapes = ((plan.splits, *q.shape), (plan.splits, *self.lse_shape))
-        strides = [_strides_of(q, self.copy_q), _strides_of(k_cache, False), _strides_of(v_cache, False),
-                   _contiguous_strides(q.shape)]
+        strides = [_contiguous_strides(q.shape) if p.rotary_dim else _strides_of(q, self.copy_q),
+                   _strides_of(k_cache, False), _strides_of(v_cache, False), _contiguous_strides(q.shape)]
         self.strides_vector_ok = _strides_vector_ok(a.head_dim, q.dtype.itemsize, *strides)
         table_stride = 0 if block_table is None else block_table.shape[1] if self.copy_table else \
             block_table.strides[0] // block_table.itemsize
@@ -379,13 +380,18 @@ class KVCachePlan:
             self.merge_args = tuple(_by_value(s, np.int64) for s in strides[3]) + tuple(
                 _int32(n) for n in (plan.splits, a.batch, a.seqlen_q, a.heads, a.head_dim))
 
-    def run(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, with_lse: bool):
-        """out, and lse where ``with_lse`` (else None), on CuPy's current stream, after appending k and v."""
+    def run(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin,
+            with_lse: bool):
+        """out, and lse where ``with_lse`` (else None), on CuPy's current stream, after rotating q and k (with
+        rotary_cos) and appending k and v."""
         return _run_on(self.device_id, self._launch, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                       alibi_slopes, sinks, with_lse)
+                       alibi_slopes, sinks, rotary_cos, rotary_sin, with_lse)
 
-    def _launch(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, with_lse):
+    def _launch(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos,
+                rotary_sin, with_lse):
         p = self.problem
+        q, k = _kvcache.prepare(cupy, q, k, cache_seqlens, rotary_cos, rotary_sin, self.rotary_interleaved,
+                                p.attn.masked)
         if k is not None:
             _kvcache.append(cupy, k_cache, v_cache, k, v, cache_seqlens, block_table)
         if p.lengths == "int":

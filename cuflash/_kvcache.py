@@ -1,5 +1,5 @@
-"""The KV cache's side of attention_with_kvcache, on either array module: appending keys and values, and
-reading a sequence's keys back (the NumPy path and the reference).
+"""The KV cache's side of attention_with_kvcache, on either array module: rotary embeddings of the new queries
+and keys, appending keys and values, and reading a sequence's keys back (the NumPy path and the reference).
 
 A contiguous cache is (batch, seqlen_cache, heads_kv, head_dim); a paged one (num_blocks, page_size,
 heads_kv, head_dim) with ``block_table`` (batch, max_blocks_per_sequence): key ``n`` of sequence ``b`` is
@@ -11,6 +11,48 @@ from __future__ import annotations
 import numpy as np
 
 
+def positions(xp, cache_seqlens, batch: int, count: int, advance: bool = True):
+    """(batch, count) int32: ``cache_seqlens[b] + i`` for i < count, or ``cache_seqlens[b]`` for every i where
+    not ``advance`` (``cache_seqlens`` an int or an int32 array (batch,))."""
+    start = cache_seqlens[:, None] if hasattr(cache_seqlens, "dtype") else xp.full((batch, 1), cache_seqlens, np.int32)
+    step = xp.arange(count, dtype=np.int32) if advance else xp.zeros(count, np.int32)
+    return start + step[None, :]
+
+
+def rotate(xp, x, cos, sin, at, interleaved: bool, dtype=None, compute=np.float32):
+    """The rotary embedding of ``x`` (batch, seqlen, heads, head_dim) at positions ``at`` (batch, seqlen): its
+    first rotary_dim = 2 * cos.shape[1] channels taken as pairs, (2i, 2i + 1) where ``interleaved`` (GPT-J),
+    (i, i + rotary_dim / 2) otherwise (GPT-NeoX), each pair (x1, x2) turned into (x1 cos - x2 sin, x1 sin + x2
+    cos) with cos and sin the rows ``cos[at]``, ``sin[at]``; the other channels as they are. Computed in
+    ``compute``, returned as a new C-contiguous array of ``dtype`` (x's by default): FlashAttention's rotary."""
+    half = cos.shape[1]
+    c = cos[at][:, :, None, :].astype(compute)  # (batch, seqlen, 1, rotary_dim / 2)
+    s = sin[at][:, :, None, :].astype(compute)
+    out = xp.ascontiguousarray(x).astype(dtype or x.dtype, copy=True)
+    head = x[..., :2 * half].astype(compute)
+    x1, x2 = (head[..., 0::2], head[..., 1::2]) if interleaved else (head[..., :half], head[..., half:])
+    r1, r2 = x1 * c - x2 * s, x1 * s + x2 * c
+    rotated = xp.stack([r1, r2], axis=-1).reshape(head.shape) if interleaved else xp.concatenate([r1, r2], axis=-1)
+    out[..., :2 * half] = rotated.astype(out.dtype)
+    return out
+
+
+def prepare(xp, q, k, cache_seqlens, rotary_cos, rotary_sin, interleaved: bool, q_advances: bool, dtype=None,
+            compute=np.float32):
+    """(q, k) as the call attends with them and appends k: rotated where rotary_cos is given (k at positions
+    ``cache_seqlens[b] + i``, q there too where ``q_advances`` (causal or windowed), else all at
+    ``cache_seqlens[b]``: FlashAttention's rule), else as given. New arrays; the caller's are not written."""
+    if rotary_cos is None:
+        return q, k
+    batch = q.shape[0]
+    q = rotate(xp, q, rotary_cos, rotary_sin, positions(xp, cache_seqlens, batch, q.shape[1], q_advances),
+               interleaved, dtype, compute)
+    if k is not None:
+        k = rotate(xp, k, rotary_cos, rotary_sin, positions(xp, cache_seqlens, batch, k.shape[1]), interleaved, dtype,
+                   compute)
+    return q, k
+
+
 def append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table):
     """Write ``k`` and ``v`` (batch, seqlen_new, heads_kv, head_dim) into the caches at positions
     ``cache_seqlens[b]``.. of each sequence (``cache_seqlens`` an int or an int32 array (batch,)). Array
@@ -20,14 +62,13 @@ def append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table):
         k_cache[:, cache_seqlens:cache_seqlens + seqlen_new] = k
         v_cache[:, cache_seqlens:cache_seqlens + seqlen_new] = v
         return
-    start = cache_seqlens[:, None] if hasattr(cache_seqlens, "dtype") else xp.full((batch, 1), cache_seqlens, np.int32)
-    positions = start + xp.arange(seqlen_new, dtype=np.int32)[None, :]  # (batch, seqlen_new)
+    at = positions(xp, cache_seqlens, batch, seqlen_new)
     sequence = xp.arange(batch, dtype=np.int32)[:, None]
     if block_table is None:
-        index = (sequence, positions)
+        index = (sequence, at)
     else:
         page_size = k_cache.shape[1]
-        index = (block_table[sequence, positions // page_size], positions % page_size)
+        index = (block_table[sequence, at // page_size], at % page_size)
     k_cache[index] = k
     v_cache[index] = v
 

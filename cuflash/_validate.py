@@ -323,10 +323,13 @@ class CacheProblem:
     #: how the sequences' lengths come: "array" (cache_seqlens an int32 array), "int" (one int for every
     #: sequence, read per call), "full" (None: every sequence fills the cache)
     lengths: str
+    rotary_dim: int = 0  # channels the rotary embedding turns (2 * rotary_cos.shape[1]); 0 without it
+    rotary_positions: int = 0  # rows of rotary_cos and rotary_sin: the positions they cover
 
 
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size,
-                  softcap, alibi_slopes, sinks, num_splits) -> CacheProblem:
+                  softcap, alibi_slopes, sinks, num_splits, rotary_cos=None, rotary_sin=None,
+                  rotary_interleaved=True) -> CacheProblem:
     """Validate attention_with_kvcache's arguments, all but an int ``cache_seqlens``'s value (which changes per
     call: ``check_cache_length``) and what only device memory holds (the values of a cache_seqlens array and
     of block_table)."""
@@ -413,14 +416,49 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
     attn = Problem(batch, seqlen_q, capacity, heads, heads_kv, head_dim, np.dtype(q.dtype), bool(causal),
                    resolve_scale(softmax_scale, head_dim), left, right, 0, check_softcap(softcap), alibi_shape,
                    sinks is not None)
-    return CacheProblem(attn, page_size, num_pages, seqlen_new, lengths)
+    rotary_dim, rotary_positions = _check_rotary(q, rotary_cos, rotary_sin, rotary_interleaved, cache_seqlens)
+    return CacheProblem(attn, page_size, num_pages, seqlen_new, lengths, rotary_dim, rotary_positions)
+
+
+def _check_rotary(q, rotary_cos, rotary_sin, interleaved, cache_seqlens) -> tuple[int, int]:
+    """(rotary_dim, the positions covered) of rotary_cos and rotary_sin, (0, 0) without them."""
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together, or neither")
+    if rotary_cos is None:
+        return 0, 0
+    if cache_seqlens is None:
+        raise ValueError("rotary_cos and rotary_sin need cache_seqlens: they rotate at positions "
+                         "cache_seqlens[b] + i")
+    check_flag("rotary_interleaved", interleaved)
+    for name, a in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not hasattr(a, "dtype") or a.dtype not in (q.dtype, np.float32):
+            raise TypeError(f"{name} must be an array of q's dtype ({q.dtype}) or float32, got "
+                            f"{getattr(a, 'dtype', type(a).__name__)}")
+        if a.ndim != 2:
+            raise ValueError(f"{name} must have 2 dimensions (seqlen_ro, rotary_dim / 2), got shape "
+                             f"{tuple(a.shape)}")
+    if tuple(rotary_cos.shape) != tuple(rotary_sin.shape):
+        raise ValueError(f"rotary_cos and rotary_sin must have one shape, got {tuple(rotary_cos.shape)} and "
+                         f"{tuple(rotary_sin.shape)}")
+    rotary_dim = 2 * rotary_cos.shape[1]
+    if not 0 < rotary_dim <= q.shape[3]:
+        raise ValueError(f"rotary_dim = 2 * rotary_cos.shape[1] must be in [2, head_dim = {q.shape[3]}], "
+                         f"got {rotary_dim}")
+    check_same_device(q=q, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+    return rotary_dim, rotary_cos.shape[0]
 
 
 def check_cache_length(cache_seqlens: int, p: CacheProblem) -> int:
-    """An int ``cache_seqlens``: the keys of every sequence before the call, room left for the appended ones."""
+    """An int ``cache_seqlens``: the keys of every sequence before the call, room left for the appended ones
+    (and positions in rotary_cos for the rotated queries and keys)."""
     room = p.attn.seqlen_k - p.seqlen_new
     if not 0 <= cache_seqlens <= room:
         raise ValueError(f"cache_seqlens must be in [0, {room}] (the cache holds {p.attn.seqlen_k} keys per sequence"
                          f"{f', {p.seqlen_new} of them appended by k and v' if p.seqlen_new else ''}), "
                          f"got {cache_seqlens}")
+    if p.rotary_dim:
+        needed = cache_seqlens + max(p.seqlen_new, p.attn.seqlen_q if p.attn.masked else 1)
+        if needed > p.rotary_positions:
+            raise ValueError(f"rotary_cos and rotary_sin cover positions [0, {p.rotary_positions}); the call rotates "
+                             f"up to position {needed - 1} (cache_seqlens {cache_seqlens})")
     return int(cache_seqlens)

@@ -217,12 +217,15 @@ def attention_backward(dout, q, k, v, causal: bool = False, softmax_scale=None, 
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
-                           causal: bool = False, softmax_scale=None, window_size=(-1, -1), softcap: float = 0.0,
-                           alibi_slopes=None, sinks=None, in_dtype=None):
+                           rotary_cos=None, rotary_sin=None, rotary_interleaved=True, causal: bool = False,
+                           softmax_scale=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
+                           sinks=None, in_dtype=None):
     """:func:`cuflash.attention_with_kvcache` in float64, without writing the caches: sequence ``b``'s keys
     are its first ``cache_seqlens[b]`` cached ones (all of them where None) followed by ``k[b]`` (likewise
     the values), and its queries attend to them as :func:`attention` with the bottom-right diagonal
     (:func:`attention_in_dtype` where ``in_dtype`` is given: the low-precision side of the tolerance rule).
+    With ``rotary_cos`` the new keys and the queries are rotated first, in float64 (rounded to ``in_dtype``
+    where it is given), at the positions :func:`cuflash.attention_with_kvcache` documents.
 
     Returns (out (batch, seqlen_q, heads, head_dim), lse (batch, heads, seqlen_q)), float64.
     """
@@ -231,9 +234,17 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     batch = q.shape[0]
     full = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
     keys = _kvcache.lengths_of(cache_seqlens, batch, full)
+    start = cache_seqlens if cache_seqlens is None or isinstance(cache_seqlens, int) else _host(cache_seqlens)
+    q, k = _host(q), None if k is None else _host(k)
+    if rotary_cos is not None:
+        masked = causal or tuple(window_size) != (-1, -1)
+        q, k = _kvcache.prepare(np, q, k, start, _host(rotary_cos), _host(rotary_sin), rotary_interleaved, masked,
+                                np.float64, np.float64)
+        if in_dtype is not None:
+            q, k = (None if x is None else x.astype(in_dtype).astype(np.float64) for x in (q, k))
     if k is not None:
-        start = cache_seqlens if isinstance(cache_seqlens, int) else np.asarray(_host(cache_seqlens))
-        _kvcache.append(np, k_cache, v_cache, _host(k), _host(v), start, block_table)
+        k_cache, v_cache = k_cache.astype(np.result_type(k_cache, k)), v_cache.astype(np.result_type(v_cache, k))
+        _kvcache.append(np, k_cache, v_cache, k, _host(v), start, block_table)
         keys = keys + k.shape[1]
 
     def attend(q_b, k_b, v_b, slopes):
@@ -244,7 +255,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         return attention_in_dtype(q_b, k_b, v_b, causal, softmax_scale, in_dtype, **options)
 
     alibi = None if alibi_slopes is None else _host(alibi_slopes)
-    return _kvcache.per_sequence(attend, _host(q), k_cache, v_cache, keys, block_table, alibi)
+    return _kvcache.per_sequence(attend, q, k_cache, v_cache, keys, block_table, alibi)
 
 
 def merge_states(outs, lses):

@@ -286,3 +286,93 @@ def test_gpu_refuses_float32_and_strided_caches(rng):
     caches = [draw(xp, rng, (1, 64, 2, 64), BF16)[..., ::2] for _ in range(2)]
     with pytest.raises(ValueError, match="k_cache must have a contiguous last axis"):
         cuflash.attention_with_kvcache(q.astype(BF16), *caches, cache_seqlens=3)
+
+
+def rotary_tables(xp, seqlen_ro: int, rotary_dim: int, dtype):
+    """cos and sin of RoPE's angles, position x 10000^(-2i / rotary_dim), (seqlen_ro, rotary_dim / 2)."""
+    angles = np.arange(seqlen_ro)[:, None] * 10000.0 ** (-np.arange(0, rotary_dim, 2) / rotary_dim)[None, :]
+    return xp.asarray(np.cos(angles).astype(dtype)), xp.asarray(np.sin(angles).astype(dtype))
+
+
+def test_rotation_of_known_pairs():
+    """A pair (1, 0) at angle t becomes (cos t, sin t); GPT-J pairs neighbours, GPT-NeoX the two halves; the
+    channels past rotary_dim stay as they are; queries all at cache_seqlens where they do not advance."""
+    from cuflash import _kvcache
+
+    t = np.array([[0.0, 0.0], [0.3, 0.7]])  # positions 0 and 1, two pairs
+    cos, sin = np.cos(t), np.sin(t)
+    x = np.array([1.0, 2.0, 0.0, 0.0, 5.0])[None, None, None, :]  # one channel past rotary_dim 4
+    at = np.array([[1]])
+    interleaved = _kvcache.rotate(np, x, cos, sin, at, True, np.float64, np.float64)[0, 0, 0]
+    np.testing.assert_allclose(interleaved, [np.cos(0.3) - 2 * np.sin(0.3), np.sin(0.3) + 2 * np.cos(0.3), 0, 0, 5])
+    halves = _kvcache.rotate(np, x, cos, sin, at, False, np.float64, np.float64)[0, 0, 0]
+    np.testing.assert_allclose(halves, [np.cos(0.3), 2 * np.cos(0.7), np.sin(0.3), 2 * np.sin(0.7), 5])
+    np.testing.assert_array_equal(_kvcache.positions(np, np.array([3, 7], np.int32), 2, 3),
+                                  [[3, 4, 5], [7, 8, 9]])
+    np.testing.assert_array_equal(_kvcache.positions(np, 4, 2, 3, advance=False), [[4, 4, 4], [4, 4, 4]])
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("lengths_kind", ["int", "array"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_rotary_matches_the_reference(xp, rng, interleaved, causal, lengths_kind, paged):
+    """q and the appended k rotated at FlashAttention's positions, k written rotated into the cache, q and k
+    themselves untouched; the output within the tolerance rule of the float64 reference."""
+    from cuflash import _kvcache
+
+    batch, heads, heads_kv, head_dim, capacity, seqlen_new, rotary_dim = 2, 8, 2, 64, 256, 2, 32
+    dtype = dtypes_of(xp)[rng.integers(len(dtypes_of(xp)))]
+    cos, sin = rotary_tables(xp, capacity, rotary_dim, np.float32)
+    q = draw(xp, rng, (batch, seqlen_new, heads, head_dim), dtype)
+    caches = [draw(xp, rng, (batch, capacity, heads_kv, head_dim), dtype) for _ in range(2)]
+    k, v = (draw(xp, rng, (batch, seqlen_new, heads_kv, head_dim), dtype) for _ in range(2))
+    host_lengths = np.array([5, 130], np.int32) if lengths_kind == "array" else 37
+    lengths = xp.asarray(host_lengths) if lengths_kind == "array" else host_lengths
+    table = None
+    if paged:
+        caches, table = paged_copies(xp, rng, caches, 64)
+    before = [to_numpy(x).copy() for x in (*caches, q, k)]
+    out, lse = cuflash.attention_with_kvcache(q, *caches, k, v, cache_seqlens=lengths, block_table=table,
+                                              rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved,
+                                              causal=causal, return_lse=True)
+    np.testing.assert_array_equal(to_numpy(q), before[2])
+    np.testing.assert_array_equal(to_numpy(k), before[3])
+    check_against_reference(out, lse, q, *(xp.asarray(c) for c in before[:2]), k, v, dtype, cache_seqlens=lengths,
+                            block_table=table, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved,
+                            causal=causal)
+    rotated = _kvcache.rotate(np, before[3], to_numpy(cos), to_numpy(sin),
+                              _kvcache.positions(np, host_lengths, batch, seqlen_new), interleaved, np.float64,
+                              np.float64)
+    host_table = None if table is None else to_numpy(table)
+    for b in range(batch):
+        first = int(np.broadcast_to(host_lengths, (batch,))[b])
+        written = _kvcache.sequence_keys(to_numpy(caches[0]), host_table, b, first + seqlen_new)[first:]
+        scale = np.abs(rotated[b]).max()
+        np.testing.assert_allclose(written.astype(np.float64), rotated[b], rtol=0,
+                                   atol=2 * float(np.finfo(dtype).eps) * scale)
+
+
+def test_rotary_refusals(xp, rng):
+    dtype = dtypes_of(xp)[0]
+    q = draw(xp, rng, (2, 1, 4, 32), dtype)
+    caches = [draw(xp, rng, (2, 100, 2, 32), dtype) for _ in range(2)]
+    k, v = (draw(xp, rng, (2, 1, 2, 32), dtype) for _ in range(2))
+    cos, sin = rotary_tables(xp, 50, 16, np.float32)
+    before = [to_numpy(c).copy() for c in caches]
+    bad = [
+        (dict(cache_seqlens=3, rotary_cos=cos), ValueError, "given together"),
+        (dict(cache_seqlens=None, k=None, v=None, rotary_cos=cos, rotary_sin=sin), ValueError, "need cache_seqlens"),
+        (dict(cache_seqlens=3, rotary_cos=cos.astype(np.float64), rotary_sin=sin), TypeError, "rotary_cos must be"),
+        (dict(cache_seqlens=3, rotary_cos=cos[:, :4], rotary_sin=sin), ValueError, "one shape"),
+        (dict(cache_seqlens=3, rotary_cos=xp.concatenate([cos] * 3, 1), rotary_sin=xp.concatenate([sin] * 3, 1)),
+         ValueError, "rotary_dim"),
+        (dict(cache_seqlens=3, rotary_cos=cos[None], rotary_sin=sin[None]), ValueError, "2 dimensions"),
+        (dict(cache_seqlens=50, rotary_cos=cos, rotary_sin=sin), ValueError, "cover positions \\[0, 50\\)"),
+        (dict(cache_seqlens=3, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=1), TypeError, "rotary_interleaved"),
+    ]
+    for overrides, error, message in bad:
+        with pytest.raises(error, match=message):
+            cuflash.attention_with_kvcache(q, *caches, **{"k": k, "v": v, **overrides})
+    for cache, want in zip(caches, before):
+        np.testing.assert_array_equal(to_numpy(cache), want)
