@@ -14,8 +14,8 @@ from . import _kvcache, _numpy_path, reference
 from ._config import HEAD_DIMS, MAX_HEAD_DIM, SUPPORTED_DTYPES
 from ._merge import merge_states
 from ._philox import dropout_mask
-from ._validate import (array_module, check_backward, check_cache_length, check_dropout, check_flag, check_forward,
-                        check_kvcache)
+from ._validate import (array_module, check_backward, check_cache_indices, check_cache_length, check_dropout,
+                        check_flag, check_forward, check_kvcache)
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_backward", "attention_with_kvcache", "dropout_mask", "merge_states", "reference",
@@ -236,10 +236,11 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_sc
 
 
 def _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size, softcap,
-                  alibi_slopes, sinks, num_splits, rotary_cos, rotary_sin, rotary_interleaved):
+                  alibi_slopes, sinks, num_splits, rotary_cos, rotary_sin, rotary_interleaved, check_indices):
     """Validate an attention_with_kvcache call and return the function that runs it: ``(q, k_cache, v_cache, k,
     v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin, with_lse) -> (out, lse)``,
-    which checks an int ``cache_seqlens`` (its value is not part of the plan) before anything is written."""
+    which checks an int ``cache_seqlens`` (its value is not part of the plan), and with ``check_indices`` the
+    values of a cache_seqlens array and of block_table, before anything is written."""
     arrays = _optional_arrays(k=k, v=v, block_table=block_table, alibi_slopes=alibi_slopes, sinks=sinks,
                               cache_seqlens=cache_seqlens if hasattr(cache_seqlens, "dtype") else None,
                               rotary_cos=rotary_cos, rotary_sin=rotary_sin)
@@ -249,11 +250,14 @@ def _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
                             rotary_interleaved)
     a = problem.attn
     interleaved = bool(rotary_interleaved)
+    check_flag("check_indices", check_indices)
     if xp is np or a.is_empty:
         def run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin,
                 with_lse):
             if problem.lengths == "int":
                 check_cache_length(cache_seqlens, problem)
+            if check_indices:
+                check_cache_indices(problem, cache_seqlens, block_table)
             q, k = _kvcache.prepare(xp, q, k, cache_seqlens, rotary_cos, rotary_sin, interleaved, a.masked)
             if k is not None:
                 _kvcache.append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table)
@@ -272,12 +276,15 @@ def _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
 
     plan = _cupy_path.KVCachePlan(problem, q.data.device_id, q, k_cache, v_cache, cache_seqlens, block_table,
                                   num_splits, interleaved)
-    if problem.lengths != "int":
+    if problem.lengths != "int" and not check_indices:
         return plan.run
 
     def run_checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos,
                     rotary_sin, with_lse):
-        check_cache_length(cache_seqlens, problem)
+        if problem.lengths == "int":
+            check_cache_length(cache_seqlens, problem)
+        if check_indices:
+            check_cache_indices(problem, cache_seqlens, block_table)
         return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos,
                         rotary_sin, with_lse)
     return run_checked
@@ -287,7 +294,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                            rotary_cos=None, rotary_sin=None, rotary_interleaved: bool = True, causal: bool = False,
                            softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
                            softcap: float = 0.0, alibi_slopes=None, sinks=None, num_splits: int = 0,
-                           return_lse: bool = False):
+                           return_lse: bool = False, check_indices: bool = False):
     """Attention of new queries against a KV cache (decoding), optionally appending new keys and values to it
     first: FlashAttention's ``flash_attn_with_kvcache``. Forward only.
 
@@ -305,8 +312,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         ``cache_seqlens``. Written with array operations (a slice assignment, or one scatter per cache).
     cache_seqlens : int, int32 array (batch,), or None
         Keys already in each sequence's cache; None: every sequence fills the cache. An int is checked against
-        the cache's room; the values of an array are not (that would read device memory): an array value
-        past the cache's room, or a ``block_table`` entry outside ``num_blocks``, is undefined behaviour.
+        the cache's room; the values of an array are checked only with ``check_indices`` (reading them costs a
+        synchronization on the GPU): unchecked, an array value past the cache's room, or a ``block_table``
+        entry outside ``num_blocks``, is undefined behaviour.
     block_table : int32 array (batch, max_blocks_per_sequence), optional
         Key ``n`` of sequence ``b`` is row ``n % page_size`` of page ``block_table[b, n // page_size]``.
     rotary_cos, rotary_sin : arrays (seqlen_ro, rotary_dim / 2) of q's dtype or float32, optional
@@ -326,6 +334,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         1 disables splitting. Ignored on the NumPy path.
     return_lse : bool
         Also return the logsumexp, float32 (batch, heads, seqlen_q).
+    check_indices : bool
+        Check the values of a ``cache_seqlens`` array (within the cache's room and the rotary tables) and the
+        ``block_table`` entries each sequence uses (within ``num_blocks``) before anything is written:
+        ``ValueError`` naming the first bad one. On CuPy this copies them to the host, which synchronizes the
+        device. Default False.
 
     Returns
     -------
@@ -340,14 +353,14 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                lengths_key, _optional_key(block_table), _optional_key(rotary_cos), _optional_key(rotary_sin),
                rotary_interleaved, rotary_interleaved.__class__, causal, causal.__class__, softmax_scale,
                softmax_scale.__class__, window_size, softcap, softcap.__class__, _optional_key(alibi_slopes),
-               _optional_key(sinks), num_splits, num_splits.__class__)
+               _optional_key(sinks), num_splits, num_splits.__class__, check_indices, check_indices.__class__)
         plan = _plans.get(key)
     except (AttributeError, TypeError):
         key = plan = None
     if plan is None:
         plan = _remember(key, _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
                                             softmax_scale, window_size, softcap, alibi_slopes, sinks, num_splits,
-                                            rotary_cos, rotary_sin, rotary_interleaved))
+                                            rotary_cos, rotary_sin, rotary_interleaved, check_indices))
     if return_lse.__class__ is not bool:
         check_flag("return_lse", return_lse)
     out, lse = plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin,

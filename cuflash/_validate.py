@@ -448,6 +448,12 @@ def _check_rotary(q, rotary_cos, rotary_sin, interleaved, cache_seqlens) -> tupl
     return rotary_dim, rotary_cos.shape[0]
 
 
+def _rotary_reach(p: CacheProblem) -> int:
+    """Positions past cache_seqlens[b] that the rotary tables must cover: the appended keys', and the queries'
+    where they advance (causal or windowed; else they all sit at cache_seqlens[b])."""
+    return max(p.seqlen_new, p.attn.seqlen_q if p.attn.masked else 1)
+
+
 def check_cache_length(cache_seqlens: int, p: CacheProblem) -> int:
     """An int ``cache_seqlens``: the keys of every sequence before the call, room left for the appended ones
     (and positions in rotary_cos for the rotated queries and keys)."""
@@ -457,8 +463,38 @@ def check_cache_length(cache_seqlens: int, p: CacheProblem) -> int:
                          f"{f', {p.seqlen_new} of them appended by k and v' if p.seqlen_new else ''}), "
                          f"got {cache_seqlens}")
     if p.rotary_dim:
-        needed = cache_seqlens + max(p.seqlen_new, p.attn.seqlen_q if p.attn.masked else 1)
+        needed = cache_seqlens + _rotary_reach(p)
         if needed > p.rotary_positions:
             raise ValueError(f"rotary_cos and rotary_sin cover positions [0, {p.rotary_positions}); the call rotates "
                              f"up to position {needed - 1} (cache_seqlens {cache_seqlens})")
     return int(cache_seqlens)
+
+
+def check_cache_indices(p: CacheProblem, cache_seqlens, block_table):
+    """The checks that read device memory (``attention_with_kvcache(..., check_indices=True)``; on CuPy a
+    synchronizing copy of cache_seqlens and block_table to the host): every length within the cache's room and
+    the rotary tables, every block_table entry a sequence uses within ``num_pages`` (entries past a sequence's
+    last page are not read, so not checked)."""
+    from ._kvcache import lengths_of
+
+    lengths = lengths_of(cache_seqlens, p.attn.batch, p.attn.seqlen_k - p.seqlen_new)
+    room = p.attn.seqlen_k - p.seqlen_new
+    bad = np.flatnonzero((lengths < 0) | (lengths > room))
+    if bad.size:
+        raise ValueError(f"cache_seqlens[{bad[0]}] = {lengths[bad[0]]} is outside [0, {room}] (the cache holds "
+                         f"{p.attn.seqlen_k} keys per sequence, {p.seqlen_new} of them appended by k and v)")
+    if p.rotary_dim:
+        needed = lengths + _rotary_reach(p)
+        bad = np.flatnonzero(needed > p.rotary_positions)
+        if bad.size:
+            raise ValueError(f"rotary_cos and rotary_sin cover positions [0, {p.rotary_positions}); sequence {bad[0]} "
+                             f"rotates up to position {needed[bad[0]] - 1}")
+    if block_table is not None:
+        table = np.asarray(block_table.get() if hasattr(block_table, "get") else block_table)
+        pages = -(-(lengths + p.seqlen_new) // p.page_size)  # pages each sequence's keys occupy
+        used = np.arange(table.shape[1])[None, :] < pages[:, None]
+        bad = np.argwhere(used & ((table < 0) | (table >= p.num_pages)))
+        if bad.size:
+            b, i = bad[0]
+            raise ValueError(f"block_table[{b}, {i}] = {table[b, i]} is outside [0, {p.num_pages}) (num_blocks of "
+                             "the paged cache)")

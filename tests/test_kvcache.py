@@ -376,3 +376,37 @@ def test_rotary_refusals(xp, rng):
             cuflash.attention_with_kvcache(q, *caches, **{"k": k, "v": v, **overrides})
     for cache, want in zip(caches, before):
         np.testing.assert_array_equal(to_numpy(cache), want)
+
+
+def test_check_indices_reads_the_lengths_and_the_table(xp, rng):
+    """check_indices=True refuses an array length past the cache's room, a length that the rotary tables do
+    not cover and a used block_table entry outside the pool, before anything is written; entries past a
+    sequence's last page (padding, -1 here) are not read; without the flag the same call is not checked."""
+    dtype = dtypes_of(xp)[0]
+    q = draw(xp, rng, (2, 1, 4, 32), dtype)
+    k, v = (draw(xp, rng, (2, 1, 2, 32), dtype) for _ in range(2))
+    pools = [draw(xp, rng, (5, 64, 2, 32), dtype) for _ in range(2)]
+    table = np.array([[0, 1, -1], [2, 3, 4]], np.int32)
+    before = [to_numpy(p).copy() for p in pools]
+    good = xp.asarray(np.array([10, 150], np.int32))  # sequence 0 uses page 0 only: its -1 is padding
+    cuflash.attention_with_kvcache(q, *(xp.array(p) for p in before), k, v, cache_seqlens=good,  # copies
+                                   block_table=xp.asarray(table), check_indices=True)
+    cases = [
+        (np.array([10, 192], np.int32), table, "cache_seqlens\\[1\\] = 192 is outside \\[0, 191\\]"),
+        (np.array([150, 10], np.int32), table, "block_table\\[0, 2\\] = -1 is outside \\[0, 5\\)"),
+        (np.array([10, 150], np.int32), np.array([[0, 1, -1], [2, 9, 4]], np.int32),
+         "block_table\\[1, 1\\] = 9 is outside \\[0, 5\\)"),
+    ]
+    for lengths, bad_table, message in cases:
+        with pytest.raises(ValueError, match=message):
+            cuflash.attention_with_kvcache(q, *pools, k, v, cache_seqlens=xp.asarray(lengths),
+                                           block_table=xp.asarray(bad_table), check_indices=True)
+    cos, sin = rotary_tables(xp, 100, 16, np.float32)
+    with pytest.raises(ValueError, match="sequence 1 rotates up to position 150"):
+        cuflash.attention_with_kvcache(q, *pools, k, v, cache_seqlens=good, block_table=xp.asarray(table),
+                                       rotary_cos=cos, rotary_sin=sin, check_indices=True)
+    with pytest.raises(TypeError, match="check_indices must be a bool"):
+        cuflash.attention_with_kvcache(q, *pools, k, v, cache_seqlens=good, block_table=xp.asarray(table),
+                                       check_indices=1)
+    for pool, want in zip(pools, before):
+        np.testing.assert_array_equal(to_numpy(pool), want)
