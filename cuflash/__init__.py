@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _kvcache, _numpy_path, reference
+from . import _kvcache, _numpy_path, _varlen, reference
 from ._config import HEAD_DIMS, MAX_HEAD_DIM, SUPPORTED_DTYPES
 from ._merge import merge_states
 from ._philox import dropout_mask
 from ._validate import (array_module, check_backward, check_cache_indices, check_cache_length, check_dropout,
-                        check_flag, check_forward, check_kvcache)
+                        check_flag, check_forward, check_head_vectors, check_kvcache, check_softcap, check_window,
+                        resolve_scale)
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_backward", "attention_with_kvcache", "dropout_mask", "merge_states", "reference",
-           "HEAD_DIMS", "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "__version__"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_with_kvcache",
+           "dropout_mask", "merge_states", "reference", "HEAD_DIMS", "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "__version__"]
 
 #: Plans of the calls seen, keyed on everything validation and the kernel choice read: each array's class,
 #: shape, strides, dtype and device, and the options with their types (``causal=1`` is refused where
@@ -366,3 +367,84 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     out, lse = plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin,
                     return_lse)
     return (out, lse) if return_lse else out
+
+
+def _varlen_options(q, packing, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p) -> dict:
+    """The per-sequence calls' options, checked once for the whole batch (an empty batch included)."""
+    check_flag("causal", causal)
+    check_window(window_size, causal)
+    resolve_scale(softmax_scale, q.shape[2])
+    check_softcap(softcap)
+    check_head_vectors(q, alibi_slopes, sinks, packing.batch, q.shape[1])
+    if dropout_p:
+        raise ValueError("dropout_p must be 0 in attention_varlen for now: one dense call per sequence would draw "
+                         "the same mask for every sequence (dropout arrives with the packed kernels)")
+    return dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
+                     causal: bool = False, softmax_scale: float | None = None,
+                     window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
+                     dropout_p: float = 0.0, return_lse: bool = False):
+    """Attention over a batch of sequences of different lengths packed along one axis: FlashAttention's
+    ``flash_attn_varlen_func``.
+
+    Parameters
+    ----------
+    q : array (total_q, heads, head_dim)
+    k, v : arrays (total_k, heads_kv, head_dim)
+        Sequence ``b`` is rows ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` of q and ``cu_seqlens_k[b] :
+        cu_seqlens_k[b + 1]`` of k and v; sequences of length 0 are allowed.
+    cu_seqlens_q, cu_seqlens_k : int32 arrays (batch + 1,)
+        Prefix sums of the lengths, from 0 to the packed length. Read to the host on every call (on CuPy a
+        copy that synchronizes the device), and checked there.
+    max_seqlen_q, max_seqlen_k : int, optional
+        Checked against the lengths when given; computed from them otherwise (no further cost: the lengths
+        are on the host already).
+    causal, softmax_scale, window_size, softcap, alibi_slopes, sinks
+        As in :func:`attention`, per sequence (the diagonal at each sequence's bottom-right corner; ALiBi
+        slopes ``(heads,)`` or ``(batch, heads)``).
+    dropout_p : float
+        Must be 0 for now.
+    return_lse : bool
+        Also return the logsumexp, float32 ``(heads, total_q)``.
+
+    Returns
+    -------
+    out : array (total_q, heads, head_dim), dtype of q; and lse with ``return_lse``.
+
+    Runs one :func:`attention` call per sequence (a launch or so each); packed kernels are to come.
+    """
+    arrays = _optional_arrays(alibi_slopes=alibi_slopes, sinks=sinks)
+    xp = array_module(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **arrays)
+    packing = _varlen.check_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    options = _varlen_options(q, packing, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p)
+    check_flag("return_lse", return_lse)
+    out, lse = _varlen.per_sequence_forward(xp, attention, packing, q, k, v, alibi_slopes, {**options, "sinks": sinks})
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
+                              max_seqlen_k=None, *, causal: bool = False, softmax_scale: float | None = None,
+                              deterministic: bool = False, window_size: tuple[int, int] = (-1, -1),
+                              softcap: float = 0.0, alibi_slopes=None, sinks=None, dropout_p: float = 0.0):
+    """Gradients of :func:`attention_varlen`: ``(dq, dk, dv)``, packed as q, k and v (and ``dsinks``, float32
+    ``(heads,)`` summed over every sequence and row, with ``sinks``). ``dout`` and ``out`` are ``(total_q,
+    heads, head_dim)``, ``lse`` float32 ``(heads, total_q)`` as the forward returned it; the other arguments as
+    given to the forward. ``deterministic`` as in :func:`attention_backward`. One :func:`attention_backward`
+    call per sequence for now."""
+    arrays = _optional_arrays(alibi_slopes=alibi_slopes, sinks=sinks)
+    xp = array_module(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
+                      cu_seqlens_k=cu_seqlens_k, **arrays)
+    packing = _varlen.check_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    options = _varlen_options(q, packing, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p)
+    check_flag("deterministic", deterministic)
+    for name, a in (("dout", dout), ("out", out)):
+        if a.dtype != q.dtype or tuple(a.shape) != tuple(q.shape):
+            raise ValueError(f"{name} must have the shape and dtype of q {tuple(q.shape)} {q.dtype}, got "
+                             f"{tuple(a.shape)} {a.dtype}")
+    if lse.dtype != np.float32 or tuple(lse.shape) != (q.shape[1], q.shape[0]):
+        raise ValueError(f"lse must be float32 (heads, total_q) = {(q.shape[1], q.shape[0])}, got {lse.dtype} "
+                         f"{tuple(lse.shape)}")
+    return _varlen.per_sequence_backward(xp, attention_backward, packing, dout, q, k, v, out, lse, alibi_slopes, sinks,
+                                         {**options, "deterministic": deterministic})

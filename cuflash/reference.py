@@ -26,9 +26,10 @@ import math
 import ml_dtypes
 import numpy as np
 
-from . import _kvcache
+from . import _kvcache, _varlen
 
-__all__ = ["attention", "attention_backward", "attention_with_kvcache", "attention_in_dtype",
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_with_kvcache",
+           "attention_in_dtype",
            "attention_backward_in_dtype", "causal_mask", "mask", "merge_states", "rounding", "tolerance"]
 
 
@@ -256,6 +257,48 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
 
     alibi = None if alibi_slopes is None else _host(alibi_slopes)
     return _kvcache.per_sequence(attend, q, k_cache, v_cache, keys, block_table, alibi)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, softmax_scale=None, *,
+                     window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None, in_dtype=None):
+    """:func:`cuflash.attention_varlen` in float64 (:func:`attention_in_dtype` where ``in_dtype`` is given): each
+    packed sequence on its own. Returns (out (total_q, heads, head_dim), lse (heads, total_q))."""
+    packing = _varlen.Packing(_host(cu_seqlens_q).astype(np.int64), _host(cu_seqlens_k).astype(np.int64))
+    options = dict(window_size=window_size, softcap=softcap, sinks=None if sinks is None else _host(sinks))
+
+    def attend(q_b, k_b, v_b, return_lse, alibi_slopes):
+        if in_dtype is None:
+            return attention(q_b, k_b, v_b, causal, softmax_scale, alibi_slopes=alibi_slopes, **options)
+        return attention_in_dtype(q_b, k_b, v_b, causal, softmax_scale, in_dtype, alibi_slopes=alibi_slopes, **options)
+
+    host = [np.asarray(_host(x), np.float64) for x in (q, k, v)]
+    alibi = None if alibi_slopes is None else _host(alibi_slopes)
+    out, lse = _varlen.per_sequence_forward(np, attend, packing, *host, alibi, {})
+    return out, lse
+
+
+def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, softmax_scale=None, *,
+                              window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None, out=None,
+                              in_dtype=None):
+    """:func:`cuflash.attention_varlen_backward` in float64, each packed sequence on its own; ``out`` as
+    :func:`attention_backward` takes it; with ``in_dtype``, :func:`attention_backward_in_dtype` (which needs
+    ``out``). Returns (dq, dk, dv[, dsinks])."""
+    packing = _varlen.Packing(_host(cu_seqlens_q).astype(np.int64), _host(cu_seqlens_k).astype(np.int64))
+    options = dict(window_size=window_size, softcap=softcap)
+
+    def backward(dout_b, q_b, k_b, v_b, out_b, lse_b, alibi_slopes, sinks):
+        if in_dtype is None:
+            return attention_backward(dout_b, q_b, k_b, v_b, causal, softmax_scale, alibi_slopes=alibi_slopes,
+                                      sinks=sinks, out=None if out is None else out_b, **options)
+        return attention_backward_in_dtype(dout_b, q_b, k_b, v_b, out_b, causal, softmax_scale, in_dtype,
+                                           alibi_slopes=alibi_slopes, sinks=sinks, **options)
+
+    host = [np.asarray(_host(x), np.float64) for x in (dout, q, k, v)]
+    host_out = np.zeros_like(host[1]) if out is None else np.asarray(_host(out), np.float64)
+    lse = np.zeros((host[1].shape[1], host[1].shape[0]), np.float32)  # unread: the reference recomputes it
+    alibi = None if alibi_slopes is None else _host(alibi_slopes)
+    return _varlen.per_sequence_backward(np, backward, packing, host[0], *host[1:], host_out, lse, alibi,
+                                         None if sinks is None else _host(sinks), {})
 
 
 def merge_states(outs, lses):

@@ -77,3 +77,14 @@ def poison_pool(xp, nbytes: int = 64 << 20):
     xp.get_default_memory_pool().free_all_blocks()  # the poisoned block is then the only free one
     buf = xp.full(nbytes // 4, xp.nan, xp.float32)
     del buf
+
+
+def feature_arrays(xp, rng, options: dict, batch: int, heads: int) -> dict:
+    """``options`` with their placeholders made arrays: ``sinks=True`` float32 logits (heads,),
+    ``alibi_slopes=True`` float32 slopes in [0.01, 0.3) of shape (batch, heads)."""
+    options = dict(options)
+    if options.get("sinks") is True:
+        options["sinks"] = xp.asarray(rng.standard_normal(heads).astype(np.float32))
+    if options.get("alibi_slopes") is True:
+        options["alibi_slopes"] = xp.asarray(rng.uniform(0.01, 0.3, (batch, heads)).astype(np.float32))
+    return options

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import cuflash
 from cuflash import _config, reference
 
-from ._checks import BF16, assert_fa_close, max_abs_finite, poison_pool, to_numpy
+from ._checks import BF16, assert_fa_close, feature_arrays, max_abs_finite, poison_pool, to_numpy
 from .conftest import GPU, requires_gpu
 
 HALF = (np.dtype(np.float16), BF16)
@@ -71,16 +71,6 @@ FEATURES = {
 }
 
 
-def resolve(xp, rng, options: dict, batch: int, heads: int) -> dict:
-    """FEATURES' placeholders made into arrays: sinks (heads,), ALiBi slopes (batch, heads)."""
-    options = dict(options)
-    if options.get("sinks"):
-        options["sinks"] = xp.asarray(rng.standard_normal(heads).astype(np.float32))
-    if options.get("alibi_slopes"):
-        options["alibi_slopes"] = xp.asarray(rng.uniform(0.01, 0.3, (batch, heads)).astype(np.float32))
-    return options
-
-
 @pytest.mark.parametrize("feature", sorted(FEATURES))
 @pytest.mark.parametrize("heads,heads_kv", [(8, 2), (4, 4), (6, 1)])
 @pytest.mark.parametrize("seqlen_q,seqlen_new", [(1, 0), (1, 1), (4, 4), (5, 0)])
@@ -93,7 +83,7 @@ def test_decode_matches_the_reference(xp, rng, feature, heads, heads_kv, seqlen_
     k_cache, v_cache = (draw(xp, rng, (batch, capacity, heads_kv, head_dim), dtype) for _ in range(2))
     lengths = xp.asarray(np.array([0, capacity - seqlen_new, rng.integers(1, capacity - seqlen_new)], np.int32))
     k, v = (draw(xp, rng, (batch, seqlen_new, heads_kv, head_dim), dtype) if seqlen_new else None for _ in range(2))
-    options = resolve(xp, rng, FEATURES[feature], batch, heads)
+    options = feature_arrays(xp, rng, FEATURES[feature], batch, heads)
     table = None
     if paged:
         (k_cache, v_cache), table = paged_copies(xp, rng, (k_cache, v_cache), 64)
@@ -176,7 +166,7 @@ def test_every_split_count_agrees_with_one(rng, head_dim, feature):
     q = draw(xp, rng, (batch, 1, heads, head_dim), BF16)
     caches = [draw(xp, rng, (batch, capacity, heads_kv, head_dim), BF16) for _ in range(2)]
     lengths = xp.asarray(np.array([capacity, 517], np.int32))
-    options = resolve(xp, rng, FEATURES[feature], batch, heads)
+    options = feature_arrays(xp, rng, FEATURES[feature], batch, heads)
     runs = {}
     for num_splits in (1, 2, 5, 16, 0):
         poison_pool(xp)
@@ -219,7 +209,7 @@ def test_fuzzed_decoding(xp, case):
     if case["page_size"]:
         caches, table = paged_copies(xp, rng, caches, case["page_size"])
     before = [to_numpy(c).copy() for c in caches]
-    options = resolve(xp, rng, FEATURES[case["feature"]], batch, heads)
+    options = feature_arrays(xp, rng, FEATURES[case["feature"]], batch, heads)
     out, lse = cuflash.attention_with_kvcache(q, *caches, k, v, cache_seqlens=lengths, block_table=table,
                                               num_splits=case["num_splits"], return_lse=True, **options)
     check_against_reference(out, lse, q, *(xp.asarray(c) for c in before), k, v, dtype, cache_seqlens=lengths,

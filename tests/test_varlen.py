@@ -1,0 +1,98 @@
+"""attention_varlen and its backward: packed sequences of mixed lengths (empty ones among them) against the
+float64 reference of each sequence on its own, every mask and modifier but dropout; bad packings refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import cuflash
+from cuflash import reference
+
+from ._checks import DTYPES, assert_fa_close, feature_arrays, max_abs_finite, poison_pool, to_numpy
+
+FEATURES = {
+    "plain": {},
+    "causal": dict(causal=True),
+    "window": dict(window_size=(9, 3)),
+    "softcap-sinks": dict(softcap=4.0, sinks=True),
+    "alibi": dict(alibi_slopes=True, causal=True),
+}
+
+
+def packed(xp, rng, lengths_q, lengths_k, heads, heads_kv, head_dim, dtype):
+    """q, k, v, dout packed along their first axis, and the int32 prefix sums of the lengths."""
+    def draw(*shape):
+        return xp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
+
+    cu_q, cu_k = (xp.asarray(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)) for n in (lengths_q, lengths_k))
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    return (draw(total_q, heads, head_dim), draw(total_k, heads_kv, head_dim), draw(total_k, heads_kv, head_dim),
+            draw(total_q, heads, head_dim), cu_q, cu_k)
+
+
+def check_varlen(xp, rng, lengths_q, lengths_k, heads, heads_kv, head_dim, dtype, options):
+    q, k, v, dout, cu_q, cu_k = packed(xp, rng, lengths_q, lengths_k, heads, heads_kv, head_dim, dtype)
+    options = feature_arrays(xp, rng, options, len(lengths_q), heads)
+    poison_pool(xp)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **options)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (heads, q.shape[0])
+    ref_out, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, **options)
+    low_out, low_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, **options, in_dtype=dtype)
+    score = max_abs_finite(ref_lse)
+    assert_fa_close(out, ref_out, low_out, dtype, 2, "out", max_score=score)
+    assert_fa_close(lse, ref_lse, low_lse, np.float32, 2, "lse", max_score=score)
+    grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **options)
+    refs = reference.attention_varlen_backward(dout, q, k, v, cu_q, cu_k, **options)
+    lows = reference.attention_varlen_backward(dout, q, k, v, cu_q, cu_k, **options, out=out, in_dtype=dtype)
+    names = ("dq", "dk", "dv", "dsinks")
+    for name, grad, ref, low in zip(names, grads, refs, lows):
+        assert_fa_close(grad, ref, low, dtype if name != "dsinks" else np.float32, 3, name, max_score=score)
+    assert len(grads) == (4 if options.get("sinks") is not None else 3)
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_packed_sequences_match_the_reference(xp, rng, feature, dtype):
+    """Five sequences: an empty query side, an empty key side, self-attention, more queries than keys (causal:
+    the first rows see nothing), GQA."""
+    check_varlen(xp, rng, [17, 0, 40, 33, 5], [23, 11, 40, 0, 70], 4, 2, 64, dtype, FEATURES[feature])
+
+
+@given(lengths=st.lists(st.tuples(st.integers(0, 90), st.integers(0, 90)), min_size=1, max_size=6),
+       group=st.sampled_from([1, 3]), head_dim=st.sampled_from([8, 40, 64, 128]),
+       feature=st.sampled_from(sorted(FEATURES)), seed=st.integers(0, 2**31))
+def test_fuzzed_packings(xp, lengths, group, head_dim, feature, seed):
+    rng = np.random.default_rng(seed)
+    dtype = DTYPES[seed % len(DTYPES)]
+    check_varlen(xp, rng, [a for a, _ in lengths], [b for _, b in lengths], 2 * group, 2, head_dim, dtype,
+                 FEATURES[feature])
+
+
+def test_bad_packings_are_refused(xp, rng):
+    q, k, v, dout, cu_q, cu_k = packed(xp, rng, [3, 4], [5, 6], 2, 2, 16, np.float32)
+    as_cu = lambda *values: xp.asarray(np.array(values, np.int32))  # noqa: E731
+    bad = [
+        (dict(cu_seqlens_q=as_cu(0, 3, 2, 7)), ValueError, "never decrease"),
+        (dict(cu_seqlens_q=as_cu(1, 3, 7)), ValueError, "start at 0"),
+        (dict(cu_seqlens_q=as_cu(0, 3, 8)), ValueError, "end at the packed length 7"),
+        (dict(cu_seqlens_k=as_cu(0, 11)), ValueError, "one length"),
+        (dict(cu_seqlens_q=xp.asarray(np.array([0, 3, 7], np.int64))), TypeError, "cu_seqlens_q must be an int32"),
+        (dict(max_seqlen_q=3), ValueError, "max_seqlen_q must be an int of at least the longest sequence \\(4\\)"),
+        (dict(q=q[None]), ValueError, "q must have 3 dimensions"),
+        (dict(k=k[:, :1], v=v[:, :1], q=q[:, :1], dropout_p=0.1), ValueError, "dropout_p must be 0"),
+        (dict(alibi_slopes=xp.zeros((3, 2), np.float32)), ValueError, "alibi_slopes must have shape"),
+        (dict(causal=1), TypeError, "causal must be a bool"),
+    ]
+    for overrides, error, message in bad:
+        args = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, **overrides}
+        with pytest.raises(error, match=message):
+            cuflash.attention_varlen(**args)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=4, max_seqlen_k=6, return_lse=True)
+    with pytest.raises(ValueError, match="lse must be float32 \\(heads, total_q\\)"):
+        cuflash.attention_varlen_backward(dout, q, k, v, out, lse.T, cu_q, cu_k)
+    with pytest.raises(ValueError, match="dout must have the shape and dtype of q"):
+        cuflash.attention_varlen_backward(dout[:5], q, k, v, out, lse, cu_q, cu_k)
+    assert to_numpy(lse).shape == (2, 7)
