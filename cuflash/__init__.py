@@ -252,16 +252,21 @@ def _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
     a = problem.attn
     interleaved = bool(rotary_interleaved)
     check_flag("check_indices", check_indices)
+    checks_per_call = problem.lengths == "int" or check_indices
+
+    def check_call(cache_seqlens, block_table):
+        # what the plan cannot hold: an int cache_seqlens's value, and with check_indices the device's values
+        if problem.lengths == "int":
+            check_cache_length(cache_seqlens, problem)
+        if check_indices:
+            check_cache_indices(problem, cache_seqlens, block_table)
+
     if xp is np or a.is_empty:
         def run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin,
                 with_lse):
-            if problem.lengths == "int":
-                check_cache_length(cache_seqlens, problem)
-            if check_indices:
-                check_cache_indices(problem, cache_seqlens, block_table)
-            q, k = _kvcache.prepare(xp, q, k, cache_seqlens, rotary_cos, rotary_sin, interleaved, a.masked)
-            if k is not None:
-                _kvcache.append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table)
+            check_call(cache_seqlens, block_table)
+            q = _kvcache.rotate_and_append(xp, q, k, v, k_cache, v_cache, cache_seqlens, block_table, rotary_cos,
+                                           rotary_sin, interleaved, a.masked)
             if a.is_empty:
                 return xp.zeros(q.shape, q.dtype), xp.full((a.batch, a.heads, a.seqlen_q), -xp.inf, xp.float32)
             keys = _kvcache.lengths_of(cache_seqlens, a.batch, a.seqlen_k) + problem.seqlen_new
@@ -277,15 +282,12 @@ def _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
 
     plan = _cupy_path.KVCachePlan(problem, q.data.device_id, q, k_cache, v_cache, cache_seqlens, block_table,
                                   num_splits, interleaved)
-    if problem.lengths != "int" and not check_indices:
+    if not checks_per_call:
         return plan.run
 
     def run_checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos,
                     rotary_sin, with_lse):
-        if problem.lengths == "int":
-            check_cache_length(cache_seqlens, problem)
-        if check_indices:
-            check_cache_indices(problem, cache_seqlens, block_table)
+        check_call(cache_seqlens, block_table)
         return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos,
                         rotary_sin, with_lse)
     return run_checked

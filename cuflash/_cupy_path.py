@@ -377,8 +377,7 @@ class KVCachePlan:
         fixed = kvcache_fixed_fields(p, plan, strides, table_stride)
         self.arguments = _params.Arguments(_params.forward_fields(), fixed, KVCACHE_PER_CALL, _by_value)
         if self.merge is not None:
-            self.merge_args = tuple(_by_value(s, np.int64) for s in strides[3]) + tuple(
-                _int32(n) for n in (plan.splits, a.batch, a.seqlen_q, a.heads, a.head_dim))
+            self.merge_args = _merge_args(self.out_shape, plan.splits)
 
     def run(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin,
             with_lse: bool):
@@ -390,10 +389,8 @@ class KVCachePlan:
     def _launch(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos,
                 rotary_sin, with_lse):
         p = self.problem
-        q, k = _kvcache.prepare(cupy, q, k, cache_seqlens, rotary_cos, rotary_sin, self.rotary_interleaved,
-                                p.attn.masked)
-        if k is not None:
-            _kvcache.append(cupy, k_cache, v_cache, k, v, cache_seqlens, block_table)
+        q = _kvcache.rotate_and_append(cupy, q, k, v, k_cache, v_cache, cache_seqlens, block_table, rotary_cos,
+                                       rotary_sin, self.rotary_interleaved, p.attn.masked)
         if p.lengths == "int":
             seqlen_k, lengths = cache_seqlens + p.seqlen_new, _NULL
         else:
@@ -418,6 +415,13 @@ class KVCachePlan:
         return out, lse
 
 
+def _merge_args(out_shape: tuple, parts: int) -> tuple:
+    """merge_parts's trailing arguments (kernels/merge.cu) for a C-contiguous out of ``out_shape`` (batch,
+    seqlen_q, heads, head_dim): its element strides, then parts, batch, seqlen_q, heads, head_dim."""
+    return tuple(_by_value(s, np.int64) for s in _contiguous_strides(out_shape)) + tuple(
+        _int32(n) for n in (parts, *out_shape))
+
+
 def merge_states(outs, lses):
     """merge_states on the GPU: ``outs`` and ``lses`` stacked (as given, or from lists of parts) into
     contiguous float32 arrays (a copy only where they are not), then merge_parts."""
@@ -429,12 +433,10 @@ def merge_states(outs, lses):
 
     def launch():
         parts_out, parts_lse = stacked(outs), stacked(lses)
-        parts, batch, seqlen_q, heads, head_dim = parts_out.shape
+        parts, batch, seqlen_q, heads, _ = parts_out.shape
         out = cupy.ndarray(parts_out.shape[1:], out_dtype)
         lse = cupy.ndarray((batch, heads, seqlen_q), np.float32)
         kernel = _Launch(_plan.merge(batch, seqlen_q, heads, out_dtype), device_id)
-        kernel((parts_out, parts_lse, out, lse, _NULL)
-               + tuple(_by_value(s, np.int64) for s in _contiguous_strides(out.shape))
-               + tuple(_int32(n) for n in (parts, batch, seqlen_q, heads, head_dim)))
+        kernel((parts_out, parts_lse, out, lse, _NULL) + _merge_args(out.shape, parts))
         return out, lse
     return _run_on(device_id, launch)

@@ -11,6 +11,16 @@ from __future__ import annotations
 import numpy as np
 
 
+def to_host(x) -> np.ndarray:
+    """``x`` as a NumPy array: a CuPy array copied to the host (a synchronization), anything else as it is."""
+    return np.asarray(x.get() if hasattr(x, "get") else x)
+
+
+def sequence_slopes(alibi_slopes, b: int):
+    """Sequence ``b``'s ALiBi slopes (heads,) from slopes of shape (heads,) or (batch, heads); None without."""
+    return None if alibi_slopes is None else alibi_slopes[b] if alibi_slopes.ndim == 2 else alibi_slopes
+
+
 def positions(xp, cache_seqlens, batch: int, count: int, advance: bool = True):
     """(batch, count) int32: ``cache_seqlens[b] + i`` for i < count, or ``cache_seqlens[b]`` for every i where
     not ``advance`` (``cache_seqlens`` an int or an int32 array (batch,))."""
@@ -53,6 +63,16 @@ def prepare(xp, q, k, cache_seqlens, rotary_cos, rotary_sin, interleaved: bool, 
     return q, k
 
 
+def rotate_and_append(xp, q, k, v, k_cache, v_cache, cache_seqlens, block_table, rotary_cos, rotary_sin,
+                      interleaved: bool, q_advances: bool):
+    """A call's work before attention: q and k rotated (``prepare``), k and v written into the caches
+    (``append``). Returns q as the call attends with it."""
+    q, k = prepare(xp, q, k, cache_seqlens, rotary_cos, rotary_sin, interleaved, q_advances)
+    if k is not None:
+        append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table)
+    return q
+
+
 def append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table):
     """Write ``k`` and ``v`` (batch, seqlen_new, heads_kv, head_dim) into the caches at positions
     ``cache_seqlens[b]``.. of each sequence (``cache_seqlens`` an int or an int32 array (batch,)). Array
@@ -87,8 +107,7 @@ def lengths_of(cache_seqlens, batch: int, full: int) -> np.ndarray:
     if cache_seqlens is None:
         return np.full(batch, full, np.int64)
     if hasattr(cache_seqlens, "dtype"):
-        host = cache_seqlens.get() if hasattr(cache_seqlens, "get") else cache_seqlens
-        return np.asarray(host, np.int64)
+        return to_host(cache_seqlens).astype(np.int64)
     return np.full(batch, int(cache_seqlens), np.int64)
 
 
@@ -99,8 +118,7 @@ def per_sequence(attend, q, k_cache, v_cache, keys: np.ndarray, block_table, ali
     for b in range(q.shape[0]):
         k_b = sequence_keys(k_cache, block_table, b, int(keys[b]))[None]
         v_b = sequence_keys(v_cache, block_table, b, int(keys[b]))[None]
-        slopes = None if alibi_slopes is None else alibi_slopes[b] if alibi_slopes.ndim == 2 else alibi_slopes
-        out, lse = attend(q[b:b + 1], k_b, v_b, slopes)
+        out, lse = attend(q[b:b + 1], k_b, v_b, sequence_slopes(alibi_slopes, b))
         outs.append(out)
         lses.append(lse)
     return np.concatenate(outs), np.concatenate(lses)

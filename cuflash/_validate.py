@@ -475,7 +475,7 @@ def check_cache_indices(p: CacheProblem, cache_seqlens, block_table):
     synchronizing copy of cache_seqlens and block_table to the host): every length within the cache's room and
     the rotary tables, every block_table entry a sequence uses within ``num_pages`` (entries past a sequence's
     last page are not read, so not checked)."""
-    from ._kvcache import lengths_of
+    from ._kvcache import lengths_of, to_host
 
     lengths = lengths_of(cache_seqlens, p.attn.batch, p.attn.seqlen_k - p.seqlen_new)
     room = p.attn.seqlen_k - p.seqlen_new
@@ -490,7 +490,7 @@ def check_cache_indices(p: CacheProblem, cache_seqlens, block_table):
             raise ValueError(f"rotary_cos and rotary_sin cover positions [0, {p.rotary_positions}); sequence {bad[0]} "
                              f"rotates up to position {needed[bad[0]] - 1}")
     if block_table is not None:
-        table = np.asarray(block_table.get() if hasattr(block_table, "get") else block_table)
+        table = to_host(block_table)
         pages = -(-(lengths + p.seqlen_new) // p.page_size)  # pages each sequence's keys occupy
         used = np.arange(table.shape[1])[None, :] < pages[:, None]
         bad = np.argwhere(used & ((table < 0) | (table >= p.num_pages)))

@@ -14,6 +14,7 @@ import numbers
 
 import numpy as np
 
+from ._kvcache import sequence_slopes, to_host
 from ._validate import _check_dtype, _is_number, check_same_device
 
 
@@ -30,10 +31,6 @@ class Packing:
 
     def rows(self, b: int) -> tuple[slice, slice]:
         return slice(int(self.cu_q[b]), int(self.cu_q[b + 1])), slice(int(self.cu_k[b]), int(self.cu_k[b + 1]))
-
-
-def _host(x) -> np.ndarray:
-    return np.asarray(x.get() if hasattr(x, "get") else x)
 
 
 def check_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Packing:
@@ -58,7 +55,7 @@ def check_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             raise TypeError(f"{name} must be an int32 array (batch + 1,) of prefix sums, got "
                             f"{getattr(cu, 'dtype', type(cu).__name__)} of shape {tuple(getattr(cu, 'shape', ()))}")
         check_same_device(q=q, **{name: cu})
-        host = _host(cu).astype(np.int64)
+        host = to_host(cu).astype(np.int64)
         if host[0] != 0 or (np.diff(host) < 0).any() or host[-1] != total:
             raise ValueError(f"{name} must start at 0, never decrease and end at the packed length {total}, got "
                              f"{host.tolist() if host.size <= 16 else host}")
@@ -81,9 +78,8 @@ def per_sequence_forward(xp, attention, packing: Packing, q, k, v, alibi_slopes,
         rows_q, rows_k = packing.rows(b)
         if rows_q.start == rows_q.stop:
             continue
-        slopes = None if alibi_slopes is None else alibi_slopes[b] if alibi_slopes.ndim == 2 else alibi_slopes
         out_b, lse_b = attention(q[rows_q][None], k[rows_k][None], v[rows_k][None], return_lse=True,
-                                 alibi_slopes=slopes, **options)
+                                 alibi_slopes=sequence_slopes(alibi_slopes, b), **options)
         out[rows_q] = out_b[0]
         lse[:, rows_q] = lse_b[0]
     return out, lse
@@ -98,10 +94,9 @@ def per_sequence_backward(xp, attention_backward, packing: Packing, dout, q, k, 
         rows_q, rows_k = packing.rows(b)
         if rows_q.start == rows_q.stop and rows_k.start == rows_k.stop:
             continue
-        slopes = None if alibi_slopes is None else alibi_slopes[b] if alibi_slopes.ndim == 2 else alibi_slopes
         parts = attention_backward(dout[rows_q][None], q[rows_q][None], k[rows_k][None], v[rows_k][None],
-                                   out[rows_q][None], xp.ascontiguousarray(lse[:, rows_q][None]), alibi_slopes=slopes,
-                                   sinks=sinks, **options)
+                                   out[rows_q][None], xp.ascontiguousarray(lse[:, rows_q][None]),
+                                   alibi_slopes=sequence_slopes(alibi_slopes, b), sinks=sinks, **options)
         for grad, part, rows in zip(grads, parts[:3], (rows_q, rows_k, rows_k)):
             grad[rows] = part[0]
         if sinks is not None:

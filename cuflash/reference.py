@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _kvcache, _varlen
+from ._kvcache import to_host as _host  # a CuPy argument comes to the host
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_with_kvcache",
            "attention_in_dtype",
@@ -54,10 +55,6 @@ def mask(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size=(-1, -1
     if right >= 0:
         visible &= rel <= right
     return visible
-
-
-def _host(x) -> np.ndarray:
-    return x.get() if hasattr(x, "get") else np.asarray(x)  # a CuPy array comes to the host
 
 
 def _keep_all(x):

@@ -124,3 +124,13 @@ def test_a_kvcache_plan_names_every_field_once(lengths):
     assert (args["pack"], args["num_splits"], args["page_size"]) == (4, plan.splits, 256)
     assert args["block_table_stride"] == 16
     assert args["seqlen_k_new"] == 1 and type(args["block_table_stride"]) is np.int64 and args["k_sb"] == 4
+
+
+@pytest.mark.skipif(_cupy_path._CNumpyArray is not None,
+                    reason="with CuPy the values are its own argument objects, which do not compare as numbers")
+def test_merge_arguments_follow_the_kernels_list():
+    # merge_parts(outs, lses, out, lse, sinks, o_sb, o_ss, o_sh, parts, batch, seqlen_q, heads, head_dim): the
+    # trailing values after its five pointers, for a contiguous out of (batch, seqlen_q, heads, head_dim)
+    args = _cupy_path._merge_args((2, 3, 4, 5), 7)
+    assert args == (60, 20, 5, 7, 2, 3, 4, 5)
+    assert [np.dtype(type(a)) for a in args] == [np.dtype(np.int64)] * 3 + [np.dtype(np.int32)] * 5
