@@ -5,6 +5,7 @@ nothing."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given
@@ -340,7 +341,7 @@ def test_rotary_matches_the_reference(xp, rng, interleaved, causal, lengths_kind
         written = _kvcache.sequence_keys(to_numpy(caches[0]), host_table, b, first + seqlen_new)[first:]
         scale = np.abs(rotated[b]).max()
         np.testing.assert_allclose(written.astype(np.float64), rotated[b], rtol=0,
-                                   atol=2 * float(np.finfo(dtype).eps) * scale)
+                                   atol=2 * float(ml_dtypes.finfo(dtype).eps) * scale)
 
 
 def test_rotary_refusals(xp, rng):

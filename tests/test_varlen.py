@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import cuflash
@@ -47,9 +47,13 @@ def check_varlen(xp, rng, lengths_q, lengths_k, heads, heads_kv, head_dim, dtype
     grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **options)
     refs = reference.attention_varlen_backward(dout, q, k, v, cu_q, cu_k, **options)
     lows = reference.attention_varlen_backward(dout, q, k, v, cu_q, cu_k, **options, out=out, in_dtype=dtype)
+    # What the rounded out costs by itself (test_features says why); dsinks sums rows of rowsum(dout * out),
+    # out stored in dtype, so its rounding term is dtype's too
+    given_out = reference.attention_varlen_backward(dout, q, k, v, cu_q, cu_k, **options, out=out)
     names = ("dq", "dk", "dv", "dsinks")
-    for name, grad, ref, low in zip(names, grads, refs, lows):
-        assert_fa_close(grad, ref, low, dtype if name != "dsinks" else np.float32, 3, name, max_score=score)
+    for name, grad, ref, low, given in zip(names, grads, refs, lows, given_out):
+        inherent = float(np.abs(np.asarray(given, np.float64) - ref).max()) if ref.size else 0.0
+        assert_fa_close(grad, ref, low, dtype, 3, name, max_score=score, inherent=inherent)
     assert len(grads) == (4 if options.get("sinks") is not None else 3)
 
 
@@ -64,6 +68,9 @@ def test_packed_sequences_match_the_reference(xp, rng, feature, dtype):
 @given(lengths=st.lists(st.tuples(st.integers(0, 90), st.integers(0, 90)), min_size=1, max_size=6),
        group=st.sampled_from([1, 3]), head_dim=st.sampled_from([8, 40, 64, 128]),
        feature=st.sampled_from(sorted(FEATURES)), seed=st.integers(0, 2**31))
+# bfloat16 and float32 dsinks past a bound that left out what the rounded out costs by itself
+@example(lengths=[(4, 4)], group=1, head_dim=8, feature="softcap-sinks", seed=4)
+@example(lengths=[(8, 26), (0, 27)], group=1, head_dim=8, feature="softcap-sinks", seed=777096)
 def test_fuzzed_packings(xp, lengths, group, head_dim, feature, seed):
     rng = np.random.default_rng(seed)
     dtype = DTYPES[seed % len(DTYPES)]
