@@ -15,8 +15,7 @@ from ._config import HEAD_DIMS, MAX_HEAD_DIM, SUPPORTED_DTYPES
 from ._merge import merge_states
 from ._philox import dropout_mask
 from ._validate import (array_module, check_backward, check_cache_indices, check_cache_length, check_dropout,
-                        check_flag, check_forward, check_head_vectors, check_kvcache, check_softcap, check_window,
-                        resolve_scale)
+                        check_flag, check_forward, check_kvcache, check_same_device)
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_with_kvcache",
@@ -30,6 +29,7 @@ __all__ = ["attention", "attention_backward", "attention_varlen", "attention_var
 _plans: dict = {}
 MAX_PLANS = 4096
 _FORWARD, _BACKWARD, _KVCACHE = "forward", "backward", "kvcache"
+_VARLEN_FORWARD, _VARLEN_BACKWARD = "varlen forward", "varlen backward"
 
 
 def _array_key(x) -> tuple:
@@ -371,23 +371,120 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     return (out, lse) if return_lse else out
 
 
-def _varlen_options(q, packing, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p) -> dict:
-    """The per-sequence calls' options, checked once for the whole batch (an empty batch included)."""
-    check_flag("causal", causal)
-    check_window(window_size, causal)
-    resolve_scale(softmax_scale, q.shape[2])
-    check_softcap(softcap)
-    check_head_vectors(q, alibi_slopes, sinks, packing.batch, q.shape[1])
+def _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                  window_size, softcap, alibi_slopes, sinks, dropout_p, check_indices, **arrays):
+    """A packed call's checks: (array module, PackedBatch, Problem)."""
+    xp = array_module(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **arrays,
+                      **_optional_arrays(alibi_slopes=alibi_slopes, sinks=sinks))
+    check_flag("check_indices", check_indices)
+    packed = _varlen.check_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   read=xp is np or check_indices)
+    problem = _varlen.problem(q, k, packed, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks)
     if dropout_p:
-        raise ValueError("dropout_p must be 0 in attention_varlen for now: one dense call per sequence would draw "
-                         "the same mask for every sequence (dropout arrives with the packed kernels)")
+        raise ValueError("dropout_p must be 0 in attention_varlen for now (the packed kernels take no dropout yet)")
+    return xp, packed, problem
+
+
+def _varlen_key(kind, arrays, max_seqlen_q, max_seqlen_k, check_indices, *options):
+    """The plan key of a packed call that reads nothing from the device (CuPy, both max lengths given, no
+    check_indices), else None: a call that reads the prefix sums is planned from their values."""
+    if max_seqlen_q is None or max_seqlen_k is None or check_indices is not False:
+        return None
+    try:
+        if any(a.__class__ is np.ndarray for a in arrays):
+            return None
+        key = (kind, *map(_array_key, arrays), max_seqlen_q, max_seqlen_k,
+               *((value, value.__class__) if not hasattr(value, "shape") else _array_key(value) for value in options))
+        hash(key)
+        return key
+    except (AttributeError, TypeError):  # not an array, an unhashable option: validation says what is wrong
+        return None
+
+
+def _plan_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                         window_size, softcap, alibi_slopes, sinks, dropout_p, check_indices):
+    """Validate a packed forward and return the function that runs it:
+    ``(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, with_lse) -> (out, lse)``."""
+    xp, packed, problem = _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                        softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p,
+                                        check_indices)
+    if xp is np:  # one attention per sequence, on this call's prefix sums (NumPy plans are never cached)
+        options = _varlen_options(causal, softmax_scale, window_size, softcap)
+
+        def per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, with_lse):
+            return _varlen.per_sequence_forward(np, attention, packed.packing, q, k, v, alibi_slopes,
+                                                {**options, "sinks": sinks})
+        return per_sequence
+    if q.shape[0] == 0 or problem.heads == 0 or problem.seqlen_k == 0:
+        def empty(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, with_lse):
+            shape = (q.shape[1], q.shape[0])
+            lse = xp.full(shape, -xp.inf, xp.float32) if sinks is None else \
+                xp.ascontiguousarray(xp.broadcast_to(sinks[:, None], shape))  # the sink alone
+            return xp.zeros(q.shape, q.dtype), lse
+        return empty
+    from . import _cupy_path
+
+    run = _cupy_path.ForwardPlan(problem, q.data.device_id, q, k, v, packed=True).run
+
+    def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, with_lse):
+        return run(q, k, v, alibi_slopes, sinks, with_lse=with_lse,
+                   cu_seqlens=_contiguous_int32(xp, cu_seqlens_q, cu_seqlens_k))
+    return packed_forward
+
+
+def _plan_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                          softmax_scale, deterministic, window_size, softcap, alibi_slopes, sinks, dropout_p,
+                          check_indices):
+    """Validate a packed backward and return the function that runs it:
+    ``(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks) -> (dq, dk, dv[, dsinks])``."""
+    xp, packed, problem = _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                        softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p,
+                                        check_indices, dout=dout, out=out, lse=lse)
+    check_flag("deterministic", deterministic)
+    for name, a in (("dout", dout), ("out", out)):
+        if a.dtype != q.dtype or tuple(a.shape) != tuple(q.shape):
+            raise ValueError(f"{name} must have the shape and dtype of q {tuple(q.shape)} {q.dtype}, got "
+                             f"{tuple(a.shape)} {a.dtype}")
+    if lse.dtype != np.float32 or tuple(lse.shape) != (q.shape[1], q.shape[0]):
+        raise ValueError(f"lse must be float32 (heads, total_q) = {(q.shape[1], q.shape[0])}, got {lse.dtype} "
+                         f"{tuple(lse.shape)}")
+    check_same_device(q=q, dout=dout, out=out, lse=lse)
+    if xp is np:  # as in the forward
+        options = {**_varlen_options(causal, softmax_scale, window_size, softcap), "deterministic": deterministic}
+
+        def per_sequence(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks):
+            return _varlen.per_sequence_backward(np, attention_backward, packed.packing, dout, q, k, v, out, lse,
+                                                 alibi_slopes, sinks, options)
+        return per_sequence
+    if q.shape[0] == 0 or problem.heads == 0 or problem.seqlen_k == 0:
+        def empty(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks):
+            grads = xp.zeros(q.shape, q.dtype), xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype)
+            return grads if sinks is None else (*grads, xp.zeros(problem.heads, xp.float32))
+        return empty
+    from . import _cupy_path
+
+    run = _cupy_path.BackwardPlan(problem, q.data.device_id, bool(deterministic), dout, q, k, v, out, lse,
+                                  packed=True).run
+
+    def packed_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks):
+        return run(dout, q, k, v, out, lse, alibi_slopes, sinks,
+                   cu_seqlens=_contiguous_int32(xp, cu_seqlens_q, cu_seqlens_k))
+    return packed_backward
+
+
+def _varlen_options(causal, softmax_scale, window_size, softcap) -> dict:
+    """The options of the NumPy path's per-sequence calls."""
     return dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+
+
+def _contiguous_int32(xp, *arrays) -> tuple:
+    return tuple(xp.ascontiguousarray(a) for a in arrays)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                      causal: bool = False, softmax_scale: float | None = None,
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
-                     dropout_p: float = 0.0, return_lse: bool = False):
+                     dropout_p: float = 0.0, return_lse: bool = False, check_indices: bool = False):
     """Attention over a batch of sequences of different lengths packed along one axis: FlashAttention's
     ``flash_attn_varlen_func``.
 
@@ -398,11 +495,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         Sequence ``b`` is rows ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` of q and ``cu_seqlens_k[b] :
         cu_seqlens_k[b + 1]`` of k and v; sequences of length 0 are allowed.
     cu_seqlens_q, cu_seqlens_k : int32 arrays (batch + 1,)
-        Prefix sums of the lengths, from 0 to the packed length. Read to the host on every call (on CuPy a
-        copy that synchronizes the device), and checked there.
+        Prefix sums of the lengths, from 0 to the packed length.
     max_seqlen_q, max_seqlen_k : int, optional
-        Checked against the lengths when given; computed from them otherwise (no further cost: the lengths
-        are on the host already).
+        The longest lengths (the kernels' grid is sized by them). When both are given, a CuPy call reads
+        nothing from the device: the prefix sums are trusted, and values that do not start at 0, decrease,
+        end past the packed length or exceed the max lengths are undefined behaviour (wrong results or
+        memory faults). When either is missing, the prefix sums are read to the host (a copy that
+        synchronizes the device), checked, and the missing max computed from them.
     causal, softmax_scale, window_size, softcap, alibi_slopes, sinks
         As in :func:`attention`, per sequence (the diagonal at each sequence's bottom-right corner; ALiBi
         slopes ``(heads,)`` or ``(batch, heads)``).
@@ -410,43 +509,47 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
         Must be 0 for now.
     return_lse : bool
         Also return the logsumexp, float32 ``(heads, total_q)``.
+    check_indices : bool
+        Read the prefix sums to the host and check them even where both max lengths are given (a
+        synchronizing copy on CuPy). NumPy arrays are always checked.
 
     Returns
     -------
     out : array (total_q, heads, head_dim), dtype of q; and lse with ``return_lse``.
 
-    Runs one :func:`attention` call per sequence (a launch or so each); packed kernels are to come.
+    On CuPy one launch walks every sequence (its blocks past a sequence's end do no work); on NumPy, one
+    :func:`attention` call per sequence.
     """
-    arrays = _optional_arrays(alibi_slopes=alibi_slopes, sinks=sinks)
-    xp = array_module(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **arrays)
-    packing = _varlen.check_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    options = _varlen_options(q, packing, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p)
-    check_flag("return_lse", return_lse)
-    out, lse = _varlen.per_sequence_forward(xp, attention, packing, q, k, v, alibi_slopes, {**options, "sinks": sinks})
+    key = _varlen_key(_VARLEN_FORWARD, (q, k, v, cu_seqlens_q, cu_seqlens_k), max_seqlen_q, max_seqlen_k,
+                      check_indices, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p)
+    plan = None if key is None else _plans.get(key)
+    if plan is None:
+        plan = _remember(key, _plan_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                   causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
+                                                   dropout_p, check_indices))
+    if return_lse.__class__ is not bool:
+        check_flag("return_lse", return_lse)
+    out, lse = plan(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, return_lse)
     return (out, lse) if return_lse else out
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                               max_seqlen_k=None, *, causal: bool = False, softmax_scale: float | None = None,
                               deterministic: bool = False, window_size: tuple[int, int] = (-1, -1),
-                              softcap: float = 0.0, alibi_slopes=None, sinks=None, dropout_p: float = 0.0):
+                              softcap: float = 0.0, alibi_slopes=None, sinks=None, dropout_p: float = 0.0,
+                              check_indices: bool = False):
     """Gradients of :func:`attention_varlen`: ``(dq, dk, dv)``, packed as q, k and v (and ``dsinks``, float32
     ``(heads,)`` summed over every sequence and row, with ``sinks``). ``dout`` and ``out`` are ``(total_q,
     heads, head_dim)``, ``lse`` float32 ``(heads, total_q)`` as the forward returned it; the other arguments as
-    given to the forward. ``deterministic`` as in :func:`attention_backward`. One :func:`attention_backward`
-    call per sequence for now."""
-    arrays = _optional_arrays(alibi_slopes=alibi_slopes, sinks=sinks)
-    xp = array_module(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
-                      cu_seqlens_k=cu_seqlens_k, **arrays)
-    packing = _varlen.check_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    options = _varlen_options(q, packing, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p)
-    check_flag("deterministic", deterministic)
-    for name, a in (("dout", dout), ("out", out)):
-        if a.dtype != q.dtype or tuple(a.shape) != tuple(q.shape):
-            raise ValueError(f"{name} must have the shape and dtype of q {tuple(q.shape)} {q.dtype}, got "
-                             f"{tuple(a.shape)} {a.dtype}")
-    if lse.dtype != np.float32 or tuple(lse.shape) != (q.shape[1], q.shape[0]):
-        raise ValueError(f"lse must be float32 (heads, total_q) = {(q.shape[1], q.shape[0])}, got {lse.dtype} "
-                         f"{tuple(lse.shape)}")
-    return _varlen.per_sequence_backward(xp, attention_backward, packing, dout, q, k, v, out, lse, alibi_slopes, sinks,
-                                         {**options, "deterministic": deterministic})
+    given to the forward (the max lengths and ``check_indices`` as there). ``deterministic`` as in
+    :func:`attention_backward`. On CuPy the packed kernels; on NumPy one :func:`attention_backward` call per
+    sequence."""
+    key = _varlen_key(_VARLEN_BACKWARD, (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), max_seqlen_q,
+                      max_seqlen_k, check_indices, causal, softmax_scale, deterministic, window_size, softcap,
+                      alibi_slopes, sinks, dropout_p)
+    plan = None if key is None else _plans.get(key)
+    if plan is None:
+        plan = _remember(key, _plan_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                    max_seqlen_k, causal, softmax_scale, deterministic, window_size,
+                                                    softcap, alibi_slopes, sinks, dropout_p, check_indices))
+    return plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)

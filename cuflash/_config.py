@@ -59,6 +59,8 @@ KERNEL_FILES = {
     "bwd_dq_convert": "bwd_mma.cu",
     "merge_parts": "merge.cu",
 }
+#: kernels with a packed-batch specialization (their VARLEN template argument, the last)
+VARLEN_KERNELS = _MASKED_KERNELS | {"bwd_dq_convert"}
 #: tensor-core kernels: shared memory derived from the tile shape
 MMA_KERNELS = frozenset({"fwd_mma", "bwd_dkdv_mma", "bwd_dkdv_rows_mma", "bwd_dq_mma"})
 #: bwd_dkdv_mma: 8 warps in 2 x 4 and 4 x 2 grids of warp tiles (``kDkdvTiledThreads`` in kernels/bwd_mma.cu)
@@ -76,6 +78,12 @@ DQ_ACCUM_ROWS = 128
 def dq_accum_rows(seqlen_q: int) -> int:
     """Rows per (batch, head) of the atomic-dQ backward's float32 dQ buffer (``DqAccum::rows``)."""
     return -(-seqlen_q // DQ_ACCUM_ROWS) * DQ_ACCUM_ROWS
+
+
+def dq_accum_packed_rows(batch: int, total_q: int) -> int:
+    """Rows per head of that buffer in a packed batch of ``total_q`` query rows (``DqAccum::packed_rows``):
+    each sequence's from a multiple of DQ_ACCUM_ROWS, at least dq_accum_rows(its length) apart."""
+    return (total_q // DQ_ACCUM_ROWS + batch) * DQ_ACCUM_ROWS
 
 
 def preprocess_lanes(head_dim: int, itemsize: int) -> int:
@@ -129,6 +137,7 @@ class KernelSpec:
     key_split: int = 1  # fwd_mma only: warps that share each group of query rows (KEY_SPLIT in fwd_mma.cu)
     mods: int = 0  # MOD_* bits (the kernels' MODS)
     kvcache: bool = False  # fwd_mma only: the KV-cache forward (KVCACHE in fwd_mma.cu; _plan.kvcache)
+    varlen: bool = False  # VARLEN_KERNELS only: a packed batch (VARLEN; Sequence in kernels/common.cuh)
 
     @property
     def source_file(self) -> str:
@@ -141,7 +150,7 @@ class KernelSpec:
         if self.kernel in ("bwd_preprocess", "merge_parts"):
             args = [ctype]
         elif self.kernel == "bwd_dq_convert":
-            args = [ctype, str(self.head_dim)]
+            args = [ctype, str(self.head_dim), "true" if self.varlen else "false"]
         else:
             args = [ctype, str(self.head_dim), str(int(self.mask)), str(self.mods), str(self.block_m), str(self.block_n)]
             if self.kernel not in MMA_KERNELS:
@@ -154,12 +163,14 @@ class KernelSpec:
                 args.append(str(self.part))
             if self.kernel in ("bwd_dkdv_mma", "bwd_dkdv_rows_mma"):
                 args.append("true" if self.atomic_dq else "false")
+            args.append("true" if self.varlen else "false")
         return f"cuflash::{self.kernel}<{', '.join(args)}>"
 
     @property
     def cache_key(self) -> tuple:
-        return (self.kernel, np.dtype(self.dtype).name, self.head_dim, int(self.mask), self.block_m, self.block_n,
-                self.threads, self.smem_bytes, self.part, self.atomic_dq, self.key_split, self.mods, self.kvcache)
+        """Every field, the dtype by name: two specs share a cache entry only where they are equal."""
+        return tuple(np.dtype(value).name if field.name == "dtype" else value
+                     for field, value in ((f, getattr(self, f.name)) for f in dataclasses.fields(self)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -592,7 +603,8 @@ def _simt_spec(kernel: str, dtype, head_dim: int, mask: int, device: DeviceProps
 
 
 @functools.lru_cache(maxsize=1024)
-def choose_config(head_dim: int, dtype, mask: int, device: DeviceProps, mods: int = 0) -> AttentionConfig:
+def choose_config(head_dim: int, dtype, mask: int, device: DeviceProps, mods: int = 0,
+                  varlen: bool = False) -> AttentionConfig:
     """Pick the kernels for one problem. Pure: no GPU, no state (so its results are cached: a call's
     host time matters at small shapes, bench's overhead suite).
 
@@ -610,6 +622,9 @@ def choose_config(head_dim: int, dtype, mask: int, device: DeviceProps, mods: in
         MOD_* bits (``Problem.mods``): the forward takes them all, the backward all but MOD_SINKS. The
         modifiers share the plain kernels' tiles, except where dropout's registers needed narrower ones
         (_mma_forward_tiles, _mma_backward_tiles).
+    varlen : bool
+        A packed batch (attention_varlen): the same tiles, in the kernels' packed specializations (whose grid
+        and work per block are a dense batch's of the longest sequences: bench/NOTES.md, packed batches).
 
     Returns
     -------
@@ -651,6 +666,12 @@ def choose_config(head_dim: int, dtype, mask: int, device: DeviceProps, mods: in
         bwd_dkdv = (_simt_spec("bwd_dkdv_simt", dtype, d, mask, device, bwd_mods),)
         bwd_dq = _simt_spec("bwd_dq_simt", dtype, d, mask, device, bwd_mods)
         bwd_dkdv_atomic, bwd_dq_convert = (), None
+    if varlen:
+        def packed(spec):
+            return dataclasses.replace(spec, varlen=True)
+        forward, bwd_dq = packed(forward), packed(bwd_dq)
+        bwd_dkdv, bwd_dkdv_atomic = tuple(map(packed, bwd_dkdv)), tuple(map(packed, bwd_dkdv_atomic))
+        bwd_dq_convert = bwd_dq_convert and packed(bwd_dq_convert)
     return AttentionConfig(forward=forward, bwd_preprocess=KernelSpec("bwd_preprocess", dtype),
                            bwd_dkdv=bwd_dkdv, bwd_dq=bwd_dq, bwd_dkdv_atomic=bwd_dkdv_atomic,
                            bwd_dq_convert=bwd_dq_convert)
@@ -662,7 +683,8 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
     once (the most registers), with and without dropout (which changes the forward's tiles), without a
     mask and under a window, at every head dim, for bfloat16 (float16 is the same code) and float32. Not the
     cross product of the modifiers: 16 combinations per kernel. The KV-cache forward likewise (contiguous and
-    on the smallest pages, plain and under a window with every modifier), and merge_parts for each dtype."""
+    on the smallest pages, plain and under a window with every modifier), the packed-batch kernels (below),
+    and merge_parts for each dtype."""
     specs = {}
 
     def add(dtype, d, mask, mods):
@@ -683,6 +705,13 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
             for mask, mods in ((MASK_NONE, 0), (MASK_WINDOW, ALL_MODS & ~MOD_DROPOUT)):
                 spec = kvcache_forward_spec(d, BFLOAT16, mask, device, mods, page_size)
                 specs[spec.cache_key] = spec
+    # the packed-batch kernels (no dropout: attention_varlen refuses it), plain and under a window with every
+    # modifier: bfloat16 at every head dim, float32 at the smallest and largest
+    for dtype, dims in ((BFLOAT16, HEAD_DIMS), (np.dtype(np.float32), (HEAD_DIMS[0], MAX_HEAD_DIM))):
+        for d in dims:
+            for mask, mods in ((MASK_NONE, 0), (MASK_WINDOW, ALL_MODS & ~MOD_DROPOUT)):
+                for spec in choose_config(d, dtype, mask, device, mods, varlen=True).specs:
+                    specs[spec.cache_key] = spec
     for dtype in SUPPORTED_DTYPES:
         spec = KernelSpec("merge_parts", dtype, threads=MERGE_WARPS * 32)
         specs[spec.cache_key] = spec

@@ -125,6 +125,18 @@ BACKWARD_PER_CALL = ("q", "k", "v", "dout", "lse", "delta", "dq", "dk", "dv", "d
 #: the KV-cache fields (CUFLASH_FWD_FIELDS, kernels/common.cuh) of a forward that reads no cache
 NO_CACHE_FIELDS = dict(cache_seqlens=_NULL, block_table=_NULL, out_partial=_NULL, lse_partial=_NULL,
                        block_table_stride=0, seqlen_k_new=0, pack=1, num_splits=1, page_size=0)
+#: a packed batch's prefix sums, the per-call arguments of the packed plans after the others'
+PACKED_PER_CALL = ("cu_seqlens_q", "cu_seqlens_k")
+#: the same fields of a dense batch
+DENSE_FIELDS = dict(cu_seqlens_q=_NULL, cu_seqlens_k=_NULL)
+
+
+def _packed_strides(x, copy: bool) -> tuple[int, int, int]:
+    """(batch, seq, head) element strides of a packed (total, heads, head_dim) array as the packed kernels read
+    it (after the copy, if any): batch stride 0 (a sequence's rows come from cu_seqlens), then row and head."""
+    rows, heads = _contiguous_strides(x.shape)[:2] if copy else (s // x.dtype.itemsize for s in x.strides[:2])
+    return 0, rows, heads
+
 
 #: the dropout seed and offset arguments of a call without dropout (the kernels do not read them)
 _NO_DROPOUT = (_by_value(0, np.uint64), _by_value(0, np.uint32))
@@ -152,36 +164,42 @@ def _run_on(device_id: int, run, *args):
 
 
 class ForwardPlan:
-    """The forward of one problem on one device: one kernel launch."""
+    """The forward of one problem on one device: one kernel launch. ``packed``: q, k and v are a packed batch
+    (attention_varlen; ``p`` its batch of the longest lengths), whose prefix sums each call passes."""
 
-    def __init__(self, p: Problem, device_id: int, q, k, v, spec: _config.KernelSpec | None = None):
+    def __init__(self, p: Problem, device_id: int, q, k, v, spec: _config.KernelSpec | None = None,
+                 packed: bool = False):
         self.problem = p
         self.device_id = device_id
         self.copies = tuple(_needs_copy(x) for x in (q, k, v))
-        launch = _plan.forward(p, device_props(device_id), spec)
+        launch = _plan.forward(p, device_props(device_id), spec, packed)
         with cupy.cuda.Device(device_id):
             self.kernel = get_kernel(launch.spec, device_id)
         self.grid = launch.grid
         self.block = (launch.spec.threads,)
         self.smem = launch.spec.smem_bytes
         self.out_shape, self.dtype = tuple(q.shape), q.dtype
-        self.lse_shape = (p.batch, p.heads, p.seqlen_q)
+        self.lse_shape = (p.heads, q.shape[0]) if packed else (p.batch, p.heads, p.seqlen_q)
         itemsize = q.dtype.itemsize
-        strides = [_strides_of(x, c) for x, c in zip((q, k, v), self.copies)]
-        strides.append(_contiguous_strides(q.shape))  # out
+        strides_of = _packed_strides if packed else _strides_of
+        strides = [strides_of(x, c) for x, c in zip((q, k, v), self.copies)]
+        strides.append(strides_of(q, True))  # out, contiguous
         self.strides_vector_ok = _strides_vector_ok(p.head_dim, itemsize, *strides)
         fields = _params.forward_fields()
         fixed = {**_stride_fields(q=strides[0], k=strides[1], v=strides[2], o=strides[3]), **_problem_fields(p),
-                 **_tail_fields(fields, launch.tail), **NO_CACHE_FIELDS}
-        self.arguments = _params.Arguments(fields, fixed, FORWARD_PER_CALL, _by_value)
+                 **_tail_fields(fields, launch.tail), **NO_CACHE_FIELDS, **({} if packed else DENSE_FIELDS)}
+        per_call = FORWARD_PER_CALL + (PACKED_PER_CALL if packed else ())
+        self.arguments = _params.Arguments(fields, fixed, per_call, _by_value)
 
-    def run(self, q, k, v, alibi_slopes=None, sinks=None, seed=0, offset=0, with_lse: bool = True):
+    def run(self, q, k, v, alibi_slopes=None, sinks=None, seed=0, offset=0, with_lse: bool = True,
+            cu_seqlens=()):
         """out, and lse where ``with_lse`` (else None: the kernel stores none), on CuPy's current stream.
-        ``alibi_slopes``, ``sinks``, ``seed`` and ``offset`` are read where the problem has them."""
+        ``alibi_slopes``, ``sinks``, ``seed`` and ``offset`` are read where the problem has them;
+        ``cu_seqlens`` is a packed plan's (cu_seqlens_q, cu_seqlens_k), int32 and contiguous."""
         return _run_on(self.device_id, self._launch, q, k, v, alibi_slopes, sinks,
-                       _dropout_args(self.problem, seed, offset), with_lse)
+                       _dropout_args(self.problem, seed, offset), with_lse, tuple(cu_seqlens))
 
-    def _launch(self, q, k, v, alibi_slopes, sinks, dropout, with_lse):
+    def _launch(self, q, k, v, alibi_slopes, sinks, dropout, with_lse, cu_seqlens):
         copy_q, copy_k, copy_v = self.copies
         if copy_q or copy_k or copy_v:
             q, k, v = _readable(q, copy_q), _readable(k, copy_k), _readable(v, copy_v)
@@ -191,7 +209,7 @@ class ForwardPlan:
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k.data.ptr | v.data.ptr) & 15
         self.kernel(self.grid, self.block,
                     self.arguments((q, k, v, out, _NULL if lse is None else lse, _vector(alibi_slopes), _vector(sinks))
-                                   + dropout + (_VECTOR_OK[vector_ok],)), shared_mem=self.smem)
+                                   + dropout + (_VECTOR_OK[vector_ok],) + cu_seqlens), shared_mem=self.smem)
         return out, lse
 
 
@@ -219,13 +237,13 @@ class _AttentionLaunch:
 
     __slots__ = ("kernel", "grid", "block", "smem", "arguments")
 
-    def __init__(self, launch: _plan.Launch, device_id: int, fixed: dict):
+    def __init__(self, launch: _plan.Launch, device_id: int, fixed: dict, packed: bool = False):
         spec = launch.spec
         self.kernel = get_kernel(spec, device_id)
         self.grid, self.block, self.smem = launch.grid, (spec.threads,), spec.smem_bytes
         fields = _params.backward_fields()
-        self.arguments = _params.Arguments(fields, {**fixed, **_tail_fields(fields, launch.tail)}, BACKWARD_PER_CALL,
-                                           _by_value)
+        self.arguments = _params.Arguments(fields, {**fixed, **_tail_fields(fields, launch.tail)},
+                                           BACKWARD_PER_CALL + (PACKED_PER_CALL if packed else ()), _by_value)
 
     def __call__(self, values: tuple):
         self.kernel(self.grid, self.block, self.arguments(values), shared_mem=self.smem)
@@ -233,25 +251,29 @@ class _AttentionLaunch:
 
 class BackwardPlan:
     """The backward of one problem on one device: the launches of ``_plan.backward`` (bwd_preprocess, the
-    dK/dV launches, then bwd_dq_convert or the dQ kernel), compiled, with their arguments."""
+    dK/dV launches, then bwd_dq_convert or the dQ kernel), compiled, with their arguments. ``packed`` as in
+    ForwardPlan: bwd_preprocess then sees the packed rows as one sequence, and delta is (heads, total_q)."""
 
     def __init__(self, p: Problem, device_id: int, deterministic: bool, dout, q, k, v, out, lse,
-                 cfg: _config.AttentionConfig | None = None):
+                 cfg: _config.AttentionConfig | None = None, packed: bool = False):
         self.problem = p
         self.device_id = device_id
         self.copies = tuple(_needs_copy(x) for x in (dout, q, k, v, out))
         self.copy_lse = not lse.flags.c_contiguous
-        plan = _plan.backward(p, device_props(device_id), deterministic, cfg)
+        plan = _plan.backward(p, device_props(device_id), deterministic, cfg, q.shape[0] if packed else None)
         self.adds_dq = plan.adds_dq
         self.dtype, self.q_shape, self.kv_shape = q.dtype, tuple(q.shape), tuple(k.shape)
-        self.delta_shape = (p.batch, p.heads, p.seqlen_q)
+        # (batch, heads, rows): a packed batch's lse and delta (heads, total_q) as one sequence of the rows
+        self.delta_shape = (1, p.heads, q.shape[0]) if packed else (p.batch, p.heads, p.seqlen_q)
         # float32, per copy (one per split of the deterministic split grid, else one) and (batch, head):
         # dq_accum_rows(seqlen_q) x specialized head dim in mma-fragment order (DqAccum in
-        # kernels/common.cuh); O(seqlen) per (batch, head)
+        # kernels/common.cuh); O(seqlen) per (batch, head); in a packed batch per head, O(total_q + 128 * batch)
         self.accum_shape = plan.accum_shape
         itemsize = q.dtype.itemsize
-        dout_s, q_s, k_s, v_s, out_s = (_strides_of(x, c) for x, c in zip((dout, q, k, v, out), self.copies))
-        dq_s, dk_s = _contiguous_strides(q.shape), _contiguous_strides(k.shape)
+        strides_of = _packed_strides if packed else _strides_of
+        dout_s, q_s, k_s, v_s, out_s = (strides_of(x, c) for x, c in zip((dout, q, k, v, out), self.copies))
+        dq_s, dk_s = strides_of(q, True), strides_of(k, True)
+        batch, rows = (1, q.shape[0]) if packed else (p.batch, p.seqlen_q)   # bwd_preprocess's
 
         def int64s(*triples):
             return tuple(_by_value(s, np.int64) for triple in triples for s in triple)
@@ -259,26 +281,27 @@ class BackwardPlan:
         with cupy.cuda.Device(device_id):
             self.preprocess = _Launch(plan.preprocess, device_id)
             self.preprocess_head = int64s(dout_s, out_s) + tuple(
-                _int32(n) for n in (p.batch, p.heads, p.seqlen_q, p.head_dim, plan.preprocess_lanes))
+                _int32(n) for n in (batch, p.heads, rows, p.head_dim, plan.preprocess_lanes))
             self.preprocess_strides_ok = _strides_vector_ok(p.head_dim, itemsize, dout_s, out_s)
 
             fixed = {**_stride_fields(q=q_s, k=k_s, v=v_s, do=dout_s, dq=dq_s, dk=dk_s), **_problem_fields(p),
-                     "scale": p.softmax_scale}
+                     "scale": p.softmax_scale, **({} if packed else DENSE_FIELDS)}
             self.strides_vector_ok = _strides_vector_ok(p.head_dim, itemsize, q_s, k_s, v_s, dout_s)
-            self.dkdv = [_AttentionLaunch(launch, device_id, fixed) for launch in plan.dkdv]
+            self.dkdv = [_AttentionLaunch(launch, device_id, fixed, packed) for launch in plan.dkdv]
             if plan.adds_dq:  # bwd_dq_convert; its last argument is the dQ buffer's copies
                 convert_args = int64s(dq_s) + tuple(_int32(n) for n in (p.batch, p.heads, p.seqlen_q, p.head_dim)) + (
                     _by_value(p.softmax_scale, np.float32), _int32(plan.accum_shape[0]))
                 self.dq = _Launch(plan.dq, device_id, convert_args)
             else:
-                self.dq = _AttentionLaunch(plan.dq, device_id, fixed)
+                self.dq = _AttentionLaunch(plan.dq, device_id, fixed, packed)
 
-    def run(self, dout, q, k, v, out, lse, alibi_slopes=None, sinks=None, seed=0, offset=0):
-        """dq, dk, dv (and dsinks, float32 (heads,), with sinks) on CuPy's current stream."""
+    def run(self, dout, q, k, v, out, lse, alibi_slopes=None, sinks=None, seed=0, offset=0, cu_seqlens=()):
+        """dq, dk, dv (and dsinks, float32 (heads,), with sinks) on CuPy's current stream; ``cu_seqlens`` as in
+        ForwardPlan.run."""
         return _run_on(self.device_id, self._launch, dout, q, k, v, out, lse, alibi_slopes, sinks,
-                       _dropout_args(self.problem, seed, offset))
+                       _dropout_args(self.problem, seed, offset), tuple(cu_seqlens))
 
-    def _launch(self, dout, q, k, v, out, lse, alibi_slopes, sinks, dropout):
+    def _launch(self, dout, q, k, v, out, lse, alibi_slopes, sinks, dropout, cu_seqlens):
         if any(self.copies):
             dout, q, k, v, out = (_readable(x, c) for x, c in zip((dout, q, k, v, out), self.copies))
         if self.copy_lse:
@@ -293,12 +316,13 @@ class BackwardPlan:
         self.preprocess((dout, out, delta) + self.preprocess_head + (_VECTOR_OK[vector_ok],))
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k.data.ptr | v.data.ptr | dout.data.ptr) & 15
         args = (q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, _vector(alibi_slopes), *dropout,
-                _VECTOR_OK[vector_ok])  # BACKWARD_PER_CALL
+                _VECTOR_OK[vector_ok]) + cu_seqlens  # BACKWARD_PER_CALL (+ PACKED_PER_CALL)
         for launch in self.dkdv:
             launch(args)
-        self.dq((dq_accum, dq) if self.adds_dq else args)
+        self.dq((dq_accum, dq, cu_seqlens[0] if cu_seqlens else _NULL) if self.adds_dq else args)
         if sinks is None:
             return dq, dk, dv
+        lse = lse.reshape(self.delta_shape)
         # d loss / d sink = -sum over (batch, row) of exp(sink - lse) * delta: the sink's probability times
         # rowsum(dout * out) (CuPy's reductions sum in a fixed order: deterministic)
         # (a row with lse -inf saw nothing and has a sink of -inf: its sink probability is 0)
@@ -334,7 +358,7 @@ def kvcache_fixed_fields(p: CacheProblem, plan: _plan.CacheLaunches, strides, ta
     ``strides`` the (batch or page, seq, head) element strides of q, k_cache, v_cache and out."""
     fields = _params.forward_fields()
     fixed = {**_stride_fields(q=strides[0], k=strides[1], v=strides[2], o=strides[3]), **_problem_fields(p.attn),
-             **_tail_fields(fields, plan.forward.tail), "dropout_seed": 0, "dropout_offset": 0,
+             **_tail_fields(fields, plan.forward.tail), **DENSE_FIELDS, "dropout_seed": 0, "dropout_offset": 0,
              "block_table_stride": table_stride, "seqlen_k_new": p.seqlen_new, "pack": plan.pack,
              "num_splits": plan.splits, "page_size": p.page_size}
     del fixed["seqlen_k"]  # per call: an int cache_seqlens changes from step to step

@@ -7,6 +7,7 @@ allocates, fills in the arguments and launches.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from . import _config
 from ._validate import CacheProblem, Problem
@@ -36,8 +37,8 @@ class BackwardLaunches:
     dkdv: tuple[Launch, ...]
     dq: Launch
     adds_dq: bool
-    #: (copies, batch, heads, rows, head dim) of the float32 dQ buffer (DqAccum, kernels/common.cuh); None
-    #: where dQ has its own kernel
+    #: (copies, batch, heads, rows, head dim) of the float32 dQ buffer (DqAccum, kernels/common.cuh), (copies,
+    #: heads, rows, head dim) in a packed batch; None where dQ has its own kernel
     accum_shape: tuple[int, ...] | None
 
 
@@ -54,32 +55,38 @@ def banded_grid(tiles_per_head: int, pairs: int, sm_count: int) -> tuple[int, in
     return grid(tiles_per_head * band)[0], pairs // band
 
 
-def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | None = None) -> Launch:
+def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | None = None,
+            packed: bool = False) -> Launch:
     """The forward's one launch; ``spec`` overrides the tile table's (for tuning tools). Its tail is
-    QueryBlock's grid order (kernels/common.cuh)."""
+    QueryBlock's grid order (kernels/common.cuh). ``packed``: a packed batch (attention_varlen), ``p`` its
+    batch of the longest sequences' lengths, each sequence's blocks past its own end idle."""
     if spec is None:
-        spec = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device, p.mods).forward
+        spec = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device, p.mods, packed).forward
     order = _config.forward_query_blocks_fastest(spec.head_dim, p.masked)
     return Launch(spec, grid(-(-p.seqlen_q // spec.block_m) * p.batch * p.heads), (int(order),))
 
 
 def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
-             cfg: _config.AttentionConfig | None = None) -> BackwardLaunches:
-    """The backward's launches; ``cfg`` overrides the tile table's kernels (for tuning tools).
+             cfg: _config.AttentionConfig | None = None, total_q: int | None = None) -> BackwardLaunches:
+    """The backward's launches; ``cfg`` overrides the tile table's kernels (for tuning tools). ``total_q``:
+    a packed batch of that many query rows (attention_varlen), ``p`` its batch of the longest sequences'
+    lengths; bwd_preprocess then walks the packed rows and the dQ buffer has DqAccum's packed layout.
 
     The default adds dQ with float32 atomics inside the dK/dV kernels (where the config has them:
     float16/bfloat16). ``deterministic`` runs the same kernel on the split grid, one float32 dQ buffer per
     split, one launch per pass (KeyBlock), or, where that grid would leave SMs idle, the separate dQ kernel
     (``_config.deterministic_dq_splits``). The dK/dV and dQ kernels' tail is (dq_splits, dq_pass).
     """
+    packed = total_q is not None
     if cfg is None:
-        cfg = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device, p.mods)
+        cfg = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device, p.mods, packed)
     pairs = p.batch * p.heads_kv
     dq_splits = _config.deterministic_dq_splits(cfg, pairs, p.seqlen_k, device.sm_count) if deterministic else 0
     adds_dq = bool(cfg.bwd_dkdv_atomic) and (not deterministic or dq_splits > 0)
     lanes = _config.preprocess_lanes(p.head_dim, p.dtype.itemsize)
     pre = cfg.bwd_preprocess
-    preprocess = Launch(pre, grid(-(-p.batch * p.heads * p.seqlen_q * lanes // pre.threads)))
+    rows = p.heads * total_q if packed else p.batch * p.heads * p.seqlen_q
+    preprocess = Launch(pre, grid(-(-rows * lanes // pre.threads)))
     dkdv = []
     for spec in cfg.bwd_dkdv_atomic if adds_dq else cfg.bwd_dkdv:
         key_blocks = -(-p.seqlen_k // spec.block_n)
@@ -90,9 +97,12 @@ def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
             dkdv.append(Launch(spec, banded_grid(key_blocks, pairs, device.sm_count), (0, 0)))
     if adds_dq:
         copies = max(dq_splits, 1)  # one buffer per split of the split grid
-        accum_shape = (copies, p.batch, p.heads, _config.dq_accum_rows(p.seqlen_q), cfg.bwd_dq_convert.head_dim)
+        if packed:
+            accum_shape = (copies, p.heads, _config.dq_accum_packed_rows(p.batch, total_q), cfg.bwd_dq_convert.head_dim)
+        else:
+            accum_shape = (copies, p.batch, p.heads, _config.dq_accum_rows(p.seqlen_q), cfg.bwd_dq_convert.head_dim)
         spec = cfg.bwd_dq_convert
-        tile_rows = p.batch * p.heads * accum_shape[3] * accum_shape[4] // 8  # a thread per row of a 16 x 8 tile
+        tile_rows = math.prod(accum_shape[1:]) // 8  # a thread per row of a 16 x 8 tile
         dq = Launch(spec, grid(-(-tile_rows // spec.threads)))
     else:
         accum_shape = None

@@ -1,10 +1,9 @@
-"""Variable-length batches (attention_varlen): validation of the packed layout and, for now, the call as one
-dense attention per sequence on either path.
+"""Variable-length batches (attention_varlen): validation of the packed layout, the problem the packed kernels
+run (a batch of the longest sequences' lengths), and the per-sequence loop of the NumPy path and the reference.
 
 Sequence ``b`` is rows ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` of ``q`` (total_q, heads, head_dim) and rows
 ``cu_seqlens_k[b] : cu_seqlens_k[b + 1]`` of ``k`` and ``v`` (total_k, heads_kv, head_dim); ``lse`` is
-(heads, total_q). The per-sequence loop costs a launch (or a few) per sequence: fused kernels that walk the
-packed rows directly are the next step (issue 16).
+(heads, total_q).
 """
 
 from __future__ import annotations
@@ -15,7 +14,8 @@ import numbers
 import numpy as np
 
 from ._kvcache import sequence_slopes, to_host
-from ._validate import _check_dtype, _is_number, check_same_device
+from ._validate import (Problem, _check_dtype, _is_number, check_flag, check_head_vectors, check_same_device,
+                        check_softcap, check_window, resolve_scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +33,22 @@ class Packing:
         return slice(int(self.cu_q[b]), int(self.cu_q[b + 1])), slice(int(self.cu_k[b]), int(self.cu_k[b + 1]))
 
 
-def check_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Packing:
-    """Validate the packed layout; reads the cu_seqlens to the host (on CuPy a synchronizing copy)."""
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """What a packed call's plan needs: the number of sequences and the longest lengths; ``packing``, the
+    prefix sums on the host, where they were read (None where the call trusted them)."""
+
+    batch: int
+    max_q: int
+    max_k: int
+    packing: Packing | None
+
+
+def check_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, read: bool) -> PackedBatch:
+    """Validate the packed layout. With ``read`` (or where a max length is missing), the prefix sums are read to
+    the host (on CuPy a synchronizing copy) and checked there: 0 first, never decreasing, ending at the packed
+    length, within the given max lengths. Otherwise only what needs no device read (their dtype, shape and
+    device, and the max lengths' types)."""
     for name, a, layout in (("q", q, "(total_q, heads, head_dim)"), ("k", k, "(total_k, heads_kv, head_dim)"),
                             ("v", v, "(total_k, heads_kv, head_dim)")):
         if a.ndim != 3:
@@ -49,25 +63,48 @@ def check_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"heads of q ({q.shape[1]}) must be a multiple of heads_kv of k and v ({k.shape[1]}), which "
                          "must be positive")
-    cus = []
-    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+    check_same_device(q=q, k=k, v=v)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not hasattr(cu, "dtype") or cu.dtype != np.int32 or cu.ndim != 1 or cu.shape[0] < 1:
             raise TypeError(f"{name} must be an int32 array (batch + 1,) of prefix sums, got "
                             f"{getattr(cu, 'dtype', type(cu).__name__)} of shape {tuple(getattr(cu, 'shape', ()))}")
         check_same_device(q=q, **{name: cu})
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1), got {cu_seqlens_q.shape[0]} "
+                         f"and {cu_seqlens_k.shape[0]}")
+    for name, given, total in (("max_seqlen_q", max_seqlen_q, q.shape[0]), ("max_seqlen_k", max_seqlen_k, k.shape[0])):
+        if given is not None and (not _is_number(given, numbers.Integral) or not 0 <= given <= total):
+            raise ValueError(f"{name} must be an int of at least the longest sequence and at most the packed "
+                             f"length {total}, got {given!r}")
+    batch = cu_seqlens_q.shape[0] - 1
+    if not read and max_seqlen_q is not None and max_seqlen_k is not None:
+        return PackedBatch(batch, int(max_seqlen_q), int(max_seqlen_k), None)
+    cus = []
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
         host = to_host(cu).astype(np.int64)
         if host[0] != 0 or (np.diff(host) < 0).any() or host[-1] != total:
             raise ValueError(f"{name} must start at 0, never decrease and end at the packed length {total}, got "
                              f"{host.tolist() if host.size <= 16 else host}")
         cus.append(host)
-    if cus[0].shape != cus[1].shape:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1), got {cus[0].shape[0]} and "
-                         f"{cus[1].shape[0]}")
+    longest = []
     for name, given, cu in (("max_seqlen_q", max_seqlen_q, cus[0]), ("max_seqlen_k", max_seqlen_k, cus[1])):
-        longest = int(np.diff(cu).max(initial=0))
-        if given is not None and (not _is_number(given, numbers.Integral) or given < longest):
-            raise ValueError(f"{name} must be an int of at least the longest sequence ({longest}), got {given!r}")
-    return Packing(*cus)
+        longest.append(int(np.diff(cu).max(initial=0)))
+        if given is not None and given < longest[-1]:
+            raise ValueError(f"{name} must be an int of at least the longest sequence ({longest[-1]}), got {given!r}")
+    return PackedBatch(batch, max_seqlen_q if max_seqlen_q is not None else longest[0],
+                       max_seqlen_k if max_seqlen_k is not None else longest[1], Packing(*cus))
+
+
+def problem(q, k, packed: PackedBatch, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks) -> Problem:
+    """The packed kernels' problem: a batch of ``packed.batch`` sequences of the longest lengths, each
+    sequence's diagonal at its own bottom-right corner (the kernels place it; ``diagonal`` here is the
+    longest's). Checks the options once for the whole batch (an empty one included)."""
+    check_flag("causal", causal)
+    left, right = check_window(window_size, causal)
+    alibi_shape = check_head_vectors(q, alibi_slopes, sinks, packed.batch, q.shape[1])
+    return Problem(packed.batch, packed.max_q, packed.max_k, q.shape[1], k.shape[1], q.shape[2], np.dtype(q.dtype),
+                   bool(causal), resolve_scale(softmax_scale, q.shape[2]), left, right, packed.max_k - packed.max_q,
+                   check_softcap(softcap), alibi_shape, sinks is not None)
 
 
 def per_sequence_forward(xp, attention, packing: Packing, q, k, v, alibi_slopes, options: dict):

@@ -1,5 +1,5 @@
 """The kernels compile with NVRTC for sm_80 and sm_90, without a GPU: every plain kernel the dispatcher can
-choose and a covering set of the score-modifier kernels (``_config.all_specs``).
+choose and a covering set of the score-modifier, KV-cache and packed-batch kernels (``_config.all_specs``).
 
 The float16/bfloat16 (tensor-core) kernels must not spill registers to local memory, except where a spill
 was measured to cost less than the tiles that avoid it (``allowed_spill_bytes``).
@@ -50,9 +50,13 @@ def test_every_specialization_compiles(reports):
     fused = sum(d <= _config.MMA_BACKWARD_FUSED_HEAD_DIM for d in _config.HEAD_DIMS)
     kvcache = sum(r.spec.kvcache for r in reports)
     assert kvcache == 2 * (fused + head_dims)
-    assert kernels["fwd_mma"] == 2 * masks * head_dims + 2 * 2 * head_dims + kvcache
+    # packed batches: plain and windowed with every modifier but dropout, bfloat16 at every head dim, float32 at two
+    packed = collections.Counter(r.spec.kernel for r in reports if r.spec.varlen)
+    assert packed["fwd_mma"] == 2 * head_dims and packed["fwd_simt"] == 2 * 2
+    assert packed["bwd_dq_convert"] == head_dims and "bwd_preprocess" not in packed
+    assert kernels["fwd_mma"] == 2 * masks * head_dims + 2 * 2 * head_dims + kvcache + packed["fwd_mma"]
     assert kernels["merge_parts"] == len(_config.SUPPORTED_DTYPES)
-    assert kernels["fwd_simt"] == masks * head_dims + 2 * 2 * head_dims
+    assert kernels["fwd_simt"] == masks * head_dims + 2 * 2 * head_dims + packed["fwd_simt"]
     no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT
     assert {r.spec.mods for r in reports} == {0, _config.ALL_MODS, _config.ALL_MODS & ~_config.MOD_SINKS, no_dropout,
                                               no_dropout & ~_config.MOD_SINKS}

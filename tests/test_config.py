@@ -135,35 +135,42 @@ def test_rejects_old_gpus_and_bad_dtypes():
 
 def test_spec_names_are_template_instances():
     cfg = choose_config(64, np.float16, True, _config.H100)
-    assert cfg.forward.name == "cuflash::fwd_mma<__half, 64, 1, 0, 128, 64, 4, 1, false>"
+    assert cfg.forward.name == "cuflash::fwd_mma<__half, 64, 1, 0, 128, 64, 4, 1, false, false>"
     pairs = choose_config(256, np.float16, False, _config.H100).forward
-    assert pairs.name == "cuflash::fwd_mma<__half, 256, 0, 0, 128, 64, 8, 2, false>"
+    assert pairs.name == "cuflash::fwd_mma<__half, 256, 0, 0, 128, 64, 8, 2, false, false>"
     window = choose_config(64, np.float16, _config.MASK_WINDOW, _config.H100).forward
-    assert window.name == "cuflash::fwd_mma<__half, 64, 2, 0, 128, 64, 4, 1, false>"
+    assert window.name == "cuflash::fwd_mma<__half, 64, 2, 0, 128, 64, 4, 1, false, false>"
     decode = _config.kvcache_forward_spec(128, np.float16, _config.MASK_CAUSAL, _config.H100, _config.MOD_SINKS)
-    assert decode.name == "cuflash::fwd_mma<__half, 128, 1, 4, 16, 128, 4, 1, true>"
+    assert decode.name == "cuflash::fwd_mma<__half, 128, 1, 4, 16, 128, 4, 1, true, false>"
     assert decode.cache_key != dataclasses.replace(decode, kvcache=False).cache_key
     assert _config.KernelSpec("merge_parts", BFLOAT16, threads=128).name == "cuflash::merge_parts<__nv_bfloat16>"
     assert cfg.bwd_preprocess.name == "cuflash::bwd_preprocess<__half>"
-    assert cfg.bwd_dkdv[0].name == "cuflash::bwd_dkdv_mma<__half, 64, 1, 0, 128, 128, false>"
-    assert cfg.bwd_dkdv_atomic[0].name.endswith(", 128, 128, true>")
+    assert cfg.bwd_dkdv[0].name == "cuflash::bwd_dkdv_mma<__half, 64, 1, 0, 128, 128, false, false>"
+    assert cfg.bwd_dkdv_atomic[0].name.endswith(", 128, 128, true, false>")
     rows = choose_config(256, np.float16, True, _config.H100).bwd_dkdv_atomic
-    assert [s.name for s in rows] == ["cuflash::bwd_dkdv_rows_mma<__half, 256, 1, 0, 16, 64, 1, false>",
-                                      "cuflash::bwd_dkdv_rows_mma<__half, 256, 1, 0, 16, 64, 2, true>"]
-    assert cfg.bwd_dq_convert.name == "cuflash::bwd_dq_convert<__half, 64>"
+    assert [s.name for s in rows] == ["cuflash::bwd_dkdv_rows_mma<__half, 256, 1, 0, 16, 64, 1, false, false>",
+                                      "cuflash::bwd_dkdv_rows_mma<__half, 256, 1, 0, 16, 64, 2, true, false>"]
+    assert cfg.bwd_dq_convert.name == "cuflash::bwd_dq_convert<__half, 64, false>"
     # the forward takes every modifier; the backward kernels all but the sinks (they read them through lse)
     mods = choose_config(64, np.float16, _config.MASK_WINDOW, _config.H100, _config.SCORE_MODS | _config.MOD_SINKS)
-    assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 7, 128, 64, 4, 1, false>"
-    assert mods.bwd_dq.name == "cuflash::bwd_dq_mma<__half, 64, 2, 3, 128, 32, 4>"
+    assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 7, 128, 64, 4, 1, false, false>"
+    assert mods.bwd_dq.name == "cuflash::bwd_dq_mma<__half, 64, 2, 3, 128, 32, 4, false>"
     # dropout (bit 8) shares the plain forward tiles on sm_90; on sm_8x it takes 32-key tiles at head_dim 64
     # (registers)
     mods = choose_config(64, np.float16, _config.MASK_WINDOW, _config.H100, _config.ALL_MODS)
-    assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 15, 128, 64, 4, 1, false>"
-    assert mods.bwd_dq.name == "cuflash::bwd_dq_mma<__half, 64, 2, 11, 128, 32, 4>"
+    assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 15, 128, 64, 4, 1, false, false>"
+    assert mods.bwd_dq.name == "cuflash::bwd_dq_mma<__half, 64, 2, 11, 128, 32, 4, false>"
     mods = choose_config(64, np.float16, _config.MASK_WINDOW, _config.A100, _config.ALL_MODS)
-    assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 15, 128, 32, 4, 1, false>"
+    assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 15, 128, 32, 4, 1, false, false>"
     simt = choose_config(64, np.float32, True, _config.H100).bwd_dq
-    assert simt.name == f"cuflash::bwd_dq_simt<float, 64, 1, 0, 32, 32, {simt.smem_bytes}>"
+    assert simt.name == f"cuflash::bwd_dq_simt<float, 64, 1, 0, 32, 32, {simt.smem_bytes}, false>"
+    # a packed batch: the same tiles, each kernel's packed specialization (its last template argument)
+    packed = choose_config(64, np.float16, True, _config.H100, varlen=True)
+    assert packed.forward.name == "cuflash::fwd_mma<__half, 64, 1, 0, 128, 64, 4, 1, false, true>"
+    assert packed.bwd_dq_convert.name == "cuflash::bwd_dq_convert<__half, 64, true>"
+    assert packed.bwd_preprocess == cfg.bwd_preprocess  # it walks the packed rows as one sequence
+    assert [dataclasses.replace(s, varlen=False) for s in packed.specs] == list(cfg.specs)
+    assert packed.forward.cache_key != cfg.forward.cache_key
 
 
 def test_all_specs_are_distinct_and_cover_the_table():
@@ -188,7 +195,10 @@ def test_all_specs_are_distinct_and_cover_the_table():
     # with its modifiers, per head dim; merge_parts per dtype
     kvcache = 2 * (fused + len(_config.HEAD_DIMS))
     assert sum(s.kvcache for s in specs) == kvcache
-    assert len(specs) == 2 * half + single + modified + kvcache + len(_config.SUPPORTED_DTYPES)
+    # the packed-batch kernels: each the packed form of a kernel the set holds, on its tiles
+    packed = [s for s in specs if s.varlen]
+    assert packed and {dataclasses.replace(s, varlen=False).cache_key for s in packed} <= {s.cache_key for s in specs}
+    assert len(specs) == 2 * half + single + modified + kvcache + len(packed) + len(_config.SUPPORTED_DTYPES)
     no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT
     assert {s.mods for s in specs} == {0, _config.ALL_MODS, _config.ALL_MODS & ~_config.MOD_SINKS, no_dropout,
                                        no_dropout & ~_config.MOD_SINKS}

@@ -56,7 +56,8 @@ def test_the_lists_read_from_the_source():
                                             "dropout_offset"]
     assert forward[-1].name == "query_blocks_fastest" and backward[-2:][0].name == "dq_splits"
     assert {f.name for f in forward if f.pointer} == {"q", "k", "v", "out", "lse", "alibi_slopes", "sinks",
-                                                     "cache_seqlens", "block_table", "out_partial", "lse_partial"}
+                                                     "cache_seqlens", "block_table", "out_partial", "lse_partial",
+                                                     "cu_seqlens_q", "cu_seqlens_k"}
     assert _params.fields("CUFLASH_BWD_FIELDS")[9] == _params.Field("dq_accum", "float", True)
     assert dict((f.name, f.dtype) for f in forward)["dropout_threshold"] == np.uint32
     with pytest.raises(RuntimeError, match="no field list"):
@@ -74,7 +75,7 @@ def test_a_plan_names_every_field_once(options):
     strides = [(1, 2, 3), (4, 5, 6), (7, 8, 9), (10, 11, 12)]
     fixed = {**_cupy_path._stride_fields(q=strides[0], k=strides[1], v=strides[2], o=strides[3]),
              **_cupy_path._problem_fields(p), **_cupy_path._tail_fields(fields, launch.tail),
-             **_cupy_path.NO_CACHE_FIELDS}
+             **_cupy_path.NO_CACHE_FIELDS, **_cupy_path.DENSE_FIELDS}
     per_call = [f"<{name}>" for name in _cupy_path.FORWARD_PER_CALL]
     args = dict(zip([f.name for f in fields], _params.Arguments(fields, fixed, _cupy_path.FORWARD_PER_CALL)(tuple(per_call))))
     assert [args[name] for name in _cupy_path.FORWARD_PER_CALL] == per_call
@@ -87,12 +88,20 @@ def test_a_plan_names_every_field_once(options):
     backward = _params.backward_fields()
     fixed = {**_cupy_path._stride_fields(q=strides[0], k=strides[1], v=strides[2], do=strides[3], dq=(0, 0, 0),
                                          dk=(0, 0, 0)), **_cupy_path._problem_fields(p), "scale": p.softmax_scale}
+    packed_fixed = dict(fixed)
+    fixed.update(_cupy_path.DENSE_FIELDS)
     for launch in _plan.backward(p, _config.H100, deterministic=True).dkdv:
         arguments = _params.Arguments(backward, {**fixed, **_cupy_path._tail_fields(backward, launch.tail)},
                                       _cupy_path.BACKWARD_PER_CALL)
         args = dict(zip([f.name for f in backward], arguments(_cupy_path.BACKWARD_PER_CALL)))
         assert (args["dq_splits"], args["dq_pass"]) == launch.tail and args["do_ss"] == 11
         assert args["scale"] == np.float32(p.softmax_scale) and args["dq_accum"] == "dq_accum"
+        # a packed batch's plan passes the prefix sums per call, after the others
+        per_call = _cupy_path.BACKWARD_PER_CALL + _cupy_path.PACKED_PER_CALL
+        arguments = _params.Arguments(backward, {**packed_fixed, **_cupy_path._tail_fields(backward, launch.tail)},
+                                      per_call)
+        args = dict(zip([f.name for f in backward], arguments(per_call)))
+        assert args["cu_seqlens_q"] == "cu_seqlens_q" and args["cu_seqlens_k"] == "cu_seqlens_k"
 
 
 def test_arguments_refuse_an_incomplete_or_unknown_list():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -144,3 +146,32 @@ def test_kvcache_splits_fill_the_gpu_and_merge():
 def test_kvcache_splits_rule(blocks, key_tiles, splits):
     # one block per SM on 132 SMs: half the slots, doubled while each split keeps LONG_SPLIT_TILES tiles
     assert _config.kvcache_splits(blocks, key_tiles, 1, 132) == splits
+
+
+def test_packed_backward_walks_the_packed_rows():
+    """A packed batch (attention_varlen): the packed kernels on the dense tiles, bwd_preprocess over the packed
+    rows, and the dQ buffer per head of DqAccum's packed rows, each sequence's from a multiple of 128."""
+    p = problem(batch=3, seqlen_q=1000, seqlen_k=900, heads=8, heads_kv=2)  # the longest lengths
+    total_q = 1700
+    plan = _plan.backward(p, H100, deterministic=False, total_q=total_q)
+    dense = _plan.backward(p, H100, deterministic=False)
+    assert all(launch.spec.varlen for launch in (*plan.dkdv, plan.dq))
+    assert [launch.grid for launch in plan.dkdv] == [launch.grid for launch in dense.dkdv]
+    rows = _config.dq_accum_packed_rows(3, total_q)
+    assert rows == (1700 // 128 + 3) * 128 and plan.accum_shape == (1, 8, rows, 128)
+    assert plan.dq.grid[0] * plan.dq.spec.threads >= 8 * rows * 128 // 8
+    lanes = plan.preprocess_lanes
+    assert not plan.preprocess.spec.varlen and plan.preprocess.grid == (-(-8 * total_q * lanes // 256),)
+    assert _plan.forward(p, H100, packed=True).spec == dataclasses.replace(_plan.forward(p, H100).spec, varlen=True)
+
+
+@given(lengths=st.lists(st.integers(0, 600), min_size=1, max_size=12))
+def test_packed_dq_rows_never_overlap(lengths):
+    """Sequence b's dQ rows start at packed_row(b) = 128 * (cu_q[b] // 128 + b) (DqAccum::packed_row) and take
+    dq_accum_rows(its length), before the next sequence's and within the buffer."""
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    starts = [128 * (int(cu[b]) // 128 + b) for b in range(len(lengths))]
+    ends = [start + _config.dq_accum_rows(n) for start, n in zip(starts, lengths)]
+    assert all(start % 16 == 0 for start in starts)
+    assert all(end <= nxt for end, nxt in zip(ends, starts[1:]))
+    assert ends[-1] <= _config.dq_accum_packed_rows(len(lengths), int(cu[-1]))

@@ -82,7 +82,7 @@ def test_bad_packings_are_refused(xp, rng):
     q, k, v, dout, cu_q, cu_k = packed(xp, rng, [3, 4], [5, 6], 2, 2, 16, np.float32)
     as_cu = lambda *values: xp.asarray(np.array(values, np.int32))  # noqa: E731
     bad = [
-        (dict(cu_seqlens_q=as_cu(0, 3, 2, 7)), ValueError, "never decrease"),
+        (dict(cu_seqlens_q=as_cu(0, 8, 7)), ValueError, "never decrease"),
         (dict(cu_seqlens_q=as_cu(1, 3, 7)), ValueError, "start at 0"),
         (dict(cu_seqlens_q=as_cu(0, 3, 8)), ValueError, "end at the packed length 7"),
         (dict(cu_seqlens_k=as_cu(0, 11)), ValueError, "one length"),
@@ -103,3 +103,58 @@ def test_bad_packings_are_refused(xp, rng):
     with pytest.raises(ValueError, match="dout must have the shape and dtype of q"):
         cuflash.attention_varlen_backward(dout[:5], q, k, v, out, lse, cu_q, cu_k)
     assert to_numpy(lse).shape == (2, 7)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), np.dtype(np.float32)], ids=lambda d: d.name)
+def test_given_max_lengths_give_the_checked_call_bitwise(xp, rng, dtype):
+    """Max lengths given (and longer than any sequence: a larger grid whose extra blocks idle) skip the device
+    read; the results equal the checked call's bit for bit, the deterministic backward's too, twice over."""
+    lengths_q, lengths_k = [150, 0, 7, 300, 64], [90, 33, 0, 300, 200]
+    q, k, v, dout, cu_q, cu_k = packed(xp, rng, lengths_q, lengths_k, 4, 2, 64, dtype)
+    options = dict(causal=True, window_size=(40, -1), softcap=8.0)
+    poison_pool(xp)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **options)
+    for max_q, max_k in ((300, 300), (333, 517)):
+        given = cuflash.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, **options)
+        np.testing.assert_array_equal(to_numpy(given[0]), to_numpy(out))
+        np.testing.assert_array_equal(to_numpy(given[1]), to_numpy(lse))
+    grads = [cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, *maxes, deterministic=True,
+                                               **options) for maxes in ((None, None), (333, 517), (333, 517))]
+    for again in grads[1:]:
+        for first, second in zip(grads[0], again):
+            np.testing.assert_array_equal(to_numpy(second), to_numpy(first))
+    ref = reference.attention_varlen(q, k, v, cu_q, cu_k, **options)[0]
+    low = reference.attention_varlen(q, k, v, cu_q, cu_k, **options, in_dtype=dtype)[0]
+    assert_fa_close(out, ref, low, dtype, 2, "out", max_score=max_abs_finite(to_numpy(lse)))
+
+
+def test_check_indices_reads_the_prefix_sums(xp, rng):
+    """With both max lengths given, check_indices=True still reads and checks the prefix sums."""
+    q, k, v, _, cu_q, cu_k = packed(xp, rng, [3, 4], [5, 6], 2, 2, 16, np.float32)
+    bad = xp.asarray(np.array([0, 8, 7], np.int32))
+    with pytest.raises(ValueError, match="never decrease"):
+        cuflash.attention_varlen(q, k, v, bad, cu_k, 7, 6, check_indices=True)
+    with pytest.raises(ValueError, match="max_seqlen_k must be an int of at least the longest sequence \\(6\\)"):
+        cuflash.attention_varlen(q, k, v, cu_q, cu_k, 4, 5, check_indices=True)
+    with pytest.raises(ValueError, match="max_seqlen_q must be an int of at least the longest sequence and at most"):
+        cuflash.attention_varlen(q, k, v, cu_q, cu_k, 8, 6)
+
+
+def test_calls_with_given_max_lengths_are_planned_once(xp, rng, monkeypatch):
+    """CuPy calls that read nothing from the device reuse their plan (validation and planning once per kind of
+    call); NumPy calls, and calls that read the prefix sums, are checked every time."""
+    q, k, v, dout, cu_q, cu_k = packed(xp, rng, [3, 4], [5, 6], 2, 2, 16, np.float32)
+    cuflash.clear_plans()
+    planned = []
+    for name in ("_plan_varlen_forward", "_plan_varlen_backward"):
+        original = getattr(cuflash, name)
+        monkeypatch.setattr(cuflash, name, lambda *args, original=original, name=name: planned.append(name)
+                            or original(*args))
+    for _ in range(3):
+        out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, 4, 6, return_lse=True)
+        cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, 4, 6)
+    cuflash.attention_varlen(q, k, v, cu_q, cu_k)  # a max length missing: read and planned from the values
+    for _ in range(2):  # an unhashable option (a list for the window): no plan key, planned each time
+        cuflash.attention_varlen(q, k, v, cu_q, cu_k, 4, 6, window_size=[1, 1])
+    expected = 1 if xp is not np else 3
+    assert planned.count("_plan_varlen_forward") == expected + 3 and planned.count("_plan_varlen_backward") == expected

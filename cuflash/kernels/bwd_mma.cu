@@ -137,7 +137,7 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct DkdvTiledSm
     static constexpr int kBytes = kStats * static_cast<int>(sizeof(T)) + 4 * BLOCK_M * static_cast<int>(sizeof(float));
 };
 
-template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, bool ATOMIC_DQ>
+template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, bool ATOMIC_DQ, bool VARLEN>
 __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PARAMS(CUFLASH_BWD_FIELDS)) {
     constexpr int kThreads = kDkdvTiledThreads;
     constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
@@ -164,10 +164,12 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
     const KeyBlock blk(BLOCK_N, heads / group, seqlen_k, dq_splits, dq_pass);
     if (blk.n0 >= seqlen_k) return;   // the split grid's last pass: this split has no key block left
     const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
-    const Window<MASK> window{diagonal, window_left, window_right};
+    const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal);
+    if (VARLEN && n0 >= seq.seqlen_k) return;
+    const Window<MASK> window{seq.diagonal, window_left, window_right};
     // the query tiles whose rows see some key of the block
     const int m_begin = window.row_begin(n0) / BLOCK_M * BLOCK_M;
-    const int m_end = window.row_end(n0 + BLOCK_N, seqlen_q);
+    const int m_end = window.row_end(n0 + BLOCK_N, seq.seqlen_q);
     const int m_tiles = m_begin < m_end ? (m_end - m_begin + BLOCK_M - 1) / BLOCK_M : 0;
     const int steps = m_tiles * group;   // (head in group, query tile), query tile fastest
 
@@ -181,20 +183,21 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
     auto load_step = [&](int h_step, int m_step, int stage) {
         const int h = h_kv * group + h_step;
         const int m0 = m_begin + m_step * BLOCK_M;
-        load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(q_s + stage * BLOCK_M * kRow, q + b * q_sb + h * q_sh,
-                                                         q_ss, m0, seqlen_q, head_dim, vec_ok, tid);
+        load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(q_s + stage * BLOCK_M * kRow,
+                                                         q + b * q_sb + seq.q_start * q_ss + h * q_sh, q_ss, m0,
+                                                         seq.seqlen_q, head_dim, vec_ok, tid);
         load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(do_s + stage * BLOCK_M * kRow,
-                                                         dout + b * do_sb + h * do_sh, do_ss, m0, seqlen_q,
-                                                         head_dim, vec_ok, tid);
+                                                         dout + b * do_sb + seq.q_start * do_ss + h * do_sh, do_ss,
+                                                         m0, seq.seqlen_q, head_dim, vec_ok, tid);
         load_row_stats_async<BLOCK_M, kThreads>(lse_s + stage * BLOCK_M, delta_s + stage * BLOCK_M, lse, delta,
-                                                (static_cast<long long>(b) * heads + h) * seqlen_q, m0,
-                                                seqlen_q, tid);
+                                                seq.stats(b, heads, h), m0,
+                                                seq.seqlen_q, tid);
     };
 
-    load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(k_s, k + b * k_sb + h_kv * k_sh, k_ss, n0, seqlen_k,
-                                                     head_dim, vec_ok, tid);
-    load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(v_s, v + b * v_sb + h_kv * v_sh, v_ss, n0, seqlen_k,
-                                                     head_dim, vec_ok, tid);
+    load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(k_s, k + b * k_sb + seq.k_start * k_ss + h_kv * k_sh, k_ss, n0,
+                                                     seq.seqlen_k, head_dim, vec_ok, tid);
+    load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(v_s, v + b * v_sb + seq.k_start * v_ss + h_kv * v_sh, v_ss, n0,
+                                                     seq.seqlen_k, head_dim, vec_ok, tid);
     if (steps > 0) load_step(0, 0, 0);
     cp_async_commit();
 
@@ -228,7 +231,7 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
         // dropped P negated (P >= 0, so its sign bit holds the keep bit, and a P of 0 gives dS = 0 either
         // way), since holding the keep bits or drawing them again for dS made ptxas spill.
         {
-            const bool need_mask = m0 + BLOCK_M > seqlen_q || n0 + BLOCK_N > seqlen_k ||
+            const bool need_mask = m0 + BLOCK_M > seq.seqlen_q || n0 + BLOCK_N > seq.seqlen_k ||
                                    !window.covers(m0, m0 + BLOCK_M, n0, n0 + BLOCK_N);
             using Drop = Dropout<kDropout>;
             unsigned keep[kDropout ? Drop::template kTileWords<kSM / 16, kSN / 16> : 1];   // this warp's tile
@@ -259,9 +262,9 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
 #pragma unroll
                         for (int nb = 0; nb < kSN / 8; ++nb) {
                             const int col = s_col0 + nb * 8 + 2 * t + (e % 2);   // in the key block
-                            float x = exp2f(mod.score(p[ma][nb][e], m0 + row, n0 + col, diagonal) - row_lse2);
-                            if (need_mask && (m0 + row >= seqlen_q ||
-                                              !window.sees(m0 + row, n0 + col, seqlen_k)))
+                            float x = exp2f(mod.score(p[ma][nb][e], m0 + row, n0 + col, seq.diagonal) - row_lse2);
+                            if (need_mask && (m0 + row >= seq.seqlen_q ||
+                                              !window.sees(m0 + row, n0 + col, seq.seqlen_k)))
                                 x = 0.f;
                             p[ma][nb][e] = signed_p(ma, nb, e, x);
                         }
@@ -286,10 +289,10 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
                             for (int c = 0; c < 2; ++c) {
                                 const int col = s_col0 + nb * 8 + 2 * t + c;   // in the key block
                                 float grad;
-                                float x = exp2f(mod.score(p[ma][nb][2 * half + c], m0 + row, n0 + col, diagonal,
+                                float x = exp2f(mod.score(p[ma][nb][2 * half + c], m0 + row, n0 + col, seq.diagonal,
                                                           grad) - row_lse2);
-                                if (need_mask && (m0 + row >= seqlen_q ||
-                                                  !window.sees(m0 + row, n0 + col, seqlen_k)))
+                                if (need_mask && (m0 + row >= seq.seqlen_q ||
+                                                  !window.sees(m0 + row, n0 + col, seq.seqlen_k)))
                                     x = 0.f;
                                 pair[c] = kept(ma, nb, 2 * half + c) ? x : 0.f;
                                 p[ma][nb][2 * half + c] = signed_p(ma, nb, 2 * half + c, x * grad);
@@ -362,7 +365,7 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
                     load_b_trans(bf, k_s + ks * 16 * kRow + q_col0 + nb * 8, kRow, lane);
                 });
             const int h = h_kv * group + h_step;
-            dq_accum_add<HEAD_DIM>(dq_accum + DqAccum::head(blk.split, batch, b, heads, h, seqlen_q, HEAD_DIM),
+            dq_accum_add<HEAD_DIM>(dq_accum + DqAccum::head(blk.split, batch, b, heads, h, seq, seqlen_q, HEAD_DIM),
                                    m0 + q_row0, q_col0, dq_part, lane);
         }
         if (++m_step == m_tiles) {
@@ -382,9 +385,9 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
     store_tile_smem<T>(dk_stage + stage_at, kRow, dk_acc, threadIdx.x % 32, scale);
     store_tile_smem<T>(dv_stage + stage_at, kRow, dv_acc, threadIdx.x % 32, kDropout ? dropout_scale : 1.f);
     __syncthreads();
-    const long long kv_head = b * dk_sb + h_kv * dk_sh;
-    store_rows<T, BLOCK_N, HEAD_DIM, kThreads>(dk + kv_head, dk_ss, n0, seqlen_k, head_dim, dk_stage, threadIdx.x);
-    store_rows<T, BLOCK_N, HEAD_DIM, kThreads>(dv + kv_head, dk_ss, n0, seqlen_k, head_dim, dv_stage, threadIdx.x);
+    const long long kv_head = b * dk_sb + seq.k_start * dk_ss + h_kv * dk_sh;
+    store_rows<T, BLOCK_N, HEAD_DIM, kThreads>(dk + kv_head, dk_ss, n0, seq.seqlen_k, head_dim, dk_stage, threadIdx.x);
+    store_rows<T, BLOCK_N, HEAD_DIM, kThreads>(dv + kv_head, dk_ss, n0, seq.seqlen_k, head_dim, dv_stage, threadIdx.x);
 }
 
 // Which gradients one launch of bwd_dkdv_rows_mma accumulates. Each warp holds 16 x HEAD_DIM of every
@@ -411,7 +414,7 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, bool ATOMIC_DQ> st
     static constexpr int kBytes = kDsBytes + (ATOMIC_DQ ? BLOCK_N * kDsRow * static_cast<int>(sizeof(T)) : 0);
 };
 
-template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int PART, bool ATOMIC_DQ>
+template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int PART, bool ATOMIC_DQ, bool VARLEN>
 __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLASH_PARAMS(CUFLASH_BWD_FIELDS)) {
     constexpr bool kDk = PART != kDvOnly, kDv = PART != kDkOnly;
     static_assert(!ATOMIC_DQ || kDk, "dQ needs dS, which only a launch computing dK has");
@@ -439,10 +442,18 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
 
     const KeyBlock blk(BLOCK_N, heads / group, seqlen_k, 0, 0);   // the banded grid
     const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
-    const Window<MASK> window{diagonal, window_left, window_right};
+    const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal);
+    if (VARLEN && n0 >= seq.seqlen_k) return;
+    // The sequence's offsets where they are used, in a packed batch read again there (Sequence::reread) rather
+    // than held in registers across the steps (held, they spilled 4-8 bytes at head_dim 128, sm_80).
+    auto offsets = [&] {
+        return VARLEN ? Sequence<VARLEN>::reread(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal)
+                      : seq;
+    };
+    const Window<MASK> window{seq.diagonal, window_left, window_right};
     // the query tiles whose rows see some key of the block
     const int m_begin = window.row_begin(n0) / BLOCK_M * BLOCK_M;
-    const int m_end = window.row_end(n0 + BLOCK_N, seqlen_q);
+    const int m_end = window.row_end(n0 + BLOCK_N, seq.seqlen_q);
     const int m_tiles = m_begin < m_end ? (m_end - m_begin + BLOCK_M - 1) / BLOCK_M : 0;
     const int steps = m_tiles * group;   // (head in group, query tile), query tile fastest
 
@@ -455,24 +466,27 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
         const int h = h_kv * group + s / m_tiles;
         const int m0 = m_begin + (s % m_tiles) * BLOCK_M;
         const int stage = s & 1;
-        load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(q_s + stage * BLOCK_M * kRow, q + b * q_sb + h * q_sh, q_ss,
-                                                         m0, seqlen_q, head_dim, vec_ok, tid);
-        load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(do_s + stage * BLOCK_M * kRow, dout + b * do_sb + h * do_sh,
-                                                         do_ss, m0, seqlen_q, head_dim, vec_ok, tid);
+        const Sequence<VARLEN> at = offsets();
+        load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(q_s + stage * BLOCK_M * kRow,
+                                                         q + b * q_sb + at.q_start * q_ss + h * q_sh, q_ss, m0,
+                                                         at.seqlen_q, head_dim, vec_ok, tid);
+        load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(do_s + stage * BLOCK_M * kRow,
+                                                         dout + b * do_sb + at.q_start * do_ss + h * do_sh, do_ss,
+                                                         m0, at.seqlen_q, head_dim, vec_ok, tid);
         // lse and delta through registers: load_row_stats_async (bwd_dkdv_mma's) made ptxas spill 8 bytes
         // here on sm_80 at head_dim 128
-        const long long row_base = (static_cast<long long>(b) * heads + h) * seqlen_q;
+        const long long row_base = at.stats(b, heads, h);
         for (int r = tid; r < BLOCK_M; r += kThreads) {
-            const bool ok = m0 + r < seqlen_q;
+            const bool ok = m0 + r < at.seqlen_q;
             lse2_s[stage * BLOCK_M + r] = ok ? lse[row_base + m0 + r] * kLog2e : 0.f;
             delta_s[stage * BLOCK_M + r] = ok ? delta[row_base + m0 + r] : 0.f;
         }
     };
 
-    load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(k_s, k + b * k_sb + h_kv * k_sh, k_ss, n0, seqlen_k, head_dim,
-                                                     vec_ok, tid);
-    load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(v_s, v + b * v_sb + h_kv * v_sh, v_ss, n0, seqlen_k, head_dim,
-                                                     vec_ok, tid);
+    load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(k_s, k + b * k_sb + seq.k_start * k_ss + h_kv * k_sh, k_ss, n0,
+                                                     seq.seqlen_k, head_dim, vec_ok, tid);
+    load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(v_s, v + b * v_sb + seq.k_start * v_ss + h_kv * v_sh, v_ss, n0,
+                                                     seq.seqlen_k, head_dim, vec_ok, tid);
     if (steps > 0) load_step(0);
     cp_async_commit();
 
@@ -500,7 +514,8 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
         float p[kMTiles][4];
         zero(p);
         warp_gemm_rows_rows<T, HEAD_DIM, kMTiles>(p, k_s + warp * 16 * kRow, q_tile, lane);
-        const bool need_mask = m0 + BLOCK_M > seqlen_q || n0 + BLOCK_N > seqlen_k ||
+        const Sequence<VARLEN> now = offsets();
+        const bool need_mask = m0 + BLOCK_M > now.seqlen_q || n0 + BLOCK_N > now.seqlen_k ||
                                !window.covers(m0, m0 + BLOCK_M, n0, n0 + BLOCK_N);
 #pragma unroll
         for (int mb = 0; mb < kMTiles; ++mb) {
@@ -508,9 +523,9 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
             for (int e = 0; e < 4; ++e) {
                 const int col = mb * 8 + 2 * t + (e & 1);
                 const int key = e < 2 ? key_a : key_b;
-                float x = exp2f(mod.score(p[mb][e], m0 + col, key, diagonal) - lse2_tile[col]);
+                float x = exp2f(mod.score(p[mb][e], m0 + col, key, seq.diagonal) - lse2_tile[col]);
                 if (need_mask) {
-                    if (m0 + col >= seqlen_q || !window.sees(m0 + col, key, seqlen_k)) x = 0.f;
+                    if (m0 + col >= now.seqlen_q || !window.sees(m0 + col, key, now.seqlen_k)) x = 0.f;
                 }
                 p[mb][e] = x;
             }
@@ -549,7 +564,8 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int col = mb * 8 + 2 * t + (e & 1);
-                    p[mb][e] *= mod.softcap_grad(p[mb][e], lse2_tile[col], m0 + col, e < 2 ? key_a : key_b, diagonal);
+                    p[mb][e] *= mod.softcap_grad(p[mb][e], lse2_tile[col], m0 + col, e < 2 ? key_a : key_b,
+                                                 seq.diagonal);
                 }
             }
         }
@@ -580,7 +596,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
                 __syncthreads();
                 const int h = h_kv * group + s / m_tiles;
                 // rows m0.. of this head (the banded grid: one copy)
-                float* dq_query_tile = dq_accum + DqAccum::head(0, batch, b, heads, h, seqlen_q, HEAD_DIM) +
+                float* dq_query_tile = dq_accum + DqAccum::head(0, batch, b, heads, h, offsets(), seqlen_q, HEAD_DIM) +
                                        DqAccum::tile(m0, 0, HEAD_DIM);
 #pragma unroll
                 for (int it = 0; it < (kDqItems + kWarps - 1) / kWarps; ++it) {
@@ -594,7 +610,7 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
                     float dq_part[1][kDqCols / 8][4];   // one 16-row atom
                     zero(dq_part);
                     warp_gemm_frag_rows<T, HEAD_DIM, BLOCK_N / 16, kDqCols>(dq_part[0], ds_frag, k_s + col0, lane);
-                    if (m0 + row0 < seqlen_q)   // an atom past the end adds zeros (its P and dS are)
+                    if (m0 + row0 < seq.seqlen_q)   // an atom past the end adds zeros (its P and dS are)
                         dq_accum_add<HEAD_DIM>(dq_query_tile, row0, col0, dq_part, lane);
                 }
             }
@@ -603,13 +619,14 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
     }
     cp_async_wait<0>();
 
-    const long long kv_head = b * dk_sb + h_kv * dk_sh;
+    const long long kv_head = b * dk_sb + offsets().k_start * dk_ss + h_kv * dk_sh;
     using WarpRows = const float(&)[1][kDTiles][4];   // the store_tile view of a 16-row accumulator
     const int key0 = n0 + warp * 16;
     if constexpr (kDk)
-        store_tile<T>(dk + kv_head, dk_ss, key0, seqlen_k, 0, head_dim, reinterpret_cast<WarpRows>(dk_acc), scale, lane);
+        store_tile<T>(dk + kv_head, dk_ss, key0, seq.seqlen_k, 0, head_dim, reinterpret_cast<WarpRows>(dk_acc), scale,
+                      lane);
     if constexpr (kDv)
-        store_tile<T>(dv + kv_head, dk_ss, key0, seqlen_k, 0, head_dim, reinterpret_cast<WarpRows>(dv_acc),
+        store_tile<T>(dv + kv_head, dk_ss, key0, seq.seqlen_k, 0, head_dim, reinterpret_cast<WarpRows>(dv_acc),
                       kDropout ? dropout_scale : 1.f, lane);
 }
 
@@ -626,7 +643,7 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct DqSmem {
     static constexpr int kBytes = (kV + 2 * BLOCK_N * kRow) * static_cast<int>(sizeof(T));
 };
 
-template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int WARPS>
+template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int WARPS, bool VARLEN>
 __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_PARAMS(CUFLASH_BWD_FIELDS)) {
     constexpr int kThreads = WARPS * 32;
     constexpr int kRowsPerWarp = BLOCK_M / WARPS;
@@ -645,21 +662,23 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_PARAMS(CUFLA
 
     const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, false);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
-    const Window<MASK> window{diagonal, window_left, window_right};
+    const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal);
+    if (VARLEN && m0 >= seq.seqlen_q) return;
+    const Window<MASK> window{seq.diagonal, window_left, window_right};
     const ScoreMod<MODS> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
     constexpr bool kDropout = (MODS & kModDropout) != 0;
     const Dropout<kDropout> dropout(dropout_seed, dropout_offset, dropout_threshold, bh);
     // the key tiles this block's rows see: key_first, then n_tiles tiles
     const int key_first = window.key_begin(m0) / BLOCK_N * BLOCK_N;
-    const int n_end = window.key_end(m0 + BLOCK_M, seqlen_k);
+    const int n_end = window.key_end(m0 + BLOCK_M, seq.seqlen_k);
     const int n_tiles = (n_end - key_first + BLOCK_N - 1) / BLOCK_N;   // <= 0 where no row sees a key
-    const T* k_head = k + b * k_sb + h_kv * k_sh;
-    const T* v_head = v + b * v_sb + h_kv * v_sh;
+    const T* k_head = k + b * k_sb + seq.k_start * k_ss + h_kv * k_sh;
+    const T* v_head = v + b * v_sb + seq.k_start * v_ss + h_kv * v_sh;
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
     const int warp_row0 = warp * kRowsPerWarp;
-    const long long row_base = static_cast<long long>(bh) * seqlen_q;
+    const long long row_base = VARLEN ? seq.stats(b, heads, h) : static_cast<long long>(bh) * seqlen_q;
     // lse (base 2) and delta of this thread's rows (g and g + 8 of each atom); rows past the end see nothing
     float lse2[kMAtoms][2], dlt[kMAtoms][2];
 #pragma unroll
@@ -667,17 +686,20 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_PARAMS(CUFLA
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = m0 + warp_row0 + ma * 16 + g + 8 * r;
-            lse2[ma][r] = row < seqlen_q ? lse[row_base + row] * kLog2e : 0.f;
-            dlt[ma][r] = row < seqlen_q ? delta[row_base + row] : 0.f;
+            lse2[ma][r] = row < seq.seqlen_q ? lse[row_base + row] * kLog2e : 0.f;
+            dlt[ma][r] = row < seq.seqlen_q ? delta[row_base + row] : 0.f;
         }
     }
 
-    load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(q_s, q + b * q_sb + h * q_sh, q_ss, m0, seqlen_q, head_dim, vec_ok, tid);
-    load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(do_s, dout + b * do_sb + h * do_sh, do_ss, m0, seqlen_q, head_dim,
-                                                     vec_ok, tid);
+    load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(q_s, q + b * q_sb + seq.q_start * q_ss + h * q_sh, q_ss, m0,
+                                                     seq.seqlen_q, head_dim, vec_ok, tid);
+    load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(do_s, dout + b * do_sb + seq.q_start * do_ss + h * do_sh, do_ss, m0,
+                                                     seq.seqlen_q, head_dim, vec_ok, tid);
     if (n_tiles > 0) {
-        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(k_s, k_head, k_ss, key_first, seqlen_k, head_dim, vec_ok, tid);
-        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(v_s, v_head, v_ss, key_first, seqlen_k, head_dim, vec_ok, tid);
+        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(k_s, k_head, k_ss, key_first, seq.seqlen_k, head_dim, vec_ok,
+                                                         tid);
+        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(v_s, v_head, v_ss, key_first, seq.seqlen_k, head_dim, vec_ok,
+                                                         tid);
     }
     cp_async_commit();
 
@@ -688,9 +710,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_PARAMS(CUFLA
         if (j + 1 < n_tiles) {
             const int nxt = key_first + (j + 1) * BLOCK_N;
             load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(k_s + (stage ^ 1) * BLOCK_N * kRow, k_head, k_ss, nxt,
-                                                             seqlen_k, head_dim, vec_ok, tid);
+                                                             seq.seqlen_k, head_dim, vec_ok, tid);
             load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads>(v_s + (stage ^ 1) * BLOCK_N * kRow, v_head, v_ss, nxt,
-                                                             seqlen_k, head_dim, vec_ok, tid);
+                                                             seq.seqlen_k, head_dim, vec_ok, tid);
         }
         cp_async_commit();
         cp_async_wait<1>();
@@ -698,7 +720,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_PARAMS(CUFLA
         const T* k_tile = k_s + stage * BLOCK_N * kRow;
         const T* v_tile = v_s + stage * BLOCK_N * kRow;
         const int n0 = key_first + j * BLOCK_N;
-        const bool need_mask = m0 + BLOCK_M > seqlen_q || n0 + BLOCK_N > seqlen_k ||
+        const bool need_mask = m0 + BLOCK_M > seq.seqlen_q || n0 + BLOCK_N > seq.seqlen_k ||
                                !window.covers(m0, m0 + BLOCK_M, n0, n0 + BLOCK_N);
 
         // P = exp2(S * scale_log2 - lse2), S = Q K^T
@@ -719,9 +741,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_PARAMS(CUFLA
                     const int row = m0 + warp_row0 + ma * 16 + g + 8 * (e / 2);
                     const int key = n0 + nb * 8 + 2 * t + (e & 1);
                     float grad;   // P only feeds dS here: p holds P * (1 - tanh^2) under a softcap
-                    float x = exp2f(mod.score(p[ma][nb][e], row, key, diagonal, grad) - lse2[ma][e / 2]);
+                    float x = exp2f(mod.score(p[ma][nb][e], row, key, seq.diagonal, grad) - lse2[ma][e / 2]);
                     if (need_mask) {
-                        if (row >= seqlen_q || !window.sees(row, key, seqlen_k)) x = 0.f;
+                        if (row >= seq.seqlen_q || !window.sees(row, key, seq.seqlen_k)) x = 0.f;
                     }
                     p[ma][nb][e] = x * grad;
                 }
@@ -768,7 +790,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_PARAMS(CUFLA
         __syncthreads();
     }
     cp_async_wait<0>();
-    store_tile<T>(dq + b * dq_sb + h * dq_sh, dq_ss, m0 + warp_row0, seqlen_q, 0, head_dim, dq_acc, scale, lane);
+    store_tile<T>(dq + b * dq_sb + seq.q_start * dq_ss + h * dq_sh, dq_ss, m0 + warp_row0, seq.seqlen_q, 0, head_dim,
+                  dq_acc, scale, lane);
 }
 
 // dq = dq_accum * scale, cast to T: the last step of the backwards that add dQ into dq_accum. One thread
@@ -777,22 +800,43 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_PARAMS(CUFLA
 // 8 columns as one 16-byte store, the two tiles' stores of a row side by side. (One thread per tile
 // lane wrote 4-byte pieces: 1.5x FlashAttention-2's time, bench/NOTES.md backward v7.) With several
 // copies (the deterministic split grid, KeyBlock), each thread sums its values over the copies in copy
-// order, so the sum is the same on every run.
-template <typename T, int HEAD_DIM>
-__global__ void __launch_bounds__(256) bwd_dq_convert(const float* __restrict__ dq_accum, T* __restrict__ dq,
-                                                      long long dq_sb, long long dq_ss, long long dq_sh, int batch,
-                                                      int heads, int seqlen_q, int head_dim, float scale, int copies) {
+// order, so the sum is the same on every run. In a packed batch a thread finds the sequence of its row by a
+// binary search of the prefix sums; there the launch bounds ask for 2 blocks per SM (up to 128 registers; it
+// takes 80-90): without a minimum ptxas aimed at 40 and spilled 8 bytes (sm_80), with 4 (64) it spilled 4
+// (sm_90).
+template <typename T, int HEAD_DIM, bool VARLEN>
+__global__ void __launch_bounds__(256, VARLEN ? 2 : 0)
+bwd_dq_convert(const float* __restrict__ dq_accum, T* __restrict__ dq, const int* __restrict__ cu_seqlens_q,
+               long long dq_sb, long long dq_ss, long long dq_sh, int batch, int heads, int seqlen_q, int head_dim,
+               float scale, int copies) {
     constexpr int kColTiles = HEAD_DIM / 8;
-    const long long row_tiles = DqAccum::rows(seqlen_q) / 16;
-    const long long tiles = static_cast<long long>(batch) * heads * row_tiles * kColTiles;   // per copy
+    // a copy's (batch, head) pairs of DqAccum::rows(seqlen_q) rows, or in a packed batch its heads of
+    // DqAccum::packed_rows rows
+    const long long row_tiles =
+        (VARLEN ? DqAccum::packed_rows(batch, cu_seqlens_q[batch]) : DqAccum::rows(seqlen_q)) / 16;
+    const long long tiles = static_cast<long long>(VARLEN ? heads : batch * heads) * row_tiles * kColTiles;
     for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < tiles * 16;
          i += static_cast<long long>(gridDim.x) * blockDim.x) {
         const int r = static_cast<int>(i % 16);
         const long long tile = i / 16;   // (b, h, row tile, column tile) flattened, DqAccum's order
         const int col0 = static_cast<int>(tile % kColTiles) * 8;
-        const int row = static_cast<int>(tile / kColTiles % row_tiles) * 16 + r;
-        const long long bh = tile / kColTiles / row_tiles;
-        if (row >= seqlen_q) continue;
+        int row = static_cast<int>(tile / kColTiles % row_tiles) * 16 + r;
+        const long long bh = tile / kColTiles / row_tiles;   // in a packed batch, the head
+        T* dst;
+        if constexpr (VARLEN) {   // the sequence whose rows hold packed row `row`: the last starting at or before it
+            int lo = 0, hi = batch - 1;
+            while (lo < hi) {
+                const int mid = (lo + hi + 1) / 2;
+                if (DqAccum::packed_row(mid, cu_seqlens_q[mid]) <= row) lo = mid; else hi = mid - 1;
+            }
+            const int q_start = cu_seqlens_q[lo];
+            row -= static_cast<int>(DqAccum::packed_row(lo, q_start));
+            if (row >= cu_seqlens_q[lo + 1] - q_start) continue;
+            dst = dq + (static_cast<long long>(q_start) + row) * dq_ss + bh * dq_sh + col0;
+        } else {
+            if (row >= seqlen_q) continue;
+            dst = dq + (bh / heads) * dq_sb + row * dq_ss + (bh % heads) * dq_sh + col0;
+        }
         // lane g * 4 + t of the tile holds (row g, columns 2t, 2t + 1) at floats 0, 1 and (row g + 8, the
         // same columns) at floats 2, 3
         const float* src = dq_accum + tile * 128 + (r % 8) * 16 + (r / 8) * 2;
@@ -811,7 +855,6 @@ __global__ void __launch_bounds__(256) bwd_dq_convert(const float* __restrict__ 
                 vals[2 * t + 1] += x.y;
             }
         }
-        T* dst = dq + (bh / heads) * dq_sb + row * dq_ss + (bh % heads) * dq_sh + col0;
         if (col0 + 8 <= head_dim && reinterpret_cast<unsigned long long>(dst) % 16 == 0) {
             uint4 packed;
             unsigned* words = reinterpret_cast<unsigned*>(&packed);

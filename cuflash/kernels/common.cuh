@@ -293,6 +293,66 @@ struct QueryBlock {
     }
 };
 
+// The sequence of a thread block's batch index b, which bounds its rows and keys. In a dense batch every
+// sequence has the kernel's seqlen_q rows and seqlen_k keys, and `diagonal` is the host's. In a packed batch
+// (VARLEN; attention_varlen) sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q, out, dout
+// and dq (whose batch strides are 0) and rows cu_seqlens_k[b] .. of k, v, dk and dv, its diagonal at its own
+// bottom-right corner; lse and delta are (heads, total_q); the grid is sized for the longest sequences (the
+// kernel's seqlen_q and seqlen_k) and a block past its own sequence's end has no work.
+template <bool VARLEN> struct Sequence {
+    int seqlen_q, seqlen_k, diagonal;
+    long long q_start, k_start;   // the sequence's first row of q and of k (0 in a dense batch)
+    long long total_q;            // rows of the packed q (VARLEN only)
+    __device__ __forceinline__ Sequence(const int* cu_seqlens_q, const int* cu_seqlens_k, int b, int batch,
+                                        int seqlen_q_, int seqlen_k_, int diagonal_)
+        : seqlen_q(seqlen_q_), seqlen_k(seqlen_k_), diagonal(diagonal_), q_start(0), k_start(0), total_q(0) {
+        read<false>(cu_seqlens_q, cu_seqlens_k, b, batch);
+    }
+    // The same with volatile loads, which the compiler cannot merge with earlier ones: a kernel short of
+    // registers builds a second Sequence for its epilogue rather than hold one across its main loop
+    // (fwd_mma: holding it spilled 28-56 bytes at 255 registers, sm_90).
+    __device__ static __forceinline__ Sequence reread(const int* cu_seqlens_q, const int* cu_seqlens_k, int b,
+                                                      int batch, int seqlen_q_, int seqlen_k_, int diagonal_) {
+        Sequence seq(nullptr, nullptr, 0, 0, seqlen_q_, seqlen_k_, diagonal_, 0);
+        seq.template read<true>(cu_seqlens_q, cu_seqlens_k, b, batch);
+        return seq;
+    }
+    // Sequence b's keys, with volatile loads: for a kernel that reads the count at each use in its main loop
+    // rather than hold it in a register (fwd_mma: held, ptxas spilled 24-48 bytes at 255 registers, sm_90).
+    __device__ static __forceinline__ int reread_seqlen_k(const int* cu_seqlens_k, int b) {
+        int begin, end;
+        asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(begin) : "l"(cu_seqlens_k + b));
+        asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(end) : "l"(cu_seqlens_k + b + 1));
+        return end - begin;
+    }
+    // The offset of (batch b, head h)'s row 0 in lse and delta.
+    __device__ __forceinline__ long long stats(int b, int heads, int h) const {
+        return VARLEN ? h * total_q + q_start : (static_cast<long long>(b) * heads + h) * seqlen_q;
+    }
+
+  private:
+    __device__ __forceinline__ Sequence(const int*, const int*, int, int, int seqlen_q_, int seqlen_k_,
+                                        int diagonal_, int)
+        : seqlen_q(seqlen_q_), seqlen_k(seqlen_k_), diagonal(diagonal_), q_start(0), k_start(0), total_q(0) {}
+    template <bool VOLATILE>
+    __device__ __forceinline__ void read(const int* cu_seqlens_q, const int* cu_seqlens_k, int b, int batch) {
+        if constexpr (VARLEN) {
+            auto load = [](const int* p) {
+                if constexpr (!VOLATILE) return *p;
+                int x;
+                asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(x) : "l"(p));
+                return x;
+            };
+            q_start = load(cu_seqlens_q + b);
+            k_start = load(cu_seqlens_k + b);
+            seqlen_q = load(cu_seqlens_q + b + 1) - static_cast<int>(q_start);
+            seqlen_k = load(cu_seqlens_k + b + 1) - static_cast<int>(k_start);
+            diagonal = seqlen_k - seqlen_q;
+            total_q = load(cu_seqlens_q + batch);
+        }
+    }
+};
+
 // The work of a thread block of the KV-cache forward (fwd_mma with KVCACHE; _plan.kvcache). Query heads are
 // packed `pack` to a group of rows: row r of head group hg is query position r / pack of query head
 // hg * pack + r % pack, so where pack is the GQA group the query heads that share a kv head read its cache
@@ -364,6 +424,22 @@ struct DqAccum {
                                                      int head_dim_spec) {
         return ((static_cast<long long>(split) * batch + b) * heads + h) * rows(seqlen_q) * head_dim_spec;
     }
+    // The same in a packed batch (VARLEN, Sequence): a copy holds per head packed_rows(batch, total_q) rows,
+    // sequence b's from packed_row(b) = 128 * (cu_seqlens_q[b] / 128 + b), at least rows(its length) before
+    // the next one's: O(total_q + 128 * batch) per head, not O(batch * the longest).
+    __host__ __device__ static constexpr long long packed_rows(int batch, long long total_q) {
+        return (total_q / kRowMultiple + batch) * static_cast<long long>(kRowMultiple);
+    }
+    __host__ __device__ static constexpr long long packed_row(int b, long long q_start) {
+        return (q_start / kRowMultiple + b) * static_cast<long long>(kRowMultiple);
+    }
+    template <bool VARLEN>
+    __device__ static __forceinline__ long long head(int split, int batch, int b, int heads, int h,
+                                                     const Sequence<VARLEN>& seq, int seqlen_q, int head_dim_spec) {
+        if constexpr (!VARLEN) return head(split, batch, b, heads, h, seqlen_q, head_dim_spec);
+        return ((static_cast<long long>(split) * heads + h) * packed_rows(batch, seq.total_q) +
+                packed_row(b, seq.q_start)) * head_dim_spec;
+    }
     // Offset of the 16 x 8 tile whose first element is (row, col) in a head of `head_dim_spec` columns;
     // row a multiple of 16 and col of 8.
     __device__ static __forceinline__ long long tile(int row, int col, int head_dim_spec) {
@@ -391,7 +467,8 @@ struct DqAccum {
 // the page strides; pack query heads share each group of rows (CacheBlock); where num_splits > 1 the
 // blocks write float32 partials for merge_parts (kernels/merge.cu): out_partial (num_splits, batch,
 // seqlen_q, heads, head_dim) normalized over a split's keys, lse_partial (num_splits, batch, heads,
-// seqlen_q), without the sinks, which the merge adds.
+// seqlen_q), without the sinks, which the merge adds. cu_seqlens_q and cu_seqlens_k (int32 (batch + 1,)) are
+// a packed batch's prefix sums (Sequence; null in a dense batch).
 #define CUFLASH_FWD_FIELDS(PTR, VAL, LAST)                                                            \
     PTR(const T, q) PTR(const T, k) PTR(const T, v) PTR(T, out) PTR(float, lse)                       \
     PTR(const float, alibi_slopes) PTR(const float, sinks) VAL(unsigned long long, dropout_seed)      \
@@ -403,20 +480,23 @@ struct DqAccum {
     VAL(int, window_right) VAL(int, alibi_batch_stride) VAL(float, softcap_in) VAL(float, softcap_out) \
     VAL(unsigned, dropout_threshold) VAL(float, dropout_scale) VAL(float, scale_log2)                  \
     PTR(const int, cache_seqlens) PTR(const int, block_table) PTR(float, out_partial)                 \
-    PTR(float, lse_partial) VAL(long long, block_table_stride) VAL(int, seqlen_k_new) VAL(int, pack)  \
+    PTR(float, lse_partial) PTR(const int, cu_seqlens_q) PTR(const int, cu_seqlens_k)                \
+    VAL(long long, block_table_stride) VAL(int, seqlen_k_new) VAL(int, pack)  \
     VAL(int, num_splits) VAL(int, page_size) VAL(int, vec_ok) LAST(int, query_blocks_fastest)
 
 // The backward's (bwd_dkdv_mma, bwd_dkdv_rows_mma, bwd_dq_mma, bwd_dkdv_simt, bwd_dq_simt;
 // _cupy_path.BackwardPlan), the forward's fields as there, plus: delta = rowsum(dout * out) (float32,
 // (batch, heads, seqlen_q)); dq_accum is float32 in the DqAccum layout above, zeroed, for the kernels that
 // add dQ with atomics, null for the others; scale is the softmax scale; dq_splits and dq_pass select
-// KeyBlock's grid (dq_splits 0: banded; else the split grid's pass dq_pass, one copy of dq_accum per split).
+// KeyBlock's grid (dq_splits 0: banded; else the split grid's pass dq_pass, one copy of dq_accum per split);
+// in a packed batch dq_accum is DqAccum's packed layout.
 #define CUFLASH_BWD_FIELDS(PTR, VAL, LAST)                                                            \
     PTR(const T, q) PTR(const T, k) PTR(const T, v) PTR(const T, dout) PTR(const float, lse)          \
     PTR(const float, delta) PTR(T, dq) PTR(T, dk) PTR(T, dv) PTR(float, dq_accum)                     \
-    PTR(const float, alibi_slopes) VAL(unsigned long long, dropout_seed) VAL(unsigned, dropout_offset) \
-    VAL(long long, q_sb) VAL(long long, q_ss) VAL(long long, q_sh) VAL(long long, k_sb)              \
-    VAL(long long, k_ss) VAL(long long, k_sh) VAL(long long, v_sb) VAL(long long, v_ss)               \
+    PTR(const float, alibi_slopes) PTR(const int, cu_seqlens_q) PTR(const int, cu_seqlens_k)           \
+    VAL(unsigned long long, dropout_seed) VAL(unsigned, dropout_offset) VAL(long long, q_sb)          \
+    VAL(long long, q_ss) VAL(long long, q_sh) VAL(long long, k_sb) VAL(long long, k_ss)               \
+    VAL(long long, k_sh) VAL(long long, v_sb) VAL(long long, v_ss)                                    \
     VAL(long long, v_sh) VAL(long long, do_sb) VAL(long long, do_ss) VAL(long long, do_sh)            \
     VAL(long long, dq_sb) VAL(long long, dq_ss) VAL(long long, dq_sh) VAL(long long, dk_sb)           \
     VAL(long long, dk_ss) VAL(long long, dk_sh) VAL(int, batch) VAL(int, heads) VAL(int, group)        \

@@ -54,7 +54,7 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int KEY
 // two lets them keep everything in registers. The KV-cache blocks (one per SM: their tiles take most of
 // its shared memory) spilled 12 bytes at 168 registers without a minimum; with one they fit.
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int WARPS, int KEY_SPLIT,
-          bool KVCACHE>
+          bool KVCACHE, bool VARLEN>
 __global__ void __launch_bounds__(WARPS * 32, WARPS >= 8 || KVCACHE ? 1 : BLOCK_M / WARPS == 16 ? 2 : 0)
 fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     constexpr int kThreads = WARPS * 32;
@@ -92,8 +92,8 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     static_assert(BLOCK_N % kSubN == 0, "the key tile is made of whole sub-tiles");
     // A pair's column halves start on a 128-byte boundary of a swizzled row (the XOR pattern restarts).
     static_assert(KEY_SPLIT == 1 || kDTiles % 8 == 0, "column shares are whole 64-column groups");
-    static_assert(!KVCACHE || (KEY_SPLIT == 1 && (MODS & kModDropout) == 0 && BLOCK_M == 16),
-                  "the KV-cache forward: one atom, no pairs, no dropout");
+    static_assert(!KVCACHE || (KEY_SPLIT == 1 && (MODS & kModDropout) == 0 && BLOCK_M == 16 && !VARLEN),
+                  "the KV-cache forward: one atom, no pairs, no dropout, no packed batch");
 
     using Smem = FwdSmem<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, KEY_SPLIT>;
     static_assert(KEY_SPLIT == 1 || (kSubN == BLOCK_N && Smem::kMAtoms == kMAtoms), "the pair slots' layout");
@@ -104,10 +104,10 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     float* pair_max = reinterpret_cast<float*>(q_s + Smem::kTiles);
     uint4* pair_p = reinterpret_cast<uint4*>(pair_max + WARPS * Smem::kMaxSlots);   // 16-byte aligned
 
-    // The block's rows: query rows m0.. of (batch b, head h), or under KVCACHE rows m0.. of the packed
-    // query heads h.. (CacheBlock), of split `split` of the keys. `rows` counts a head's (or head group's)
-    // rows and position(row) is a row's query position; `keys` counts batch b's keys, whose diagonal is
-    // `diag` (a KV cache's own length, aligned bottom-right).
+    // The block's rows: query rows m0.. of (batch b, head h) (of sequence b in a packed batch: Sequence), or
+    // under KVCACHE rows m0.. of the packed query heads h.. (CacheBlock), of split `split` of the keys. `rows`
+    // counts a head's (or head group's) rows and position(row) is a row's query position; `keys` counts
+    // batch b's keys, whose diagonal is `diag` (a KV cache's own length, aligned bottom-right).
     int b, h, h_kv, m0, bh, split = 0;
     if constexpr (KVCACHE) {
         const CacheBlock blk(BLOCK_M, seqlen_q * pack, heads / pack, pack, num_splits);
@@ -118,9 +118,13 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
         const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, query_blocks_fastest);
         bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     }
-    const int rows = KVCACHE ? seqlen_q * pack : seqlen_q;
+    const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal);
+    if (VARLEN && m0 >= seq.seqlen_q) return;
+    const int rows = KVCACHE ? seqlen_q * pack : seq.seqlen_q;
     auto position = [&](int row) { return KVCACHE ? row / pack : row; };
-    int keys = seqlen_k, diag = diagonal;
+    int keys = seq.seqlen_k, diag = seq.diagonal;
+    // the key count inside the key loop: in a packed batch read again at each use (Sequence::reread_seqlen_k)
+    auto key_count = [&] { return VARLEN ? Sequence<VARLEN>::reread_seqlen_k(cu_seqlens_k, b) : keys; };
     if constexpr (KVCACHE) {
         if (cache_seqlens != nullptr) keys = cache_seqlens[b] + seqlen_k_new;
         diag = keys - seqlen_q;
@@ -135,9 +139,9 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     constexpr bool kDropout = (MODS & kModDropout) != 0;
     const Dropout<kDropout> dropout(dropout_seed, dropout_offset, dropout_threshold, bh);
 
-    const T* q_head = q + b * q_sb + h * q_sh;
-    const T* k_head = k + b * k_sb + h_kv * k_sh;
-    const T* v_head = v + b * v_sb + h_kv * v_sh;
+    const T* q_head = q + b * q_sb + seq.q_start * q_ss + h * q_sh;
+    const T* k_head = k + b * k_sb + seq.k_start * k_ss + h_kv * k_sh;
+    const T* v_head = v + b * v_sb + seq.k_start * v_ss + h_kv * v_sh;
     // Under a mask the block walks only the key tiles its rows see: n_tiles tiles from key_first, the last
     // one first. Walking down from the highest keys meets the masked tiles of the diagonal first and, under
     // ALiBi, the largest scores of each row (its bias falls with the distance), so the row maxima seldom
@@ -182,7 +186,7 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     // (page_size is a multiple of BLOCK_N): the page's rows from n % page_size.
     auto load_keys = [&](int stage, int n) {
         const T *k_src = k_head, *v_src = v_head;
-        int row = n, rows_valid = keys;
+        int row = n, rows_valid = key_count();
         if constexpr (KVCACHE) {
             if (block_table != nullptr) {
                 const long long page = block_table[b * block_table_stride + n / page_size];
@@ -203,7 +207,7 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
             return row < rows ? q_head + position(row) * q_ss + row % pack * q_sh : nullptr;
         }, q_head, head_dim, vec_ok, tid);
     } else {
-        load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads, Row>(q_s, q_head, q_ss, m0, seqlen_q, head_dim, vec_ok, tid);
+        load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads, Row>(q_s, q_head, q_ss, m0, rows, head_dim, vec_ok, tid);
     }
     if (n_tiles > 0) load_keys(0, tile_key(0));
     cp_async_commit();
@@ -284,7 +288,8 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
             // keys are masked. Without modifiers the row max is taken on the raw products (scale_log2 > 0
             // keeps the order) and one FMA then scales and subtracts; with them (a softcap, ALiBi) the
             // scores are made first, and the max taken on them.
-            const bool need_mask = n0 + kSubN > keys || !window.covers(pos_begin, pos_end, n0, n0 + kSubN);
+            const int tile_keys = key_count();
+            const bool need_mask = n0 + kSubN > tile_keys || !window.covers(pos_begin, pos_end, n0, n0 + kSubN);
             float tile_max[kMAtoms][2];   // per row: the max of the scaled scores of the sub-tile's keys
             auto take_row_max = [&](int ma) {
                 const int row0 = m0 + warp_row0 + ma * 16 + g;      // the row of elements 0 and 1
@@ -306,7 +311,7 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
                     for (int nb = 0; nb < kNTiles; ++nb)
 #pragma unroll
                         for (int e = 0; e < 4; ++e)
-                            if (!window.sees(row_position(e), key0 + nb * 8 + (e & 1), keys))
+                            if (!window.sees(row_position(e), key0 + nb * 8 + (e & 1), tile_keys))
                                 s[ma][nb][e] = -CUFLASH_INF;
                 }
                 float row_max[2] = {-CUFLASH_INF, -CUFLASH_INF};
@@ -489,7 +494,13 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
 #pragma unroll
             for (int r = 0; r < 2; ++r) partner_l[ma][r] = partner_value(ma, r);
     }
-    float* lse_head = lse == nullptr ? nullptr : lse + static_cast<long long>(bh) * seqlen_q;
+    // A packed batch's bounds and offsets read again (Sequence::reread), not held across the key loop.
+    const Sequence<VARLEN> out_seq =
+        VARLEN ? Sequence<VARLEN>::reread(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal) : seq;
+    const int out_rows = KVCACHE ? rows : out_seq.seqlen_q;
+    float* lse_head = lse == nullptr ? nullptr
+                                     : lse + (VARLEN ? out_seq.stats(b, heads, h)
+                                                     : static_cast<long long>(bh) * seqlen_q);
     const float sink2 = (MODS & kModSinks) != 0 && !KVCACHE ? sinks[h] * kLog2e : 0.f;   // this head's sink, base 2
     // With key splits each block writes its split's result as float32 partials, straight from registers,
     // without the sinks (merge_parts adds them); a KV-cache row's head is h + row % pack.
@@ -515,7 +526,7 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
                 const int row = m0 + tile_row;
                 const long long slot = (static_cast<long long>(b) * heads + h + row % pack) * seqlen_q + position(row);
                 const float row_lse = l == 0.f ? -CUFLASH_INF : (m + log2f(l)) * kLn2;
-                if (partial && row < rows) {
+                if (partial && row < out_rows) {
                     if (t == 0) lse_partial[static_cast<long long>(split) * batch * heads * seqlen_q + slot] = row_lse;
                     float* dst = out_partial + ((static_cast<long long>(split) * batch + b) * seqlen_q + position(row)) *
                                                    heads * head_dim + (h + row % pack) * head_dim;
@@ -527,9 +538,9 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
                     }
                     continue;
                 }
-                if (lse != nullptr && t == 0 && row < rows) lse[slot] = row_lse;
+                if (lse != nullptr && t == 0 && row < out_rows) lse[slot] = row_lse;
             } else {
-                if (lse_head != nullptr && t == 0 && share == 0 && m0 + tile_row < seqlen_q)
+                if (lse_head != nullptr && t == 0 && share == 0 && m0 + tile_row < out_rows)
                     lse_head[m0 + tile_row] = l == 0.f ? -CUFLASH_INF : (m + log2f(l)) * kLn2;
             }
 #pragma unroll
@@ -549,11 +560,12 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
         if (!partial)
             store_rows_to<T, kStoreRows, HEAD_DIM, 32, Row>([&](int r) -> T* {
                 const int row = m0 + store_row0 + r;
-                return row < rows ? out + b * o_sb + position(row) * o_ss + (h + row % pack) * o_sh : nullptr;
+                return row < out_rows ? out + b * o_sb + position(row) * o_ss + (h + row % pack) * o_sh : nullptr;
             }, head_dim, q_s + store_row0 * kRow, lane);
     } else {
-        store_rows<T, kStoreRows, HEAD_DIM, 32, Row>(out + b * o_sb + h * o_sh, o_ss, m0 + store_row0, seqlen_q,
-                                                     head_dim, q_s + store_row0 * kRow, lane);
+        store_rows<T, kStoreRows, HEAD_DIM, 32, Row>(out + b * o_sb + out_seq.q_start * o_ss + h * o_sh, o_ss,
+                                                     m0 + store_row0, out_rows, head_dim, q_s + store_row0 * kRow,
+                                                     lane);
     }
 }
 

@@ -48,7 +48,7 @@ __device__ __forceinline__ float dot_rows(const float* a, const float* b) {
 // Forward, float32. One block: BLOCK_M query rows of one (batch, head). S and P of the current key tile
 // live in shared memory; m_i and l_i per row in shared memory; acc in registers, each thread owning
 // one row and every kThreadsPerRow-th column of it. A null lse stores none.
-template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
+template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int SMEM_BYTES, bool VARLEN>
 __global__ void __launch_bounds__(kSimtThreads, 1)
 fwd_simt(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
@@ -70,16 +70,19 @@ fwd_simt(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
 
     const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, query_blocks_fastest);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
-    const Window<MASK> window{diagonal, window_left, window_right};
+    const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal);
+    if (VARLEN && m0 >= seq.seqlen_q) return;
+    const Window<MASK> window{seq.diagonal, window_left, window_right};
     const ScoreMod<MODS, true> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
     const Dropout<(MODS & kModDropout) != 0> dropout(dropout_seed, dropout_offset, dropout_threshold, bh);
-    const T* k_head = k + b * k_sb + h_kv * k_sh;
-    const T* v_head = v + b * v_sb + h_kv * v_sh;
+    const T* k_head = k + b * k_sb + seq.k_start * k_ss + h_kv * k_sh;
+    const T* v_head = v + b * v_sb + seq.k_start * v_ss + h_kv * v_sh;
     const int n_begin = window.key_begin(m0) / BLOCK_N * BLOCK_N;
-    const int n_end = window.key_end(m0 + BLOCK_M, seqlen_k);
+    const int n_end = window.key_end(m0 + BLOCK_M, seq.seqlen_k);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
-    load_rows_f32<T, BLOCK_M, HEAD_DIM>(q_s, q + b * q_sb + h * q_sh, q_ss, m0, seqlen_q, head_dim);
+    load_rows_f32<T, BLOCK_M, HEAD_DIM>(q_s, q + b * q_sb + seq.q_start * q_ss + h * q_sh, q_ss, m0, seq.seqlen_q,
+                                        head_dim);
     for (int r = tid; r < BLOCK_M; r += kSimtThreads) { m_s[r] = -CUFLASH_INF; l_s[r] = 0.f; }
     const int acc_row = tid / kThreadsPerRow, acc_col0 = tid % kThreadsPerRow;
     float acc[kColsPerThread];
@@ -88,13 +91,13 @@ fwd_simt(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
 
     for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
         __syncthreads();   // previous tile's K, V and P are no longer read
-        load_rows_f32<T, BLOCK_N, HEAD_DIM>(k_s, k_head, k_ss, n0, seqlen_k, head_dim);
-        load_rows_f32<T, BLOCK_N, HEAD_DIM>(v_s, v_head, v_ss, n0, seqlen_k, head_dim);
+        load_rows_f32<T, BLOCK_N, HEAD_DIM>(k_s, k_head, k_ss, n0, seq.seqlen_k, head_dim);
+        load_rows_f32<T, BLOCK_N, HEAD_DIM>(v_s, v_head, v_ss, n0, seq.seqlen_k, head_dim);
         __syncthreads();
         for (int i = tid; i < BLOCK_M * BLOCK_N; i += kSimtThreads) {
             const int r = i / BLOCK_N, c = i % BLOCK_N;
-            const float x = mod.score(dot_rows<HEAD_DIM>(q_s + r * kRow, k_s + c * kRow), m0 + r, n0 + c, diagonal);
-            p_s[r * kScoreRow + c] = window.sees(m0 + r, n0 + c, seqlen_k) ? x : -CUFLASH_INF;
+            const float x = mod.score(dot_rows<HEAD_DIM>(q_s + r * kRow, k_s + c * kRow), m0 + r, n0 + c, seq.diagonal);
+            p_s[r * kScoreRow + c] = window.sees(m0 + r, n0 + c, seq.seqlen_k) ? x : -CUFLASH_INF;
         }
         __syncthreads();
         for (int r = warp; r < BLOCK_M; r += kSimtThreads / 32) {
@@ -132,7 +135,7 @@ fwd_simt(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     __syncthreads();
 
     const int row = m0 + acc_row;
-    if (row < seqlen_q) {
+    if (row < seq.seqlen_q) {
         float l = l_s[acc_row], m = m_s[acc_row], acc_factor = 1.f;
         if constexpr ((MODS & kModSinks) != 0) {   // the sink joins the denominator: rescale to max(m, sink)
             const float sink2 = sinks[h] * kLog2e;
@@ -142,14 +145,14 @@ fwd_simt(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
             m = m_new;
         }
         const float inv_l = l == 0.f ? 0.f : ((MODS & kModDropout) != 0 ? acc_factor * dropout_scale : acc_factor) / l;
-        T* out_row = out + b * o_sb + h * o_sh + row * o_ss;
+        T* out_row = out + b * o_sb + seq.q_start * o_ss + h * o_sh + row * o_ss;
 #pragma unroll
         for (int i = 0; i < kColsPerThread; ++i) {
             const int e = acc_col0 + i * kThreadsPerRow;
             if (e < head_dim) out_row[e] = from_float<T>(acc[i] * inv_l);
         }
         if (lse != nullptr && acc_col0 == 0)
-            lse[static_cast<long long>(bh) * seqlen_q + row] = l == 0.f ? -CUFLASH_INF : (m + log2f(l)) * kLn2;
+            lse[seq.stats(b, heads, h) + row] = l == 0.f ? -CUFLASH_INF : (m + log2f(l)) * kLn2;
     }
 }
 
@@ -246,7 +249,7 @@ __device__ __forceinline__ void load_row_stats(float* lse2_s, float* delta_s, co
 // dK, dV: one block per (batch, kv head, BLOCK_N keys). It walks every query head of the group and
 // every query tile that can see its keys, accumulating in registers (thread: one key row, every
 // kThreadsPerRow-th column). dk and dv share strides (both allocated by cuflash).
-template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
+template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int SMEM_BYTES, bool VARLEN>
 __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_PARAMS(CUFLASH_BWD_FIELDS)) {
     using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
     static_assert(Tiles::kBwdFloats * 4 == SMEM_BYTES, "launch shared memory must match the tile plan");
@@ -267,34 +270,39 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_PARAMS(
 
     const KeyBlock blk(BLOCK_N, heads / group, seqlen_k, 0, 0);   // the banded grid
     const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
-    const Window<MASK> window{diagonal, window_left, window_right};
+    const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal);
+    if (VARLEN && n0 >= seq.seqlen_k) return;
+    const Window<MASK> window{seq.diagonal, window_left, window_right};
     // the query tiles whose rows see some key of the block
     const int m_begin = window.row_begin(n0) / BLOCK_M * BLOCK_M;
-    const int m_end = window.row_end(n0 + BLOCK_N, seqlen_q);
+    const int m_end = window.row_end(n0 + BLOCK_N, seq.seqlen_q);
 
-    load_rows_f32<T, BLOCK_N, HEAD_DIM>(k_s, k + b * k_sb + h_kv * k_sh, k_ss, n0, seqlen_k, head_dim);
-    load_rows_f32<T, BLOCK_N, HEAD_DIM>(v_s, v + b * v_sb + h_kv * v_sh, v_ss, n0, seqlen_k, head_dim);
+    load_rows_f32<T, BLOCK_N, HEAD_DIM>(k_s, k + b * k_sb + seq.k_start * k_ss + h_kv * k_sh, k_ss, n0, seq.seqlen_k,
+                                        head_dim);
+    load_rows_f32<T, BLOCK_N, HEAD_DIM>(v_s, v + b * v_sb + seq.k_start * v_ss + h_kv * v_sh, v_ss, n0, seq.seqlen_k,
+                                        head_dim);
     const int key_row = threadIdx.x / kThreadsPerRow, col0 = threadIdx.x % kThreadsPerRow;
     float dk_acc[kColsPerThread], dv_acc[kColsPerThread];
 #pragma unroll
     for (int i = 0; i < kColsPerThread; ++i) dk_acc[i] = dv_acc[i] = 0.f;
 
     for (int h = h_kv * group; h < (h_kv + 1) * group; ++h) {
-        const T* q_head = q + b * q_sb + h * q_sh;
-        const T* do_head = dout + b * do_sb + h * do_sh;
+        const T* q_head = q + b * q_sb + seq.q_start * q_ss + h * q_sh;
+        const T* do_head = dout + b * do_sb + seq.q_start * do_ss + h * do_sh;
         const long long bh = static_cast<long long>(b) * heads + h;
         const ScoreMod<MODS, true> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
         const Dropout<(MODS & kModDropout) != 0> dropout(dropout_seed, dropout_offset, dropout_threshold,
                                                          static_cast<int>(bh));
         for (int m0 = m_begin; m0 < m_end; m0 += BLOCK_M) {
             __syncthreads();
-            load_rows_f32<T, BLOCK_M, HEAD_DIM>(q_s, q_head, q_ss, m0, seqlen_q, head_dim);
-            load_rows_f32<T, BLOCK_M, HEAD_DIM>(do_s, do_head, do_ss, m0, seqlen_q, head_dim);
-            load_row_stats<BLOCK_M>(lse2_s, delta_s, lse + bh * seqlen_q, delta + bh * seqlen_q, m0, seqlen_q);
+            load_rows_f32<T, BLOCK_M, HEAD_DIM>(q_s, q_head, q_ss, m0, seq.seqlen_q, head_dim);
+            load_rows_f32<T, BLOCK_M, HEAD_DIM>(do_s, do_head, do_ss, m0, seq.seqlen_q, head_dim);
+            load_row_stats<BLOCK_M>(lse2_s, delta_s, lse + seq.stats(b, heads, h), delta + seq.stats(b, heads, h), m0,
+                                    seq.seqlen_q);
             __syncthreads();
             recompute_p_ds<HEAD_DIM, MASK, MODS, BLOCK_M, BLOCK_N>(q_s, do_s, k_s, v_s, lse2_s, delta_s, p_s, ds_s,
                                                                      window, mod, dropout, dropout_scale, m0, n0,
-                                                                     seqlen_q, seqlen_k);
+                                                                     seq.seqlen_q, seq.seqlen_k);
             __syncthreads();
 #pragma unroll 2
             for (int r = 0; r < BLOCK_M; ++r) {
@@ -309,9 +317,9 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_PARAMS(
         }
     }
     const int key = n0 + key_row;
-    if (key < seqlen_k) {
-        T* dk_row = dk + b * dk_sb + h_kv * dk_sh + key * dk_ss;
-        T* dv_row = dv + b * dk_sb + h_kv * dk_sh + key * dk_ss;
+    if (key < seq.seqlen_k) {
+        T* dk_row = dk + b * dk_sb + seq.k_start * dk_ss + h_kv * dk_sh + key * dk_ss;
+        T* dv_row = dv + b * dk_sb + seq.k_start * dk_ss + h_kv * dk_sh + key * dk_ss;
 #pragma unroll
         for (int i = 0; i < kColsPerThread; ++i) {
             const int e = col0 + i * kThreadsPerRow;
@@ -324,7 +332,7 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_PARAMS(
 }
 
 // dQ: one block per (batch, head, BLOCK_M queries), walking the key tiles it can see; no atomics.
-template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int SMEM_BYTES>
+template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int SMEM_BYTES, bool VARLEN>
 __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dq_simt(CUFLASH_PARAMS(CUFLASH_BWD_FIELDS)) {
     using Tiles = SimtTiles<HEAD_DIM, BLOCK_M, BLOCK_N>;
     static_assert(Tiles::kBwdFloats * 4 == SMEM_BYTES, "launch shared memory must match the tile plan");
@@ -345,18 +353,22 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dq_simt(CUFLASH_PARAMS(CU
 
     const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, false);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
-    const Window<MASK> window{diagonal, window_left, window_right};
+    const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal);
+    if (VARLEN && m0 >= seq.seqlen_q) return;
+    const Window<MASK> window{seq.diagonal, window_left, window_right};
     const ScoreMod<MODS, true> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
     const Dropout<(MODS & kModDropout) != 0> dropout(dropout_seed, dropout_offset, dropout_threshold, bh);
     const int n_begin = window.key_begin(m0) / BLOCK_N * BLOCK_N;
-    const int n_end = window.key_end(m0 + BLOCK_M, seqlen_k);
-    const T* k_head = k + b * k_sb + h_kv * k_sh;
-    const T* v_head = v + b * v_sb + h_kv * v_sh;
+    const int n_end = window.key_end(m0 + BLOCK_M, seq.seqlen_k);
+    const T* k_head = k + b * k_sb + seq.k_start * k_ss + h_kv * k_sh;
+    const T* v_head = v + b * v_sb + seq.k_start * v_ss + h_kv * v_sh;
 
-    load_rows_f32<T, BLOCK_M, HEAD_DIM>(q_s, q + b * q_sb + h * q_sh, q_ss, m0, seqlen_q, head_dim);
-    load_rows_f32<T, BLOCK_M, HEAD_DIM>(do_s, dout + b * do_sb + h * do_sh, do_ss, m0, seqlen_q, head_dim);
-    load_row_stats<BLOCK_M>(lse2_s, delta_s, lse + static_cast<long long>(bh) * seqlen_q,
-                            delta + static_cast<long long>(bh) * seqlen_q, m0, seqlen_q);
+    load_rows_f32<T, BLOCK_M, HEAD_DIM>(q_s, q + b * q_sb + seq.q_start * q_ss + h * q_sh, q_ss, m0, seq.seqlen_q,
+                                        head_dim);
+    load_rows_f32<T, BLOCK_M, HEAD_DIM>(do_s, dout + b * do_sb + seq.q_start * do_ss + h * do_sh, do_ss, m0,
+                                        seq.seqlen_q, head_dim);
+    load_row_stats<BLOCK_M>(lse2_s, delta_s, lse + seq.stats(b, heads, h), delta + seq.stats(b, heads, h), m0,
+                            seq.seqlen_q);
     const int q_row = threadIdx.x / kThreadsPerRow, col0 = threadIdx.x % kThreadsPerRow;
     float dq_acc[kColsPerThread];
 #pragma unroll
@@ -364,12 +376,12 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dq_simt(CUFLASH_PARAMS(CU
 
     for (int n0 = n_begin; n0 < n_end; n0 += BLOCK_N) {
         __syncthreads();
-        load_rows_f32<T, BLOCK_N, HEAD_DIM>(k_s, k_head, k_ss, n0, seqlen_k, head_dim);
-        load_rows_f32<T, BLOCK_N, HEAD_DIM>(v_s, v_head, v_ss, n0, seqlen_k, head_dim);
+        load_rows_f32<T, BLOCK_N, HEAD_DIM>(k_s, k_head, k_ss, n0, seq.seqlen_k, head_dim);
+        load_rows_f32<T, BLOCK_N, HEAD_DIM>(v_s, v_head, v_ss, n0, seq.seqlen_k, head_dim);
         __syncthreads();
         recompute_p_ds<HEAD_DIM, MASK, MODS, BLOCK_M, BLOCK_N>(q_s, do_s, k_s, v_s, lse2_s, delta_s, p_s, ds_s,
                                                                  window, mod, dropout, dropout_scale, m0, n0,
-                                                                 seqlen_q, seqlen_k);
+                                                                 seq.seqlen_q, seq.seqlen_k);
         __syncthreads();
 #pragma unroll 2
         for (int c = 0; c < BLOCK_N; ++c) {
@@ -380,8 +392,8 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dq_simt(CUFLASH_PARAMS(CU
         }
     }
     const int row = m0 + q_row;
-    if (row < seqlen_q) {
-        T* dq_row = dq + b * dq_sb + h * dq_sh + row * dq_ss;
+    if (row < seq.seqlen_q) {
+        T* dq_row = dq + b * dq_sb + seq.q_start * dq_ss + h * dq_sh + row * dq_ss;
 #pragma unroll
         for (int i = 0; i < kColsPerThread; ++i) {
             const int e = col0 + i * kThreadsPerRow;
