@@ -21,7 +21,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "efficient). Suites: grid (TFLOP/s on FlashAttention's grid), memory (peak bytes beyond "
                     "inputs and outputs), overhead (host ms per call at tiny shapes), compile (first call "
                     "with a cold and a warm kernel cache), features (masks and score modifiers against "
-                    "FlexAttention), decode (one step against a KV cache).",
+                    "FlexAttention), decode (one step against a KV cache), varlen (packed batches of mixed "
+                    "lengths against padded peers).",
         epilog="Regenerate tables and plots from a results file: python -m bench.report RESULTS.json")
     parser.add_argument("suites", nargs="*", metavar="SUITE", help=f"suites to run, of {', '.join(SUITES)} "
                         "(default: all)")
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     environment = impls.environment()
     print(f"bench: {environment['gpu']}; implementations: {', '.join(names)}", file=sys.stderr)
     head_dims = tuple(args.head_dims)
-    timed_cells = [cell for suite in args.suites if suite != "compile"
+    timed_cells = [cell for suite in args.suites if suite not in suites.SELF_CHECKED
                    for cell in suite_cells(suite, args.quick, head_dims)]
     suites.check_reference(timed_cells)
     folder = results_dir(args.out, environment["gpu"])

@@ -14,8 +14,8 @@ import pathlib
 from .records import read_json
 
 #: Table rows and plot lines, in this order; unknown implementations follow, sorted.
-IMPL_ORDER = ("cuflash", "cuflash-deterministic", "naive-cupy", "torch-flash", "torch-cudnn", "torch-efficient",
-              "torch-flex")
+IMPL_ORDER = ("cuflash", "cuflash-padded", "cuflash-deterministic", "naive-cupy", "torch-flash", "torch-cudnn",
+              "torch-efficient", "torch-flex")
 SUBJECT = "cuflash"
 PASS_ORDER = ("fwd", "bwd", "fwd+bwd", "compile-cold", "compile-warm")
 #: The plots show one dtype, to stay readable; the tables show all.
@@ -72,6 +72,8 @@ LAYOUTS = {
     "decode": Layout("ms_median", "seqlen_k", ("batch", "seqlen_q", "heads", "feature"),
                      "GPU ms per decoding step (feature host: host ms per call)", "ms", fmt_ms, True,
                      "below 1: cuflash is faster", log_y=True),
+    "varlen": Layout("tflops", "seqlen_q", ("pass", "head_dim", "causal"), "TFLOP/s on the real tokens",
+                     "TFLOP/s", fmt_rate, True, "above 1: cuflash is faster"),
 }
 
 
@@ -162,6 +164,17 @@ def markdown(header: dict, records: list[dict], suite: str) -> str:
         lines.append("FLOPs: 4 * batch * heads * head_dim * the score entries the mask leaves visible (causal: "
                      "seqlen (seqlen + 1) / 2; a window of w keys: min(i + 1, w + 1) for row i) for the forward; "
                      "fwd+bwd 3.5x that. Every feature is causal.")
+    if suite == "varlen":
+        from .varlen import BATCHES
+
+        names = ", ".join(f"{fmt_count(max(lengths))} {name} ({len(lengths)} sequences)"
+                          for name, lengths in BATCHES.items())
+        lines.append(f"Columns: each batch's longest sequence: {names}; 16384 tokens each, bfloat16, heads x head_dim "
+                     "= 2048. cuflash is the packed call; the others run on the batch padded to its longest sequence. "
+                     "FLOPs: 4 * heads * head_dim * each sequence's score entries (causal: n (n + 1) / 2), fwd+bwd "
+                     "3.5x, for every implementation. Under each table: cuflash's packed rate over its dense "
+                     "kernels' rate on the padded batch counted on the padded work (4 * batch * heads * head_dim * "
+                     "seqlen^2, halved when causal).")
     if suite == "decode":
         lines.append("Columns: keys per sequence in the cache (every sequence full), bfloat16, head_dim 128, "
                      "non-causal; heads = query heads (kv heads in the file). GPU time, launch hidden, L2 "
@@ -173,6 +186,8 @@ def markdown(header: dict, records: list[dict], suite: str) -> str:
                   markdown_table(groups[key], layout)]
         if suite == "decode" and key[layout.panel.index("feature")] != "host":
             lines += ["", bandwidth_table(groups[key])]
+        if suite == "varlen":
+            lines += ["", packing_table(groups[key])]
     return "\n".join(lines) + "\n"
 
 
@@ -189,6 +204,24 @@ def bandwidth_table(records: list[dict]) -> str:
 
     layout = Layout("rate", "seqlen_k", (), "TB/s", "TB/s", lambda x: f"{x:.2f}", False)
     rows = [{**r, "rate": rate(r) if r["status"] == "ok" and r["ms_median"] else None} for r in records]
+    return markdown_table(rows, layout)
+
+
+def packing_table(records: list[dict]) -> str:
+    """The varlen suite's packed rate (real tokens) over cuflash's dense rate on the padded batch counted on the
+    padded work: 1 where packing costs the kernels nothing."""
+    from .flops import attention_flops, tflops
+
+    padded = {}
+    for r in records:
+        if r["impl"] == "cuflash-padded" and r["status"] == "ok":
+            work = attention_flops(r["batch"], r["heads"], r["seqlen_q"], r["seqlen_k"], r["head_dim"], r["causal"],
+                                   r["pass"])
+            padded[r["seqlen_q"]] = tflops(work, r["ms_median"])
+    rows = [{**r, "impl": "cuflash / cuflash-padded (padded work)",
+             "efficiency": r["tflops"] / padded[r["seqlen_q"]]}
+            for r in records if r["impl"] == SUBJECT and r["status"] == "ok" and r["seqlen_q"] in padded]
+    layout = Layout("efficiency", "seqlen_q", (), "", "", lambda x: f"{x:.2f}x", False)
     return markdown_table(rows, layout)
 
 

@@ -18,10 +18,14 @@ import sys
 import tempfile
 
 from .decode import DECODE_DTYPE, decode_shapes
+from .varlen import BATCHES as BATCHES_OF_VARLEN
+from .varlen import VARLEN_DTYPE, padded_shape, varlen_cells
 from .features import BY_NAME, FEATURES
 from .records import COMPILE_PASSES, Shape, make_record
 
-SUITES = ("grid", "memory", "overhead", "compile", "features", "decode")
+SUITES = ("grid", "memory", "overhead", "compile", "features", "decode", "varlen")
+#: the suites that check cuflash against the reference themselves (their cells are not the dense call's)
+SELF_CHECKED = ("compile", "decode", "varlen")
 
 # grid: FlashAttention's benchmark grid, a fixed token count and model width for every seqlen/head_dim
 TOKENS = 16384  # batch * seqlen
@@ -82,7 +86,7 @@ class Cell:
     dtype: str
     causal: bool
     pass_: str
-    feature: str = ""  # the features suite's mask or modifier (bench.features.BY_NAME)
+    feature: str = ""  # the features suite's mask or modifier (bench.features.BY_NAME); varlen's batch
 
     def describe(self) -> str:
         s = self.shape
@@ -146,6 +150,9 @@ def _all_suite_cells(suite: str, quick: bool) -> list[Cell]:
                 for dtype in dtypes for d in head_dims]
     if suite == "decode":  # bench.decode: one step against a KV cache of seqlen_k keys per sequence
         return [Cell(shape, DECODE_DTYPE, False, "fwd") for shape in decode_shapes(quick)]
+    if suite == "varlen":  # bench.varlen: packed batches of mixed lengths; the shape is the padded batch's
+        return [Cell(padded_shape(BATCHES_OF_VARLEN[name], d), VARLEN_DTYPE, causal, pass_, name)
+                for name, d, causal, pass_ in varlen_cells(quick)]
     raise ValueError(f"unknown suite {suite!r}; choose from {SUITES}")
 
 
@@ -242,6 +249,10 @@ def run_suite(suite: str, impl_names: list[str], quick: bool = False, repeats: i
         from . import decode
 
         return decode.run(impl_names, quick, settings.warmup, settings.repeats)
+    if suite == "varlen":
+        from . import varlen
+
+        return varlen.run(impl_names, quick, settings.warmup, settings.repeats, head_dims)
 
     from .impls import Cuflash, make_impls, make_inputs, release_memory
     from .timing import EventTimer

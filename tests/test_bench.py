@@ -379,3 +379,33 @@ def test_decode_suite_cells_and_bandwidth_report():
     assert "## batch 8, seqlen 1, heads 32, dtype bfloat16" in text
     assert "| cuflash / torch-cudnn | 0.80x |" in text
     assert "| cuflash | 2.68 |" in text and "| copy | 2.68 |" in text
+
+
+def test_varlen_suite_cells_and_packing_report():
+    from bench import varlen
+
+    assert all(sum(lengths) == varlen.VARLEN_TOKENS and 128 <= min(lengths) and max(lengths) <= 8192
+               for lengths in varlen.BATCHES.values())
+    cells = suite_cells("varlen")
+    # one padded shape per batch: the longest sequences tell the batches apart (the report's columns)
+    assert len({max(lengths) for lengths in varlen.BATCHES.values()}) == len(varlen.BATCHES)
+    assert {(c.shape.batch, c.shape.seqlen_q) for c in cells} == {(len(n), max(n)) for n in varlen.BATCHES.values()}
+    assert all(c.shape.heads * c.shape.head_dim == varlen.VARLEN_MODEL_DIM for c in cells)
+    assert {c.pass_ for c in cells} == set(varlen.VARLEN_PASSES)
+    narrow = suite_cells("varlen", head_dims=(64,))
+    assert narrow and all(c.shape.head_dim == 64 for c in narrow)
+    # sequences 3 and 1: 9 + 1 entries, causal 6 + 1, per sequence on average
+    assert varlen.visible_entries((3, 1), False) == 5 and varlen.visible_entries((3, 1), True) == 3.5
+    # the packed call at 100 real TFLOP/s in 1 ms; the padded dense call does the same real work in 2 ms, and
+    # its padded work (here twice the real) at the same 100 TFLOP/s: packing costs nothing
+    lengths = (4, 2)
+    shape = varlen.padded_shape(lengths, 128)
+    real = varlen.visible_entries(lengths, False)
+    padded_work = attention_flops(shape.batch, shape.heads, 4, 4, 128, False, "fwd")
+    ms_padded = padded_work / 100e12 * 1e3
+    ms_packed = attention_flops(shape.batch, shape.heads, 4, 4, 128, False, "fwd", visible=real) / 100e12 * 1e3
+    records = [make_record(name, "fwd", "bfloat16", shape, False, times_ms=[ms], feature="test", visible=real)
+               for name, ms in (("cuflash", ms_packed), ("cuflash-padded", ms_padded), ("torch-flash", ms_padded))]
+    text = report.markdown({"gpu": "test"}, records, "varlen")
+    assert "| cuflash | 100.0 |" in text and "| cuflash / torch-flash |" in text
+    assert "| cuflash / cuflash-padded (padded work) | 1.00x |" in text
