@@ -124,6 +124,20 @@ def _check_dtype(name: str, a):
         raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}, got {a.dtype}")
 
 
+def check_heads(heads: int, heads_kv: int, head_dim: int, kv_head_dim: int, kv_name: str, empty_ok: bool = False):
+    """The head layout every call shares: q's head_dim that of ``kv_name`` (k and v, or the cache) and within
+    1..MAX_HEAD_DIM, q's heads a multiple of a positive heads_kv (GQA); ``empty_ok``: or no heads at all."""
+    if kv_head_dim != head_dim:
+        raise ValueError(f"head_dim must match: q {head_dim}, {kv_name} {kv_head_dim}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
+    if empty_ok and heads == heads_kv == 0:
+        return
+    if heads_kv == 0 or heads % heads_kv:
+        raise ValueError(f"heads of q ({heads}) must be a multiple of heads_kv of {kv_name} ({heads_kv}), which "
+                         "must be positive")
+
+
 def check_forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                   sinks=None, dropout_p=0.0, alignment=BOTTOM_RIGHT) -> Problem:
     """Validate the forward's inputs and options and resolve the defaults (seed and offset, which change per
@@ -143,14 +157,9 @@ def check_forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=
         raise ValueError(f"k and v must have the same seqlen_k: k {seqlen_k}, v {v.shape[1]}")
     if v.shape[2] != heads_kv:
         raise ValueError(f"k and v must have the same number of heads: k {heads_kv}, v {v.shape[2]}")
-    if not (k.shape[3] == v.shape[3] == head_dim):
+    if k.shape[3] != v.shape[3]:
         raise ValueError(f"head_dim must match: q {head_dim}, k {k.shape[3]}, v {v.shape[3]}")
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
-    if heads_kv == 0 and heads != 0:
-        raise ValueError(f"k and v have 0 heads but q has {heads}")
-    if heads_kv and heads % heads_kv:
-        raise ValueError(f"heads of q ({heads}) must be a multiple of heads_kv of k and v ({heads_kv})")
+    check_heads(heads, heads_kv, head_dim, k.shape[3], "k and v", empty_ok=True)  # no heads: an empty problem
     check_flag("causal", causal)
     check_same_device(q=q, k=k, v=v)
     left, right = check_window(window_size, causal)
@@ -348,13 +357,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
                          f"{tuple(v_cache.shape)}")
     batch, seqlen_q, heads, head_dim = q.shape
     cache_rows, cache_len, heads_kv, cache_dim = k_cache.shape
-    if cache_dim != head_dim:
-        raise ValueError(f"head_dim must match: q {head_dim}, k_cache {cache_dim}")
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
-    if heads_kv == 0 or heads % heads_kv:
-        raise ValueError(f"heads of q ({heads}) must be a multiple of the cache's heads_kv ({heads_kv}), which must "
-                         "be positive")
+    check_heads(heads, heads_kv, head_dim, cache_dim, "the cache")
     check_flag("causal", causal)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache)
     page_size = num_pages = 0

@@ -14,8 +14,8 @@ import numbers
 import numpy as np
 
 from ._kvcache import sequence_slopes, to_host
-from ._validate import (Problem, _check_dtype, _is_number, check_flag, check_head_vectors, check_same_device,
-                        check_softcap, check_window, resolve_scale)
+from ._validate import (Problem, _check_dtype, _is_number, check_flag, check_head_vectors, check_heads,
+                        check_same_device, check_softcap, check_window, resolve_scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +58,7 @@ def check_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"head_dim must match: q {q.shape[2]}, k and v {k.shape[2]}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"heads of q ({q.shape[1]}) must be a multiple of heads_kv of k and v ({k.shape[1]}), which "
-                         "must be positive")
+    check_heads(q.shape[1], k.shape[1], q.shape[2], k.shape[2], "k and v")
     check_same_device(q=q, k=k, v=v)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not hasattr(cu, "dtype") or cu.dtype != np.int32 or cu.ndim != 1 or cu.shape[0] < 1:

@@ -260,7 +260,7 @@ def test_refused_calls_write_nothing(xp, rng):
                                        block_table=table)
     with pytest.raises(ValueError, match="k_cache must hold batch = 2"):
         cuflash.attention_with_kvcache(q, *(c[:1] for c in caches), cache_seqlens=1)
-    with pytest.raises(ValueError, match="must be a multiple of the cache's heads_kv"):
+    with pytest.raises(ValueError, match="must be a multiple of heads_kv of the cache"):
         cuflash.attention_with_kvcache(q[:, :, :3], *caches, cache_seqlens=1)
     for cache, want in zip((*caches, *pools), before):
         np.testing.assert_array_equal(to_numpy(cache), want)

@@ -89,6 +89,8 @@ def test_bad_packings_are_refused(xp, rng):
         (dict(cu_seqlens_q=xp.asarray(np.array([0, 3, 7], np.int64))), TypeError, "cu_seqlens_q must be an int32"),
         (dict(max_seqlen_q=3), ValueError, "max_seqlen_q must be an int of at least the longest sequence \\(4\\)"),
         (dict(q=q[None]), ValueError, "q must have 3 dimensions"),
+        (dict(q=q[..., :0], k=k[..., :0], v=v[..., :0]), ValueError, r"head_dim must be in 1\.\.256"),
+        (dict(q=q[:, :1].repeat(3, axis=1)), ValueError, r"heads of q \(3\) must be a multiple of heads_kv of k and v"),
         (dict(k=k[:, :1], v=v[:, :1], q=q[:, :1], dropout_p=0.1), ValueError, "dropout_p must be 0"),
         (dict(alibi_slopes=xp.zeros((3, 2), np.float32)), ValueError, "alibi_slopes must have shape"),
         (dict(causal=1), TypeError, "causal must be a bool"),
