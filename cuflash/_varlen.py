@@ -14,7 +14,7 @@ import numbers
 import numpy as np
 
 from ._kvcache import sequence_slopes, to_host
-from ._validate import (Problem, _check_dtype, _is_number, check_flag, check_head_vectors, check_heads,
+from ._validate import (_INT32_MAX, Problem, _check_dtype, _is_number, check_flag, check_head_vectors, check_heads,
                         check_same_device, check_softcap, check_window, resolve_scale)
 
 
@@ -60,6 +60,9 @@ def check_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     check_heads(q.shape[1], k.shape[1], q.shape[2], k.shape[2], "k and v")
     check_same_device(q=q, k=k, v=v)
+    for name, total in (("q", q.shape[0]), ("k", k.shape[0])):
+        if total > _INT32_MAX:
+            raise ValueError(f"{name} packs {total} rows, past int32: the int32 prefix sums cannot reach them")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not hasattr(cu, "dtype") or cu.dtype != np.int32 or cu.ndim != 1 or cu.shape[0] < 1:
             raise TypeError(f"{name} must be an int32 array (batch + 1,) of prefix sums, got "

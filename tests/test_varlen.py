@@ -95,6 +95,9 @@ def test_bad_packings_are_refused(xp, rng):
         (dict(alibi_slopes=xp.zeros((3, 2), np.float32)), ValueError, "alibi_slopes must have shape"),
         (dict(causal=1), TypeError, "causal must be a bool"),
     ]
+    if xp is np:  # a packed length past int32, as a zero-stride view (no memory behind it)
+        huge = np.broadcast_to(np.zeros((1, 2, 16), np.float32), (2**31, 2, 16))
+        bad.append((dict(q=huge), ValueError, "q packs 2147483648 rows, past int32"))
     for overrides, error, message in bad:
         args = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, **overrides}
         with pytest.raises(error, match=message):
