@@ -84,6 +84,11 @@ def test_a_plan_names_every_field_once(options):
     assert args["query_blocks_fastest"] == launch.tail[0]
     assert type(args["dropout_threshold"]) is np.uint32 and type(args["softcap_in"]) is np.float32
     assert args["alibi_batch_stride"] == (8 if options.get("alibi_shape") else 0)
+    # a packed batch's forward: the prefix sums per call, after the others
+    packed_fixed = {name: value for name, value in fixed.items() if name not in _cupy_path.DENSE_FIELDS}
+    per_call = _cupy_path.FORWARD_PER_CALL + _cupy_path.PACKED_PER_CALL
+    args = dict(zip([f.name for f in fields], _params.Arguments(fields, packed_fixed, per_call)(per_call)))
+    assert all(args[name] == name for name in per_call)
 
     backward = _params.backward_fields()
     fixed = {**_cupy_path._stride_fields(q=strides[0], k=strides[1], v=strides[2], do=strides[3], dq=(0, 0, 0),
