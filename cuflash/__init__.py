@@ -58,12 +58,8 @@ def _plan_forward(q, k, v, causal, softmax_scale, window_size, softcap, alibi_sl
     problem = check_forward(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p,
                             alignment)
     if problem.is_empty or problem.seqlen_k == 0:
-        def empty(q, k, v, alibi_slopes, sinks, seed, offset, with_lse):
-            shape = (problem.batch, problem.heads, problem.seqlen_q)
-            lse = (xp.full(shape, -xp.inf, xp.float32) if sinks is None else
-                   xp.ascontiguousarray(xp.broadcast_to(sinks[None, :, None], shape)))  # the sink alone
-            return xp.zeros(q.shape, q.dtype), lse
-        return empty
+        return lambda q, k, v, alibi_slopes, sinks, seed, offset, with_lse: _no_keys(
+            xp, q, (problem.batch, problem.heads, problem.seqlen_q), sinks)
     if xp is np:
         return lambda q, k, v, alibi_slopes, sinks, seed, offset, with_lse: _numpy_path.forward(
             q, k, v, problem, alibi_slopes, sinks, seed, offset)
@@ -82,16 +78,28 @@ def _plan_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic
                              sinks, dropout_p, alignment)
     check_flag("deterministic", deterministic)
     if problem.is_empty or problem.seqlen_k == 0:
-        def empty(dout, q, k, v, out, lse, alibi_slopes, sinks, seed, offset):
-            grads = xp.zeros(q.shape, q.dtype), xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype)
-            return grads if sinks is None else (*grads, xp.zeros(problem.heads, xp.float32))
-        return empty
+        return lambda dout, q, k, v, out, lse, alibi_slopes, sinks, seed, offset: _zero_gradients(
+            xp, q, k, v, sinks)
     if xp is np:
         return lambda dout, q, k, v, out, lse, alibi_slopes, sinks, seed, offset: _numpy_path.backward(
             dout, q, k, v, out, lse, problem, alibi_slopes, sinks, seed, offset)
     from . import _cupy_path
 
     return _cupy_path.BackwardPlan(problem, q.data.device_id, bool(deterministic), dout, q, k, v, out, lse).run
+
+
+def _no_keys(xp, q, lse_shape, sinks):
+    """out and lse of a call in which no row sees a key: out 0, lse -inf, or with sinks the sink alone (lse_shape's
+    last two axes are heads and rows)."""
+    lse = (xp.full(lse_shape, -xp.inf, xp.float32) if sinks is None else
+           xp.ascontiguousarray(xp.broadcast_to(sinks[:, None], lse_shape)))
+    return xp.zeros(q.shape, q.dtype), lse
+
+
+def _zero_gradients(xp, q, k, v, sinks):
+    """The gradients of a call in which no row sees a key: all 0 (dsinks too: float32 (heads,), with sinks)."""
+    grads = xp.zeros(q.shape, q.dtype), xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype)
+    return grads if sinks is None else (*grads, xp.zeros(sinks.shape, xp.float32))
 
 
 def _optional_arrays(**arrays) -> dict:
@@ -268,7 +276,7 @@ def _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
             q = _kvcache.rotate_and_append(xp, q, k, v, k_cache, v_cache, cache_seqlens, block_table, rotary_cos,
                                            rotary_sin, interleaved, a.masked)
             if a.is_empty:
-                return xp.zeros(q.shape, q.dtype), xp.full((a.batch, a.heads, a.seqlen_q), -xp.inf, xp.float32)
+                return _no_keys(xp, q, (a.batch, a.heads, a.seqlen_q), sinks)
             keys = _kvcache.lengths_of(cache_seqlens, a.batch, a.seqlen_k) + problem.seqlen_new
 
             def attend(q_b, k_b, v_b, slopes):
@@ -416,19 +424,14 @@ def _plan_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                                                 {**options, "sinks": sinks})
         return per_sequence
     if q.shape[0] == 0 or problem.heads == 0 or problem.seqlen_k == 0:
-        def empty(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, with_lse):
-            shape = (q.shape[1], q.shape[0])
-            lse = xp.full(shape, -xp.inf, xp.float32) if sinks is None else \
-                xp.ascontiguousarray(xp.broadcast_to(sinks[:, None], shape))  # the sink alone
-            return xp.zeros(q.shape, q.dtype), lse
-        return empty
+        return lambda q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, with_lse: _no_keys(
+            xp, q, (q.shape[1], q.shape[0]), sinks)
     from . import _cupy_path
 
     run = _cupy_path.ForwardPlan(problem, q.data.device_id, q, k, v, packed=True).run
 
     def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, with_lse):
-        return run(q, k, v, alibi_slopes, sinks, with_lse=with_lse,
-                   cu_seqlens=_contiguous_int32(xp, cu_seqlens_q, cu_seqlens_k))
+        return run(q, k, v, alibi_slopes, sinks, with_lse=with_lse, cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
     return packed_forward
 
 
@@ -457,28 +460,21 @@ def _plan_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
                                                  alibi_slopes, sinks, options)
         return per_sequence
     if q.shape[0] == 0 or problem.heads == 0 or problem.seqlen_k == 0:
-        def empty(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks):
-            grads = xp.zeros(q.shape, q.dtype), xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype)
-            return grads if sinks is None else (*grads, xp.zeros(problem.heads, xp.float32))
-        return empty
+        return lambda dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks: _zero_gradients(
+            xp, q, k, v, sinks)
     from . import _cupy_path
 
     run = _cupy_path.BackwardPlan(problem, q.data.device_id, bool(deterministic), dout, q, k, v, out, lse,
                                   packed=True).run
 
     def packed_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks):
-        return run(dout, q, k, v, out, lse, alibi_slopes, sinks,
-                   cu_seqlens=_contiguous_int32(xp, cu_seqlens_q, cu_seqlens_k))
+        return run(dout, q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
     return packed_backward
 
 
 def _varlen_options(causal, softmax_scale, window_size, softcap) -> dict:
     """The options of the NumPy path's per-sequence calls."""
     return dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
-
-
-def _contiguous_int32(xp, *arrays) -> tuple:
-    return tuple(xp.ascontiguousarray(a) for a in arrays)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,

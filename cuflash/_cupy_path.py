@@ -150,7 +150,8 @@ def _dropout_args(p: Problem, seed: int, offset: int) -> tuple:
 
 
 def _vector(x):
-    """A float32 vector argument (ALiBi slopes, sinks) as the kernels read it: contiguous, or null."""
+    """A vector argument (ALiBi slopes, sinks, a packed batch's prefix sums) as the kernels read it: contiguous,
+    or null."""
     return _NULL if x is None else cupy.ascontiguousarray(x)
 
 
@@ -195,9 +196,9 @@ class ForwardPlan:
             cu_seqlens=()):
         """out, and lse where ``with_lse`` (else None: the kernel stores none), on CuPy's current stream.
         ``alibi_slopes``, ``sinks``, ``seed`` and ``offset`` are read where the problem has them;
-        ``cu_seqlens`` is a packed plan's (cu_seqlens_q, cu_seqlens_k), int32 and contiguous."""
+        ``cu_seqlens`` is a packed plan's (cu_seqlens_q, cu_seqlens_k), int32."""
         return _run_on(self.device_id, self._launch, q, k, v, alibi_slopes, sinks,
-                       _dropout_args(self.problem, seed, offset), with_lse, tuple(cu_seqlens))
+                       _dropout_args(self.problem, seed, offset), with_lse, tuple(map(_vector, cu_seqlens)))
 
     def _launch(self, q, k, v, alibi_slopes, sinks, dropout, with_lse, cu_seqlens):
         copy_q, copy_k, copy_v = self.copies
@@ -299,7 +300,7 @@ class BackwardPlan:
         """dq, dk, dv (and dsinks, float32 (heads,), with sinks) on CuPy's current stream; ``cu_seqlens`` as in
         ForwardPlan.run."""
         return _run_on(self.device_id, self._launch, dout, q, k, v, out, lse, alibi_slopes, sinks,
-                       _dropout_args(self.problem, seed, offset), tuple(cu_seqlens))
+                       _dropout_args(self.problem, seed, offset), tuple(map(_vector, cu_seqlens)))
 
     def _launch(self, dout, q, k, v, out, lse, alibi_slopes, sinks, dropout, cu_seqlens):
         if any(self.copies):

@@ -20,7 +20,8 @@ from ._validate import (_INT32_MAX, Problem, _check_dtype, _is_number, check_fla
 
 @dataclasses.dataclass(frozen=True)
 class Packing:
-    """The sequences of a packed batch, on the host: ``starts_q[b]``, ``starts_k[b]`` and their ends."""
+    """The sequences of a packed batch, on the host: the prefix sums, sequence ``b`` from ``cu_q[b]`` and
+    ``cu_k[b]`` to the next entries."""
 
     cu_q: np.ndarray  # int64 (batch + 1,)
     cu_k: np.ndarray

@@ -81,6 +81,18 @@ def test_empty_keys_give_zero_output(xp, rng):
     assert np.all(to_numpy(out) == 0) and np.all(np.isneginf(to_numpy(lse)))
 
 
+def test_empty_keys_with_sinks_give_the_sink(xp, rng):
+    """No key at all: out 0, each row's lse its head's sink, and every gradient (dsinks too) 0."""
+    q, k, v = make_qkv(xp, rng, 2, 5, 0, 3, 3, 32, np.float32)
+    sinks = xp.asarray(np.array([0.5, -1.0, 2.0], np.float32))
+    out, lse = cuflash.attention(q, k, v, return_lse=True, sinks=sinks)
+    assert np.all(to_numpy(out) == 0)
+    np.testing.assert_array_equal(to_numpy(lse), np.broadcast_to(to_numpy(sinks)[None, :, None], (2, 3, 5)))
+    grads = cuflash.attention_backward(q, q, k, v, out, lse, sinks=sinks)
+    assert len(grads) == 4 and grads[3].shape == (3,) and grads[3].dtype == np.float32
+    assert all(np.all(to_numpy(g) == 0) for g in grads)
+
+
 @pytest.mark.parametrize("shape", [(0, 4, 4, 2, 2), (2, 0, 4, 2, 2), (2, 4, 4, 0, 0)])
 def test_zero_length_axes_give_empty_results(xp, rng, shape):
     batch, seqlen_q, seqlen_k, heads, heads_kv = shape
