@@ -300,30 +300,28 @@ struct QueryBlock {
 // bottom-right corner; lse and delta are (heads, total_q); the grid is sized for the longest sequences (the
 // kernel's seqlen_q and seqlen_k) and a block past its own sequence's end has no work.
 template <bool VARLEN> struct Sequence {
+  private:
+    template <bool VOLATILE> struct Loads {};   // which loads the constructor reads the prefix sums with
+
+  public:
     int seqlen_q, seqlen_k, diagonal;
     long long q_start, k_start;   // the sequence's first row of q and of k (0 in a dense batch)
     long long total_q;            // rows of the packed q (VARLEN only)
     __device__ __forceinline__ Sequence(const int* cu_seqlens_q, const int* cu_seqlens_k, int b, int batch,
                                         int seqlen_q_, int seqlen_k_, int diagonal_)
-        : seqlen_q(seqlen_q_), seqlen_k(seqlen_k_), diagonal(diagonal_), q_start(0), k_start(0), total_q(0) {
-        read<false>(cu_seqlens_q, cu_seqlens_k, b, batch);
-    }
+        : Sequence(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q_, seqlen_k_, diagonal_, Loads<false>{}) {}
     // The same with volatile loads, which the compiler cannot merge with earlier ones: a kernel short of
     // registers builds a second Sequence for its epilogue rather than hold one across its main loop
     // (fwd_mma: holding it spilled 28-56 bytes at 255 registers, sm_90).
     __device__ static __forceinline__ Sequence reread(const int* cu_seqlens_q, const int* cu_seqlens_k, int b,
                                                       int batch, int seqlen_q_, int seqlen_k_, int diagonal_) {
-        Sequence seq(nullptr, nullptr, 0, 0, seqlen_q_, seqlen_k_, diagonal_, 0);
-        seq.template read<true>(cu_seqlens_q, cu_seqlens_k, b, batch);
-        return seq;
+        return Sequence(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q_, seqlen_k_, diagonal_, Loads<true>{});
     }
     // Sequence b's keys, with volatile loads: for a kernel that reads the count at each use in its main loop
     // rather than hold it in a register (fwd_mma: held, ptxas spilled 24-48 bytes at 255 registers, sm_90).
     __device__ static __forceinline__ int reread_seqlen_k(const int* cu_seqlens_k, int b) {
-        int begin, end;
-        asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(begin) : "l"(cu_seqlens_k + b));
-        asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(end) : "l"(cu_seqlens_k + b + 1));
-        return end - begin;
+        const int begin = load<true>(cu_seqlens_k + b);
+        return load<true>(cu_seqlens_k + b + 1) - begin;
     }
     // The offset of (batch b, head h)'s row 0 in lse and delta.
     __device__ __forceinline__ long long stats(int b, int heads, int h) const {
@@ -331,24 +329,26 @@ template <bool VARLEN> struct Sequence {
     }
 
   private:
-    __device__ __forceinline__ Sequence(const int*, const int*, int, int, int seqlen_q_, int seqlen_k_,
-                                        int diagonal_, int)
-        : seqlen_q(seqlen_q_), seqlen_k(seqlen_k_), diagonal(diagonal_), q_start(0), k_start(0), total_q(0) {}
     template <bool VOLATILE>
-    __device__ __forceinline__ void read(const int* cu_seqlens_q, const int* cu_seqlens_k, int b, int batch) {
+    __device__ __forceinline__ Sequence(const int* cu_seqlens_q, const int* cu_seqlens_k, int b, int batch,
+                                        int seqlen_q_, int seqlen_k_, int diagonal_, Loads<VOLATILE>)
+        : seqlen_q(seqlen_q_), seqlen_k(seqlen_k_), diagonal(diagonal_), q_start(0), k_start(0), total_q(0) {
         if constexpr (VARLEN) {
-            auto load = [](const int* p) {
-                if constexpr (!VOLATILE) return *p;
-                int x;
-                asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(x) : "l"(p));
-                return x;
-            };
-            q_start = load(cu_seqlens_q + b);
-            k_start = load(cu_seqlens_k + b);
-            seqlen_q = load(cu_seqlens_q + b + 1) - static_cast<int>(q_start);
-            seqlen_k = load(cu_seqlens_k + b + 1) - static_cast<int>(k_start);
+            q_start = load<VOLATILE>(cu_seqlens_q + b);
+            k_start = load<VOLATILE>(cu_seqlens_k + b);
+            seqlen_q = load<VOLATILE>(cu_seqlens_q + b + 1) - static_cast<int>(q_start);
+            seqlen_k = load<VOLATILE>(cu_seqlens_k + b + 1) - static_cast<int>(k_start);
             diagonal = seqlen_k - seqlen_q;
-            total_q = load(cu_seqlens_q + batch);
+            total_q = load<VOLATILE>(cu_seqlens_q + batch);
+        }
+    }
+    template <bool VOLATILE> __device__ static __forceinline__ int load(const int* p) {
+        if constexpr (!VOLATILE) {
+            return *p;
+        } else {
+            int x;
+            asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(x) : "l"(p));
+            return x;
         }
     }
 };
