@@ -121,9 +121,9 @@ def write_json(path: str | pathlib.Path, header: dict, records: list[dict]) -> p
 
 def record_key(record: dict) -> tuple:
     """What a record measured, without the outcome: two records of one key are the same cell and
-    implementation."""
+    implementation. Results written before records had a feature lack the field: no feature, as ''."""
     return tuple(record[field] for field in ("impl", "pass", "dtype", "batch", "seqlen_q", "seqlen_k", "heads",
-                                             "heads_kv", "head_dim", "causal", "feature"))
+                                             "heads_kv", "head_dim", "causal")) + (record.get("feature") or "",)
 
 
 def merge_records(old: list[dict], new: list[dict]) -> list[dict]:

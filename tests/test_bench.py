@@ -124,6 +124,10 @@ def test_merge_replaces_a_cells_record_in_place_and_appends_new_cells():
     assert merged == [old[0], redo, other]
     assert len({record_key(r) for r in merged}) == 3 and record_key(redo) == record_key(old[1])
     assert merge_records(old, []) == old and merge_records([], old) == old
+    # a record written before records had a feature (no such field) is the same cell as a new featureless one
+    plain = make_record("cuflash", "fwd", "bfloat16", SHAPE, True, times_ms=[2.0], feature="")
+    legacy = {key: value for key, value in plain.items() if key != "feature"}
+    assert merge_records([legacy], [plain]) == [plain]
 
 
 # suites
