@@ -41,6 +41,12 @@ def kernel_source(file_name: str) -> str:
 _kernels: dict[tuple, object] = {}
 
 
+def options(spec: KernelSpec) -> tuple[str, ...]:
+    """NVRTC options of ``spec`` on the GPU path: COMMON_OPTIONS, and the architecture-specific target for the
+    Hopper kernels (CuPy names the plain sm_XX of the device; NVRTC takes the later -arch)."""
+    return COMMON_OPTIONS + (("-arch=sm_90a",) if spec.arch_specific else ())
+
+
 def get_kernel(spec: KernelSpec, device_id: int):
     """The compiled ``cupy.RawKernel`` of ``spec`` on device ``device_id`` (compiled on first use)."""
     key = (device_id, spec.cache_key)
@@ -49,7 +55,7 @@ def get_kernel(spec: KernelSpec, device_id: int):
         import cupy
 
         with cupy.cuda.Device(device_id):
-            module = cupy.RawModule(code=kernel_source(spec.source_file), options=COMMON_OPTIONS,
+            module = cupy.RawModule(code=kernel_source(spec.source_file), options=options(spec),
                                     name_expressions=[spec.name])
             kernel = module.get_function(spec.name)
             if spec.smem_bytes > 48 * 1024:  # the default dynamic shared-memory limit per block
@@ -145,7 +151,9 @@ def compile_offline(specs: list[KernelSpec], arch: str) -> list[CompileReport]:
     files = {spec.source_file for spec in specs}
     if len(files) != 1:
         raise ValueError(f"compile_offline takes specs of one source file, got {sorted(files)}")
-    log, lowered = _nvrtc_compile(kernel_source(files.pop()), arch, [spec.name for spec in specs])
+    # the Hopper kernels' source compiles for the architecture-specific target (sm_90a); reported as `arch`
+    target = f"{arch}a" if any(spec.arch_specific for spec in specs) else arch
+    log, lowered = _nvrtc_compile(kernel_source(files.pop()), target, [spec.name for spec in specs])
     return [_report(spec, arch, lowered[spec.name], log) for spec in specs]
 
 

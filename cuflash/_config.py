@@ -41,7 +41,7 @@ ALL_MODS = MOD_SOFTCAP | MOD_ALIBI | MOD_SINKS | MOD_DROPOUT
 #: the modifiers that change the scores (the sinks change only the forward's epilogue)
 SCORE_MODS = MOD_SOFTCAP | MOD_ALIBI
 #: kernels whose template has MASK and MODS (every one but the row reductions)
-_MASKED_KERNELS = frozenset({"fwd_mma", "fwd_simt", "bwd_dkdv_simt", "bwd_dq_simt", "bwd_dkdv_mma",
+_MASKED_KERNELS = frozenset({"fwd_mma", "fwd_wgmma", "fwd_simt", "bwd_dkdv_simt", "bwd_dq_simt", "bwd_dkdv_mma",
                              "bwd_dkdv_rows_mma", "bwd_dq_mma"})
 #: rows of one warp's mma tile in the tensor-core forward
 MMA_ROWS_PER_WARP = 16
@@ -58,11 +58,20 @@ KERNEL_FILES = {
     "bwd_dq_mma": "bwd_mma.cu",
     "bwd_dq_convert": "bwd_mma.cu",
     "merge_parts": "merge.cu",
+    "fwd_wgmma": "fwd_wgmma.cu",
 }
 #: kernels with a packed-batch specialization (their VARLEN template argument, the last)
 VARLEN_KERNELS = _MASKED_KERNELS | {"bwd_dq_convert"}
 #: tensor-core kernels: shared memory derived from the tile shape
 MMA_KERNELS = frozenset({"fwd_mma", "bwd_dkdv_mma", "bwd_dkdv_rows_mma", "bwd_dq_mma"})
+#: Hopper kernels (wgmma, TMA, setmaxnreg): compiled for sm_90a, which runs on compute capability 9.0 only
+SM90A_KERNELS = frozenset({"fwd_wgmma"})
+#: fwd_wgmma's rows per consumer warpgroup (a block of block_m rows has block_m / 64 consumers and a producer)
+WGMMA_ROWS_PER_CONSUMER = 64
+#: its K and V stages (``kWgmmaStages`` in kernels/fwd_wgmma.cu)
+WGMMA_STAGES = 2
+#: columns of a TMA box row: 128 bytes of 16-bit elements, the 128-byte swizzle's row (``kSwizzleElems``)
+SWIZZLE_ELEMS = 64
 #: bwd_dkdv_mma: 8 warps in 2 x 4 and 4 x 2 grids of warp tiles (``kDkdvTiledThreads`` in kernels/bwd_mma.cu)
 DKDV_TILED_THREADS = 256
 #: bwd_dkdv_rows_mma keeps 16 x head_dim accumulators of dK and of dV per warp in registers; past this
@@ -108,6 +117,9 @@ class DeviceProps:
     compute_capability: int  # 80, 86, 89, 90, ...
     max_smem_per_block: int  # opt-in maximum of dynamic shared memory per block, bytes
     sm_count: int
+    #: can the Hopper kernels (SM90A_KERNELS) run here: compute capability 9.0, TMA tensor maps encodable on the
+    #: host (cuda-bindings importable) and an NVRTC that compiles for sm_90a through CuPy (_cupy_path.device_props)?
+    tensor_maps: bool = False
 
     @property
     def arch(self) -> str:
@@ -116,7 +128,7 @@ class DeviceProps:
 
 #: Reference devices, used when compiling without a GPU (values from the CUDA programming guide).
 A100 = DeviceProps(80, 166912, 108)
-H100 = DeviceProps(90, 232448, 132)
+H100 = DeviceProps(90, 232448, 132, tensor_maps=True)
 RTX_4090 = DeviceProps(89, 101376, 128)
 
 
@@ -144,6 +156,11 @@ class KernelSpec:
         return KERNEL_FILES[self.kernel]
 
     @property
+    def arch_specific(self) -> bool:
+        """Compiled for the architecture-specific target (sm_90a: wgmma, setmaxnreg), not the plain sm_XX."""
+        return self.kernel in SM90A_KERNELS
+
+    @property
     def name(self) -> str:
         """The C++ template instance, e.g. ``cuflash::fwd_mma<__half, 128, true, 128, 64, 4, 1>``."""
         ctype = CUDA_TYPES[np.dtype(self.dtype)]
@@ -153,7 +170,7 @@ class KernelSpec:
             args = [ctype, str(self.head_dim), "true" if self.varlen else "false"]
         else:
             args = [ctype, str(self.head_dim), str(int(self.mask)), str(self.mods), str(self.block_m), str(self.block_n)]
-            if self.kernel not in MMA_KERNELS:
+            if self.kernel not in MMA_KERNELS | SM90A_KERNELS:
                 args.append(str(self.smem_bytes))
             if self.kernel in ("fwd_mma", "bwd_dq_mma"):
                 args.append(str(self.threads // 32))
@@ -433,6 +450,59 @@ def _mma_forward_tiles(head_dim: int, causal: bool, device: DeviceProps, mods: i
     return 128, 64, 8, 1
 
 
+def wgmma_smem_bytes(head_dim: int, block_m: int, block_n: int, itemsize: int = 2) -> int:
+    """fwd_wgmma's shared memory (``WgmmaFwdSmem`` in kernels/fwd_wgmma.cu): the Q tile, WGMMA_STAGES stages of
+    K and of V, and 1 + 4 * WGMMA_STAGES mbarriers of 8 bytes."""
+    return (block_m + 2 * WGMMA_STAGES * block_n) * head_dim * itemsize + 8 * (1 + 4 * WGMMA_STAGES)
+
+
+def wgmma_threads(block_m: int) -> int:
+    """fwd_wgmma's threads: a producer warpgroup and block_m / 64 consumers (``WgmmaRoles::kThreads``)."""
+    return 128 * (1 + block_m // WGMMA_ROWS_PER_CONSUMER)
+
+
+def _wgmma_forward_tiles(head_dim: int) -> tuple[int, int]:
+    """(block_m, block_n) of fwd_wgmma at a (64-multiple) head dim. Key tiles: the widest whose S, P and O fit
+    the consumers' registers beside each other (64 x (block_n + block_n / 2 + head_dim) / 128 per thread, 240 for
+    two consumers, 160 for three) and whose stages fit in shared memory, unless a narrower one measured faster.
+    TFLOP/s on the H200, bfloat16, FlashAttention's grid at seqlen 1k / 4k / 16k, non-causal; causal; with the
+    kernel's ping-pong choice (on up to head_dim 128), medians of 20 calls in one process (bench/NOTES.md h2):
+      head_dim 64:  192 x 128 (three consumers) 382 / 444 / 514, causal 240 / 405 / 498;
+                    128 x 128 344 / 378 / 413, causal 252 / 370 / 413
+      head_dim 128: 128 x 128 540 / 664 / 639, causal 335 / 541 / 600;  128 x 176 512 / 588 / 635
+      head_dim 192: 128 x 96 429 / 670 / 703, causal 313 / 603 / 714;  128 x 112 423 / 624 / 688
+      head_dim 256: 128 x 64 597 / 762 / 767, causal 335 / 629 / 709;  128 x 80 593 / 736 / 711
+    """
+    return {64: (192, 128), 128: (128, 128), 192: (128, 96), 256: (128, 64)}[head_dim]
+
+
+def wgmma_forward_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: int = 0) -> KernelSpec | None:
+    """The Hopper forward (fwd_wgmma) for one problem, or None where it does not serve: a GPU other than
+    compute capability 9.0 or no tensor maps (DeviceProps.tensor_maps), float32, dropout, a head dim of 32 or
+    less (fwd_mma's 128 x 64 tiles waste no columns there; the 64-column TMA boxes would waste half) or not a
+    multiple of 8 (TMA's rows are multiples of 16 bytes). Its head dim is the user's rounded up to a multiple
+    of 64: the missing columns read as zeros (TMA) and are never stored."""
+    dtype = np.dtype(dtype)
+    if (device.compute_capability != 90 or not device.tensor_maps or dtype == np.float32 or mods & MOD_DROPOUT
+            or head_dim <= 32 or head_dim % 8):
+        return None
+    d = -(-head_dim // SWIZZLE_ELEMS) * SWIZZLE_ELEMS
+    block_m, block_n = _wgmma_forward_tiles(d)
+    return wgmma_spec(dtype, d, mask, block_m, block_n, mods, device)
+
+
+def wgmma_spec(dtype, head_dim: int, mask: int, block_m: int, block_n: int, mods: int = 0,
+               device: DeviceProps | None = None) -> KernelSpec | None:
+    """fwd_wgmma's spec at the given tile, its threads and shared memory derived; None where the tile does not
+    fit ``device``'s shared memory. The table's choice and the probes' candidates both come from here."""
+    dtype = np.dtype(dtype)
+    smem = wgmma_smem_bytes(head_dim, block_m, block_n, dtype.itemsize)
+    if device is not None and smem > device.max_smem_per_block:
+        return None
+    return KernelSpec("fwd_wgmma", dtype, head_dim, int(mask), block_m, block_n, wgmma_threads(block_m), smem,
+                      mods=mods)
+
+
 def forward_query_blocks_fastest(head_dim: int, causal: bool) -> bool:
     """The forward's grid order (``QueryBlock``, kernels/common.cuh): query blocks fastest (True) or batch *
     heads fastest, the highest query blocks first (False). ``head_dim`` is the padded one.
@@ -618,6 +688,9 @@ def choose_config(head_dim: int, dtype, mask: int, device: DeviceProps, mods: in
         MASK_NONE, MASK_CAUSAL or MASK_WINDOW (``Problem.mask_kind``; a bool reads as none or causal). The
         table's "causal" measurements are of the causal kernels; windows share their tiles.
     device : DeviceProps
+        On compute capability 9.0 with tensor maps the forward is the Hopper kernel where it serves
+        (wgmma_forward_spec), else fwd_mma; a caller whose arrays no tensor map can describe asks with
+        ``tensor_maps=False``.
     mods : int
         MOD_* bits (``Problem.mods``): the forward takes them all, the backward all but MOD_SINKS. The
         modifiers share the plain kernels' tiles, except where dropout's registers needed narrower ones
@@ -643,7 +716,8 @@ def choose_config(head_dim: int, dtype, mask: int, device: DeviceProps, mods: in
         raise ValueError(f"mods must be a combination of the MOD_* bits ({ALL_MODS:#x}), got {mods:#x}")
     bwd_mods = mods & ~MOD_SINKS
     half = dtype != np.float32  # float32 stays exact: CUDA cores, no tf32
-    forward = (_mma_spec("fwd_mma", dtype, d, mask, device, mods=mods) if half else
+    forward = (wgmma_forward_spec(head_dim, dtype, mask, device, mods) or
+               _mma_spec("fwd_mma", dtype, d, mask, device, mods=mods) if half else
                _simt_spec("fwd_simt", dtype, d, mask, device, mods))
     if half:
         # Up to the fused head dim, a softcap's atomic-dQ dK/dV kernels spill (the tiled one 4-16 bytes on
@@ -681,15 +755,19 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
     """The kernels the compile check compiles for ``device``: every plain kernel the dispatcher can choose
     (each dtype, head dim and mask kind), and a covering set of the modifier kernels: all modifiers at
     once (the most registers), with and without dropout (which changes the forward's tiles), without a
-    mask and under a window, at every head dim, for bfloat16 (float16 is the same code) and float32. Not the
+    mask and under a window, at every head dim, for bfloat16 (float16 is the same code) and float32. On a
+    device with tensor maps, both forwards: the Hopper kernel and its mma.sync fallback. Not the
     cross product of the modifiers: 16 combinations per kernel. The KV-cache forward likewise (contiguous and
     on the smallest pages, plain and under a window with every modifier), the packed-batch kernels (below),
     and merge_parts for each dtype."""
     specs = {}
+    # where the Hopper forward serves, the mma.sync forward is its fallback (arrays no tensor map describes)
+    devices = {device, dataclasses.replace(device, tensor_maps=False)}
 
-    def add(dtype, d, mask, mods):
-        for spec in choose_config(d, dtype, mask, device, mods).specs:
-            specs[spec.cache_key] = spec
+    def add(dtype, d, mask, mods, varlen=False):
+        for dev in devices:
+            for spec in choose_config(d, dtype, mask, dev, mods, varlen).specs:
+                specs[spec.cache_key] = spec
 
     for d in HEAD_DIMS:
         for dtype in SUPPORTED_DTYPES:
@@ -710,8 +788,7 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
     for dtype, dims in ((BFLOAT16, HEAD_DIMS), (np.dtype(np.float32), (HEAD_DIMS[0], MAX_HEAD_DIM))):
         for d in dims:
             for mask, mods in ((MASK_NONE, 0), (MASK_WINDOW, ALL_MODS & ~MOD_DROPOUT)):
-                for spec in choose_config(d, dtype, mask, device, mods, varlen=True).specs:
-                    specs[spec.cache_key] = spec
+                add(dtype, d, mask, mods, varlen=True)
     for dtype in SUPPORTED_DTYPES:
         spec = KernelSpec("merge_parts", dtype, threads=MERGE_WARPS * 32)
         specs[spec.cache_key] = spec

@@ -14,7 +14,7 @@ import functools
 
 import numpy as np
 
-from . import _config, _kvcache, _params, _philox, _plan
+from . import _config, _kvcache, _params, _philox, _plan, _tma
 from ._compile import get_kernel
 from ._validate import CacheProblem, Problem
 
@@ -47,12 +47,28 @@ _VECTOR_OK = (_int32(0), _int32(1))
 _NULL = _by_value(0, np.uint64)
 
 
+#: the oldest NVRTC seen to take the Hopper kernels' -arch=sm_90a beside the -arch CuPy adds (12.4 refuses the
+#: second one)
+SM90A_NVRTC = (12, 9)
+
+
+@functools.lru_cache(maxsize=1)
+def _sm90a_compiles() -> bool:
+    """Does CuPy's NVRTC compile the Hopper kernels (SM90A_NVRTC or newer)?"""
+    try:
+        return tuple(cupy.cuda.nvrtc.getVersion()) >= SM90A_NVRTC
+    except Exception:  # no NVRTC loadable: no kernel compiles, and the first call says why
+        return False
+
+
 @functools.lru_cache(maxsize=None)
 def device_props(device_id: int) -> _config.DeviceProps:
     props = cupy.cuda.runtime.getDeviceProperties(device_id)
-    return _config.DeviceProps(compute_capability=10 * props["major"] + props["minor"],
+    compute_capability = 10 * props["major"] + props["minor"]
+    return _config.DeviceProps(compute_capability=compute_capability,
                                max_smem_per_block=props["sharedMemPerBlockOptin"],
-                               sm_count=props["multiProcessorCount"])
+                               sm_count=props["multiProcessorCount"],
+                               tensor_maps=compute_capability == 90 and _tma.available() and _sm90a_compiles())
 
 
 def _needs_copy(x) -> bool:
@@ -164,26 +180,43 @@ def _run_on(device_id: int, run, *args):
         return run(*args)
 
 
+def _tensor_map(x, shape: tuple[int, ...], strides: tuple[int, int, int], box_rows: int):
+    """The tensor map of q, k or v as a plan planned it, or, for a view whose address TMA cannot take, of a
+    contiguous copy (new memory is aligned; the copy lives until the stream has run the kernel: CuPy's pool)."""
+    if x.data.ptr % _tma.ALIGNMENT:
+        x, strides = x.copy(), _contiguous_strides(shape)
+    return _tma.tensor_map(x, shape, strides, box_rows)
+
+
 class ForwardPlan:
     """The forward of one problem on one device: one kernel launch. ``packed``: q, k and v are a packed batch
-    (attention_varlen; ``p`` its batch of the longest lengths), whose prefix sums each call passes."""
+    (attention_varlen; ``p`` its batch of the longest lengths), whose prefix sums each call passes. The Hopper
+    kernel (fwd_wgmma) reads q, k and v through tensor maps made per call (_tma, cached)."""
 
     def __init__(self, p: Problem, device_id: int, q, k, v, spec: _config.KernelSpec | None = None,
                  packed: bool = False):
         self.problem = p
         self.device_id = device_id
         self.copies = tuple(_needs_copy(x) for x in (q, k, v))
-        launch = _plan.forward(p, device_props(device_id), spec, packed)
+        itemsize = q.dtype.itemsize
+        strides_of = _packed_strides if packed else _strides_of
+        strides = [strides_of(x, c) for x, c in zip((q, k, v), self.copies)]
+        # the (batch, rows, heads, head_dim) a tensor map sees: a packed batch is one sequence of its rows
+        map_shapes = [(1, *x.shape) if packed else tuple(x.shape) for x in (q, k, v)]
+        tensor_maps = all(_tma.strides_ok(itemsize, shape, s) for shape, s in zip(map_shapes, strides))
+        launch = _plan.forward(p, device_props(device_id), spec, packed, tensor_maps)
         with cupy.cuda.Device(device_id):
             self.kernel = get_kernel(launch.spec, device_id)
         self.grid = launch.grid
         self.block = (launch.spec.threads,)
         self.smem = launch.spec.smem_bytes
+        # fwd_wgmma's maps: (shape, strides, box rows) of q (a block's rows), k and v (a key tile's)
+        self.maps = None
+        if launch.spec.kernel == "fwd_wgmma":
+            box_rows = (launch.spec.block_m, launch.spec.block_n, launch.spec.block_n)
+            self.maps = tuple(zip(map_shapes, strides, box_rows))
         self.out_shape, self.dtype = tuple(q.shape), q.dtype
         self.lse_shape = (p.heads, q.shape[0]) if packed else (p.batch, p.heads, p.seqlen_q)
-        itemsize = q.dtype.itemsize
-        strides_of = _packed_strides if packed else _strides_of
-        strides = [strides_of(x, c) for x, c in zip((q, k, v), self.copies)]
         strides.append(strides_of(q, True))  # out, contiguous
         self.strides_vector_ok = _strides_vector_ok(p.head_dim, itemsize, *strides)
         fields = _params.forward_fields()
@@ -208,9 +241,12 @@ class ForwardPlan:
         out = cupy.ndarray(self.out_shape, self.dtype)
         lse = cupy.ndarray(self.lse_shape, np.float32) if with_lse else None
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k.data.ptr | v.data.ptr) & 15
+        maps = () if self.maps is None else tuple(
+            _tensor_map(x, *planned) for x, planned in zip((q, k, v), self.maps))
         self.kernel(self.grid, self.block,
-                    self.arguments((q, k, v, out, _NULL if lse is None else lse, _vector(alibi_slopes), _vector(sinks))
-                                   + dropout + (_VECTOR_OK[vector_ok],) + cu_seqlens), shared_mem=self.smem)
+                    maps + self.arguments((q, k, v, out, _NULL if lse is None else lse, _vector(alibi_slopes),
+                                           _vector(sinks)) + dropout + (_VECTOR_OK[vector_ok],) + cu_seqlens),
+                    shared_mem=self.smem)
         return out, lse
 
 

@@ -90,6 +90,10 @@ def report() -> list[tuple[str, str]]:
         name = name.decode() if isinstance(name, bytes) else name
         lines.append(("GPU", f"{name}, compute capability {props.compute_capability / 10:.1f}, device {device.id} "
                              f"of {runtime.getDeviceCount()}"))
+        if props.compute_capability == 90:  # the Hopper forward needs tensor maps, which cuda-bindings encodes
+            lines.append(("Hopper kernels", "on (TMA tensor maps through cuda-bindings)" if props.tensor_maps else
+                          "off: they need cuda-bindings (pip install cuda-bindings) and NVRTC 12.9 or newer; "
+                          "the mma.sync kernels run"))
         specs = len(_config.all_specs(props))
     else:
         lines.append(("GPU", f"no GPU: {reason}"))

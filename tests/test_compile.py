@@ -56,6 +56,9 @@ def test_every_specialization_compiles(reports):
     assert packed["bwd_dq_convert"] == head_dims and "bwd_preprocess" not in packed
     assert kernels["fwd_mma"] == 2 * masks * head_dims + 2 * 2 * head_dims + kvcache + packed["fwd_mma"]
     assert kernels["merge_parts"] == len(_config.SUPPORTED_DTYPES)
+    # the Hopper forward (sm_90a) on sm_90 only: 4 head dims (64-column blocks) per plain (dtype, mask), the
+    # modifiers without dropout (bfloat16, 2 masks), packed (bfloat16, 2 per head dim); its fallback is counted above
+    assert kernels["fwd_wgmma"] == (2 * masks * 4 + 2 * 4 + 2 * 4 if device.tensor_maps else 0)
     assert kernels["fwd_simt"] == masks * head_dims + 2 * 2 * head_dims + packed["fwd_simt"]
     no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT
     assert {r.spec.mods for r in reports} == {0, _config.ALL_MODS, _config.ALL_MODS & ~_config.MOD_SINKS, no_dropout,
@@ -97,6 +100,7 @@ SMEM_LAYOUTS = {
     "bwd_dkdv_rows_mma": lambda s, t: (f"DkdvRowsSmem<{t}, {s.head_dim}, {s.block_m}, {s.block_n}, "
                                        f"{str(s.atomic_dq).lower()}>"),
     "bwd_dq_mma": lambda s, t: f"DqSmem<{t}, {s.head_dim}, {s.block_m}, {s.block_n}>",
+    "fwd_wgmma": lambda s, t: f"WgmmaFwdSmem<{s.head_dim}, {s.block_m}, {s.block_n}>",
 }
 
 
@@ -131,6 +135,13 @@ def test_python_mirrors_the_kernels_constants():
                     "\"_config.DKDV_TILED_THREADS\");")
     _nvrtc_compile(kernel_source("bwd_mma.cu") + "\n" + dkdv_threads + "\n"
                    + "\n".join(smem_asserts("bwd_mma.cu")) + "\n", "sm_90", [])
+    hopper = [f"static_assert(cuflash::{name} == {value}, \"_config.{mirror}\");" for name, value, mirror in (
+        ("WgmmaRoles<128>::kThreads", _config.wgmma_threads(128), "wgmma_threads"),
+        ("WgmmaRoles<192>::kThreads", _config.wgmma_threads(192), "wgmma_threads"),
+        ("kWgmmaStages", _config.WGMMA_STAGES, "WGMMA_STAGES"), ("kSwizzleElems", _config.SWIZZLE_ELEMS, "SWIZZLE_ELEMS"))]
+    assert len(smem_asserts("fwd_wgmma.cu")) > 4
+    _nvrtc_compile(kernel_source("fwd_wgmma.cu") + "\n" + "\n".join(hopper + smem_asserts("fwd_wgmma.cu")) + "\n",
+                   "sm_90a", [])
 
     simt = [f"static_assert(cuflash::kSimtThreads == {_config.SIMT_THREADS}, \"_config.SIMT_THREADS\");"]
     simt.append(f"static_assert(cuflash::kPhiloxRounds == {_philox.ROUNDS}, \"_philox.ROUNDS\");")
@@ -158,3 +169,15 @@ def test_a_wrong_mirror_fails_to_compile():
     off = f"{layout} == {int(size.split(',')[0]) + 144}, \"mma_smem_bytes off by a row\");"
     with pytest.raises(RuntimeError, match="mma_smem_bytes off by a row"):
         _nvrtc_compile(kernel_source("bwd_mma.cu") + "\n" + off + "\n", "sm_90", [])
+
+
+def test_the_wgmma_wrappers_are_the_generators_output():
+    # kernels/wgmma_ops.cuh is written by tools/gen_wgmma.py: an edit by hand (or a stale header) fails here
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, str(root / "tools" / "gen_wgmma.py"), "--check"], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

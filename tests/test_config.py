@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from cuflash import _config
 from cuflash._config import BFLOAT16, choose_config, padded_head_dim
 
-DEVICES = {"A100": _config.A100, "H100": _config.H100, "RTX4090": _config.RTX_4090}
+#: H100-mma: the sm_90 table where no tensor map serves (the mma.sync forward, the Hopper kernel's fallback)
+H100_MMA = dataclasses.replace(_config.H100, tensor_maps=False)
+DEVICES = {"A100": _config.A100, "H100": _config.H100, "H100-mma": H100_MMA, "RTX4090": _config.RTX_4090}
 
 
 @pytest.mark.parametrize("head_dim,expected", [(1, 32), (32, 32), (33, 64), (64, 64), (65, 96), (111, 128),
@@ -33,18 +35,27 @@ def test_padded_head_dim_rejects_out_of_range(head_dim):
 @pytest.mark.parametrize("mask", _config.MASK_KINDS)
 def test_every_config_fits_the_device(device, dtype, head_dim, mask):
     cfg = choose_config(head_dim, dtype, mask, device)
+    hopper = cfg.forward.kernel == "fwd_wgmma"
     for spec in (cfg.forward, *cfg.bwd_dkdv, cfg.bwd_dq, *cfg.bwd_dkdv_atomic):
-        assert spec.head_dim == padded_head_dim(head_dim) >= head_dim
+        assert spec.head_dim >= head_dim
+        assert spec.head_dim == padded_head_dim(head_dim) or spec is cfg.forward and hopper
         assert spec.smem_bytes <= device.max_smem_per_block
         assert spec.mask == mask and np.dtype(spec.dtype) == dtype
         assert spec.threads % 32 == 0 and spec.threads <= 1024
+    if hopper:  # 64-column TMA boxes, two consumer warpgroups of 64 rows and a producer
+        fwd = cfg.forward
+        assert device.tensor_maps and fwd.head_dim % 64 == 0 and fwd.head_dim - head_dim < 64
+        assert fwd.block_m in (128, 192) and fwd.threads == 128 + 2 * fwd.block_m and fwd.block_n % 16 == 0
+        assert fwd.smem_bytes == _config.wgmma_smem_bytes(fwd.head_dim, fwd.block_m, fwd.block_n)
+        assert fwd == _config.wgmma_spec(dtype, fwd.head_dim, mask, fwd.block_m, fwd.block_n, 0, device)
+        cfg = choose_config(head_dim, dtype, mask, dataclasses.replace(device, tensor_maps=False))
     if dtype == np.float32:  # float32 stays exact: no tensor cores, no tf32
         assert {s.kernel for s in cfg.specs} == {"fwd_simt", "bwd_preprocess", "bwd_dkdv_simt", "bwd_dq_simt"}
         assert cfg.bwd_dkdv_atomic == () and cfg.bwd_dq_convert is None  # always the deterministic pair
     else:
         dkdv_kernel = cfg.bwd_dkdv[0].kernel
         assert {s.kernel for s in cfg.specs} == {"fwd_mma", "bwd_preprocess", dkdv_kernel, "bwd_dq_mma",
-                                                 "bwd_dq_convert"}
+                                                 "bwd_dq_convert"}  # (the Hopper forward's fallback)
         assert cfg.bwd_dq_convert.head_dim == padded_head_dim(head_dim)
         # whole 16-row mma atoms per warp (per pair of warps where key_split is 2; each of the pair then
         # takes whole 16-key steps and whole 64-column swizzle groups)
@@ -83,17 +94,42 @@ def test_smem_bytes_of_the_mma_forward():
     # block_n halves) after them (kernels/fwd_mma.cu)
     for head_dim, row in ((128, 128), (256, 256), (64, 64), (96, 104), (160, 168), (32, 40)):
         for causal in (False, True):
-            fwd = choose_config(head_dim, np.float16, causal, _config.H100).forward
+            fwd = choose_config(head_dim, np.float16, causal, H100_MMA).forward
             warps = fwd.threads // 32
             atoms = fwd.block_m * fwd.key_split // (16 * warps)
             pairs = 0 if fwd.key_split == 1 else warps * atoms * 2 * 32 * 4 + fwd.block_m * fwd.block_n * 2
             assert fwd.smem_bytes == (fwd.block_m + 4 * fwd.block_n) * row * 2 + pairs
-    assert choose_config(256, np.float16, False, _config.H100).forward.smem_bytes == 217088
+    assert choose_config(256, np.float16, False, H100_MMA).forward.smem_bytes == 217088
+
+
+@pytest.mark.parametrize("device", DEVICES.values(), ids=DEVICES.keys())
+def test_the_hopper_forward_serves_where_it_can(device):
+    # compute capability 9.0 with tensor maps, float16/bfloat16, no dropout, head dims past 32 in whole 16-byte
+    # rows, rounded up to 64-column blocks; everywhere else the mma.sync (or float32 SIMT) forward
+    for head_dim, expected in ((40, 64), (64, 64), (96, 128), (128, 128), (136, 192), (192, 192), (200, 256),
+                               (256, 256), (32, None), (100, None), (129, None)):
+        for dtype in (np.float16, BFLOAT16, np.float32):
+            for mods in (0, _config.SCORE_MODS | _config.MOD_SINKS, _config.MOD_DROPOUT):
+                serves = device.tensor_maps and dtype != np.float32 and not mods & _config.MOD_DROPOUT
+                fwd = choose_config(head_dim, dtype, _config.MASK_WINDOW, device, mods).forward
+                assert (fwd.kernel == "fwd_wgmma") == (serves and expected is not None), (head_dim, dtype, mods)
+                if fwd.kernel == "fwd_wgmma":
+                    assert (fwd.head_dim, fwd.mods, fwd.mask) == (expected, mods, _config.MASK_WINDOW)
+    # key tiles: S, P and O within the consumers' registers, the stages within shared memory
+    tiles = {d: choose_config(d, BFLOAT16, False, _config.H100).forward for d in (64, 128, 192, 256)}
+    assert {d: (s.block_m, s.block_n) for d, s in tiles.items()} == {64: (192, 128), 128: (128, 128), 192: (128, 96),
+                                                                    256: (128, 64)}
+    assert all(s.smem_bytes <= _config.H100.max_smem_per_block for s in tiles.values())
+    assert tiles[64].threads == 512 and tiles[128].threads == 384   # a producer and three or two consumers
+    assert tiles[128].smem_bytes == (128 + 4 * 128) * 128 * 2 + 8 * 9
+    # sm_90a code runs on compute capability 9.0 only
+    assert _config.wgmma_forward_spec(128, BFLOAT16, 0, dataclasses.replace(_config.H100, compute_capability=100)) is None
+    assert tiles[128].arch_specific and not choose_config(128, BFLOAT16, False, _config.H100).bwd_dq.arch_specific
 
 
 def test_warp_pairs_serve_only_where_measured():
     # head_dim 256 without the mask on sm_90 (bench/NOTES.md forward v8); under the mask ptxas spills
-    for device in DEVICES.values():
+    for device in (_config.A100, H100_MMA, _config.RTX_4090):
         for head_dim in (64, 128, 192, 200, 256):
             for causal in (False, True):
                 fwd = choose_config(head_dim, BFLOAT16, causal, device).forward
@@ -134,11 +170,13 @@ def test_rejects_old_gpus_and_bad_dtypes():
 
 
 def test_spec_names_are_template_instances():
-    cfg = choose_config(64, np.float16, True, _config.H100)
+    hopper = choose_config(64, np.float16, True, _config.H100).forward
+    assert hopper.name == "cuflash::fwd_wgmma<__half, 64, 1, 0, 192, 128, false>"
+    cfg = choose_config(64, np.float16, True, H100_MMA)
     assert cfg.forward.name == "cuflash::fwd_mma<__half, 64, 1, 0, 128, 64, 4, 1, false, false>"
-    pairs = choose_config(256, np.float16, False, _config.H100).forward
+    pairs = choose_config(256, np.float16, False, H100_MMA).forward
     assert pairs.name == "cuflash::fwd_mma<__half, 256, 0, 0, 128, 64, 8, 2, false, false>"
-    window = choose_config(64, np.float16, _config.MASK_WINDOW, _config.H100).forward
+    window = choose_config(64, np.float16, _config.MASK_WINDOW, H100_MMA).forward
     assert window.name == "cuflash::fwd_mma<__half, 64, 2, 0, 128, 64, 4, 1, false, false>"
     decode = _config.kvcache_forward_spec(128, np.float16, _config.MASK_CAUSAL, _config.H100, _config.MOD_SINKS)
     assert decode.name == "cuflash::fwd_mma<__half, 128, 1, 4, 16, 128, 4, 1, true, false>"
@@ -152,7 +190,7 @@ def test_spec_names_are_template_instances():
                                       "cuflash::bwd_dkdv_rows_mma<__half, 256, 1, 0, 16, 64, 2, true, false>"]
     assert cfg.bwd_dq_convert.name == "cuflash::bwd_dq_convert<__half, 64, false>"
     # the forward takes every modifier; the backward kernels all but the sinks (they read them through lse)
-    mods = choose_config(64, np.float16, _config.MASK_WINDOW, _config.H100, _config.SCORE_MODS | _config.MOD_SINKS)
+    mods = choose_config(64, np.float16, _config.MASK_WINDOW, H100_MMA, _config.SCORE_MODS | _config.MOD_SINKS)
     assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 7, 128, 64, 4, 1, false, false>"
     assert mods.bwd_dq.name == "cuflash::bwd_dq_mma<__half, 64, 2, 3, 128, 32, 4, false>"
     # dropout (bit 8) shares the plain forward tiles on sm_90; on sm_8x it takes 32-key tiles at head_dim 64
@@ -165,8 +203,10 @@ def test_spec_names_are_template_instances():
     simt = choose_config(64, np.float32, True, _config.H100).bwd_dq
     assert simt.name == f"cuflash::bwd_dq_simt<float, 64, 1, 0, 32, 32, {simt.smem_bytes}, false>"
     # a packed batch: the same tiles, each kernel's packed specialization (its last template argument)
-    packed = choose_config(64, np.float16, True, _config.H100, varlen=True)
+    packed = choose_config(64, np.float16, True, H100_MMA, varlen=True)
     assert packed.forward.name == "cuflash::fwd_mma<__half, 64, 1, 0, 128, 64, 4, 1, false, true>"
+    assert choose_config(64, np.float16, True, _config.H100, varlen=True).forward.name == (
+        "cuflash::fwd_wgmma<__half, 64, 1, 0, 192, 128, true>")
     assert packed.bwd_dq_convert.name == "cuflash::bwd_dq_convert<__half, 64, true>"
     assert packed.bwd_preprocess == cfg.bwd_preprocess  # it walks the packed rows as one sequence
     assert [dataclasses.replace(s, varlen=False) for s in packed.specs] == list(cfg.specs)
@@ -198,7 +238,12 @@ def test_all_specs_are_distinct_and_cover_the_table():
     # the packed-batch kernels: each the packed form of a kernel the set holds, on its tiles
     packed = [s for s in specs if s.varlen]
     assert packed and {dataclasses.replace(s, varlen=False).cache_key for s in packed} <= {s.cache_key for s in specs}
-    assert len(specs) == 2 * half + single + modified + kvcache + len(packed) + len(_config.SUPPORTED_DTYPES)
+    # the Hopper forward beside its fallback: 4 head dims (64-column blocks) for each plain (dtype, mask), the
+    # covering set's modifiers without dropout (bfloat16, 2 masks), and the packed batches' (2 per head dim)
+    hopper = [s for s in specs if s.kernel == "fwd_wgmma"]
+    assert sum(not s.varlen for s in hopper) == 2 * masks * 4 + 2 * 4 and sum(s.varlen for s in hopper) == 2 * 4
+    assert len(specs) == (2 * half + single + modified + kvcache + len(packed) + len(_config.SUPPORTED_DTYPES)
+                          + sum(not s.varlen for s in hopper))
     no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT
     assert {s.mods for s in specs} == {0, _config.ALL_MODS, _config.ALL_MODS & ~_config.MOD_SINKS, no_dropout,
                                        no_dropout & ~_config.MOD_SINKS}
@@ -300,7 +345,7 @@ def test_tuning_builds_the_tables_specs_from_their_tiles(device, head_dim):
     # tools/tune.py makes its candidates with mma_spec and dkdv_specs: at the table's own tiles they are
     # the table's specs (shared memory, warps and parts derived the same way)
     for mask in _config.MASK_KINDS:
-        cfg = choose_config(head_dim, BFLOAT16, mask, device)
+        cfg = choose_config(head_dim, BFLOAT16, mask, dataclasses.replace(device, tensor_maps=False))
         fwd = cfg.forward
         assert _config.mma_spec("fwd_mma", BFLOAT16, head_dim, mask, fwd.block_m, fwd.block_n, fwd.threads // 32,
                                 key_split=fwd.key_split) == fwd

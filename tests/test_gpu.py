@@ -189,3 +189,44 @@ def test_repeated_calls_reuse_their_plan(cp, rng):
     assert cuflash._plans == plans
     assert cp.array_equal(again, cuflash.attention(q2, k2, v2, causal=True))
     assert cp.array_equal(first, cuflash.attention(q, k, v, causal=True))
+
+
+def test_the_hopper_forward_matches_its_fallback(cp, rng):
+    # fwd_wgmma (TMA, wgmma) against the mma.sync forward it falls back to, on awkward shapes with every feature
+    # it takes; and an array no tensor map can describe runs the fallback
+    import dataclasses
+
+    from cuflash import _validate
+
+    props = _cupy_path.device_props(0)
+    if not props.tensor_maps:
+        pytest.skip("the Hopper forward runs on compute capability 9.0 with cuda-bindings")
+    cases = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim), causal, window, softcap, ALiBi, sinks
+        ((2, 77, 300, 4, 2, 72), True, (-1, -1), 0.0, False, False),
+        ((1, 300, 129, 6, 1, 136), False, (40, 7), 20.0, True, True),
+        ((3, 129, 129, 2, 2, 256), True, (-1, -1), 0.0, True, False),
+        ((1, 513, 700, 2, 1, 64), False, (-1, -1), 0.0, False, True),
+    ]
+    for shape, causal, window, softcap, alibi, sinks in cases:
+        batch, _, _, heads, _, head_dim = shape
+        q, k, v = make_qkv(cp, rng, *shape, BF16)
+        slopes = cp.asarray(rng.uniform(0.01, 0.2, heads), cp.float32) if alibi else None
+        sink = cp.asarray(rng.uniform(-2, 2, heads), cp.float32) if sinks else None
+        p = _validate.check_forward(q, k, v, causal, None, window, softcap, slopes, sink)
+        hopper = _cupy_path.ForwardPlan(p, 0, q, k, v)
+        assert hopper.maps is not None, shape
+        fallback = _config.choose_config(head_dim, q.dtype, p.mask_kind, dataclasses.replace(props, tensor_maps=False),
+                                         p.mods).forward
+        out, lse = hopper.run(q, k, v, slopes, sink)
+        want, want_lse = _cupy_path.ForwardPlan(p, 0, q, k, v, spec=fallback).run(q, k, v, slopes, sink)
+        out, want = to_numpy(out).astype(np.float32), to_numpy(want).astype(np.float32)
+        assert np.abs(out - want).max() <= 2e-2 * np.abs(want).max(), shape
+        assert np.allclose(to_numpy(lse), to_numpy(want_lse), atol=1e-3, equal_nan=False), shape
+    # heads 68 elements apart: 136 bytes, no 16-byte multiple
+    wide = cp.asarray(rng.standard_normal((1, 64, 2, 68), dtype=np.float32).astype(BF16))
+    q = k = v = wide[..., :64]
+    p = _validate.check_forward(q, k, v, False, None)
+    assert _cupy_path.ForwardPlan(p, 0, q, k, v).maps is None
+    out = cuflash.attention(q, k, v)
+    assert cp.abs(out.astype(cp.float32) - cuflash.attention(*(cp.ascontiguousarray(x) for x in (q, k, v)))
+                  .astype(cp.float32)).max() <= 2e-2

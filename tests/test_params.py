@@ -4,6 +4,8 @@ field exactly once."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -28,13 +30,19 @@ def test_the_field_lists_are_the_kernels_parameter_lists():
     # same parameters, types and order (the names come from the same list)
     from cuflash._compile import _nvrtc_compile, kernel_source
 
-    forward = _config.choose_config(64, BFLOAT16, _config.MASK_CAUSAL, _config.H100).forward
+    mma_only = dataclasses.replace(_config.H100, tensor_maps=False)
+    forward = _config.choose_config(64, BFLOAT16, _config.MASK_CAUSAL, mma_only).forward
     simt = _config.choose_config(64, np.dtype(np.float32), _config.MASK_CAUSAL, _config.H100).forward
-    checks = [f"static_assert(same_type<decltype(&{spec.name}), void (*)({cpp_parameter_types(fields, t)})>::value, "
-              f"\"{spec.kernel}\");" for spec, fields, t in
-              ((forward, _params.forward_fields(), "__nv_bfloat16"), (simt, _params.forward_fields(), "float"))]
+    hopper = _config.choose_config(64, BFLOAT16, _config.MASK_CAUSAL, _config.H100).forward
+    maps = "const cuflash::TmaMap, " * 3   # fwd_wgmma: the tensor maps of q, k and v, then the forward's fields
+    checks = [f"static_assert(same_type<decltype(&{spec.name}), void (*)({head}{cpp_parameter_types(fields, t)})>"
+              f"::value, \"{spec.kernel}\");" for spec, head, fields, t in
+              ((forward, "", _params.forward_fields(), "__nv_bfloat16"), (simt, "", _params.forward_fields(), "float"),
+               (hopper, maps, _params.forward_fields(), "__nv_bfloat16"))]
     _nvrtc_compile(SAME + kernel_source("fwd_mma.cu") + "\n" + checks[0] + "\n", "sm_90", [])
     _nvrtc_compile(SAME + kernel_source("simt.cu") + "\n" + checks[1] + "\n", "sm_90", [])
+    assert hopper.kernel == "fwd_wgmma"
+    _nvrtc_compile(SAME + kernel_source("fwd_wgmma.cu") + "\n" + checks[2] + "\n", "sm_90a", [])
     cfg = _config.choose_config(128, BFLOAT16, _config.MASK_WINDOW, _config.H100, _config.MOD_DROPOUT)
     backward = [cfg.bwd_dkdv[0], cfg.bwd_dkdv_atomic[0], cfg.bwd_dq]
     checks = [f"static_assert(same_type<decltype(&{spec.name}), "

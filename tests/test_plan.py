@@ -34,6 +34,29 @@ def test_forward_launch_covers_every_query_block_of_every_head():
     assert _plan.forward(p, H100, other).grid == (16 * 16,)
 
 
+def test_the_hopper_forward_falls_back_where_no_tensor_map_serves():
+    # arrays whose strides no tensor map describes run the mma.sync forward on the same device
+    p = problem()
+    assert _plan.forward(p, H100).spec.kernel == "fwd_wgmma"
+    fallback = _plan.forward(p, H100, tensor_maps=False)
+    assert fallback.spec == _config.choose_config(128, BFLOAT16, True, dataclasses.replace(H100, tensor_maps=False)).forward
+    assert fallback.spec.kernel == "fwd_mma" and fallback.grid == (-(-1000 // fallback.spec.block_m) * 16,)
+    assert _plan.forward(p, _config.A100, tensor_maps=True).spec.kernel == "fwd_mma"
+
+
+def test_tensor_map_strides():
+    from cuflash import _tma
+
+    # (batch, rows, heads, head_dim) with element strides (batch, row, head): 16-byte multiples, rows too
+    assert _tma.strides_ok(2, (2, 100, 8, 64), (100 * 8 * 64, 8 * 64, 64))
+    assert not _tma.strides_ok(2, (2, 100, 8, 60), (100 * 8 * 60, 8 * 60, 60))      # 120-byte rows
+    assert not _tma.strides_ok(2, (2, 100, 8, 64), (100 * 8 * 64, 8 * 64 + 4, 64))  # an 8-byte row step
+    assert not _tma.strides_ok(2, (2, 100, 8, 64), (0, 8 * 64, 64))                 # a broadcast batch
+    # an axis of one element never moves: its stride does not matter (tensor_map gives it a legal one)
+    assert _tma.strides_ok(2, (1, 100, 1, 64), (0, 72, 3))
+    assert _tma.strides_ok(2, (1, 5000, 8, 128), (0, 8 * 128, 128))                 # a packed batch
+
+
 def test_forward_takes_the_modifiers_kernels():
     p = problem(head_dim=64, dropout_p=0.1)
     assert _plan.forward(p, H100).spec.mods == _config.MOD_DROPOUT

@@ -55,6 +55,10 @@ __device__ __forceinline__ float warp_sum(float x) {
 // masked keys has m_i = -inf, and exp2(-inf - (-inf)) would be NaN; use 0 so every p is exp2(-inf) = 0.
 __device__ __forceinline__ float safe_max(float m) { return m == -CUFLASH_INF ? 0.f : m; }
 
+// How far (base 2) a row's max may exceed the reference its exponents are taken against before the
+// forward's warps rescale: P stays below 2^8, well inside bf16/fp16 and the float32 sums (fwd_mma).
+constexpr float kRescaleSlack = 8.f;
+
 // The kinds of mask a kernel is specialized for (its MASK template argument; _config.MASK_*).
 enum MaskKind : int {
     kMaskNone = 0,     // every key within the sequences is visible

@@ -26,10 +26,6 @@
 
 namespace cuflash {
 
-// How far (base 2) a row's max may exceed the reference its exponents are taken against before the
-// warp rescales: P stays below 2^8, well inside bf16/fp16 and the float32 sums (see the kernel).
-constexpr float kRescaleSlack = 8.f;
-
 // fwd_mma's shared memory, offsets in elements of T: Q [BLOCK_M][kRow], then K and V, two stages each
 // [2][BLOCK_N][kRow]; element (row, column) of a tile at Row::offset(row, column / 8) + column % 8. Where
 // warps share rows (KEY_SPLIT = 2), then each warp's row maxima [WARPS][kMAtoms][2][32 lanes] (float; in

@@ -1,0 +1,315 @@
+// Forward pass on Hopper (sm_90a): wgmma from shared memory, TMA loads, warp specialization.
+//
+// One thread block owns BLOCK_M query rows of one (batch, head) (QueryBlock, as fwd_mma) and 1 + BLOCK_M / 64
+// warpgroups:
+// - warpgroup 0, the producer, gives most of its registers away (setmaxnreg) and one of its threads issues
+//   TMA loads: the Q tile once, then the K and V tiles of the keys the rows see, the highest first (as
+//   fwd_mma: the diagonal's masked tiles first), into kWgmmaStages stages; each load completes on the stage's
+//   "full" mbarrier, and a stage is refilled once every consumer has arrived on its "empty" one.
+// - warpgroups 1.., the consumers, take the registers and 64 rows each: S = Q K^T by wgmma with both
+//   operands in shared memory, the mask and score modifiers and the online softmax on S's accumulators
+//   (mma.sync's layout: ScoreMod, Window as fwd_mma), P packed into A fragments in registers, O += P V by
+//   wgmma with V read MN-major. The product of tile j + 1's S is issued before tile j's P V, and tile
+//   j + 1's softmax runs while P V is in flight (FlashAttention-3's intra-warpgroup overlap), so S, P and O
+//   are held at once: 64 x (BLOCK_N + BLOCK_N / 2 + HEAD_DIM) / 128 registers per thread. Where kPingPong, the
+//   consumers take turns to issue their products (named barriers, round robin), so that one's softmax runs
+//   under the others' products (FlashAttention-3's ping-pong).
+// Scores in base 2 as fwd_mma, its rescale slack included; the epilogue normalizes (with the sinks) and
+// stores O from registers, and the lse.
+//
+// Q, K and V are read through tensor maps (_tma.py): 4-D (column, head, row, batch) over the arrays as they
+// are, boxes of [rows][64 columns]; columns past head_dim and rows past the end read as zeros. In a packed
+// batch (VARLEN) the maps span the packed rows (batch extent 1) and a block reads from its sequence's first
+// row: rows of the next sequence that a tile overruns are masked (keys) or never stored (queries).
+// No dropout and no KV cache (the plan runs fwd_mma for those).
+#include "hopper.cuh"
+
+namespace cuflash {
+
+constexpr int kWgmmaStages = 2;     // K and V stages each
+// Ping-pong up to head_dim 128: there it gained up to 8% at seqlen 1k and 1-13% at head_dim 64 (three
+// consumers); at 192 and 256, where P V is long beside the softmax, it cost 4-11% from 4k (bench/NOTES.md, h2).
+template <int HEAD_DIM> constexpr bool kPingPong = HEAD_DIM <= 128;
+
+// The warpgroups of a block of BLOCK_M rows: a producer and BLOCK_M / 64 consumers, and their setmaxnreg budgets:
+// the producer keeps the least setmaxnreg allows (24), the consumers share the rest of the SM's 65536 registers
+// (one block per SM) in multiples of 8: 240 each for two, 160 for three.
+template <int BLOCK_M> struct WgmmaRoles {
+    static constexpr int kConsumers = BLOCK_M / 64, kThreads = 128 * (1 + kConsumers);
+    static constexpr int kProducerRegisters = 24;
+    static constexpr int kConsumerRegisters = (65536 - 128 * kProducerRegisters) / (128 * kConsumers) / 8 * 8;
+};
+
+// fwd_wgmma's shared memory, bytes: Q [HEAD_DIM / 64][BLOCK_M rows][64], then K stages and V stages, each
+// [HEAD_DIM / 64][BLOCK_N rows][64] (128-byte swizzled blocks as TMA writes them: hopper.cuh), then the
+// mbarriers: q_full, k_full[stages], v_full[stages], k_empty[stages], v_empty[stages]. kBytes is what the
+// launch gives it (_config.wgmma_smem_bytes, checked by tests/test_compile.py).
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct WgmmaFwdSmem {
+    static constexpr int kColBlocks = HEAD_DIM / kSwizzleElems;
+    static constexpr int kQBlock = BLOCK_M * kSwizzleRowBytes;        // one [BLOCK_M][64] column block of Q
+    static constexpr int kKVBlock = BLOCK_N * kSwizzleRowBytes;        // one [BLOCK_N][64] block of K or V
+    static constexpr int kKVStage = kColBlocks * kKVBlock;
+    static constexpr int kK = kColBlocks * kQBlock, kV = kK + kWgmmaStages * kKVStage;
+    static constexpr int kBarriers = kV + kWgmmaStages * kKVStage, kBarrierCount = 1 + 4 * kWgmmaStages;
+    static constexpr int kBytes = kBarriers + 8 * kBarrierCount;
+};
+
+template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, bool VARLEN>
+__global__ void __launch_bounds__(WgmmaRoles<BLOCK_M>::kThreads, 1)
+fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
+          const __grid_constant__ TmaMap v_map, CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
+    static_assert(sizeof(T) == 2, "wgmma runs float16 and bfloat16");
+    using Roles = WgmmaRoles<BLOCK_M>;
+    static_assert(BLOCK_M % 64 == 0 && Roles::kConsumers >= 2 && Roles::kConsumers <= 3,
+                  "two or three consumer warpgroups of 64 rows");
+    static_assert(HEAD_DIM % kSwizzleElems == 0 && BLOCK_N % 16 == 0, "whole 64-column blocks, k16 steps of keys");
+    static_assert((MODS & kModDropout) == 0, "no dropout (fwd_mma runs it)");
+    using Smem = WgmmaFwdSmem<HEAD_DIM, BLOCK_M, BLOCK_N>;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];   // the swizzle's 1024-byte atoms
+    const unsigned q_s = smem_addr(smem_raw), k_s = q_s + Smem::kK, v_s = q_s + Smem::kV;
+    const unsigned bars = q_s + Smem::kBarriers;
+    const unsigned q_full = bars;
+    auto k_full = [&](int stage) { return bars + 8 * (1 + stage); };
+    auto v_full = [&](int stage) { return bars + 8 * (1 + kWgmmaStages + stage); };
+    auto k_empty = [&](int stage) { return bars + 8 * (1 + 2 * kWgmmaStages + stage); };
+    auto v_empty = [&](int stage) { return bars + 8 * (1 + 3 * kWgmmaStages + stage); };
+
+    const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, query_blocks_fastest);
+    const int b = blk.b, h = blk.h, m0 = blk.m0;
+    const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal);
+    if (VARLEN && m0 >= seq.seqlen_q) return;
+    const Window<MASK> window{seq.diagonal, window_left, window_right};
+    // the key tiles the block's rows see: n_tiles from key_first, walked the highest first
+    const int key_first = window.key_begin(m0) / BLOCK_N * BLOCK_N;
+    const int n_tiles = (window.key_end(m0 + BLOCK_M, seq.seqlen_k) - key_first + BLOCK_N - 1) / BLOCK_N;
+    auto tile_key = [&](int j) { return key_first + (n_tiles - 1 - j) * BLOCK_N; };
+
+    const int warpgroup = threadIdx.x / 128, tid_wg = threadIdx.x % 128;
+    if (threadIdx.x == 0) {
+        mbarrier_init(q_full, 1);
+        for (int stage = 0; stage < kWgmmaStages; ++stage) {
+            mbarrier_init(k_full(stage), 1);
+            mbarrier_init(v_full(stage), 1);
+            mbarrier_init(k_empty(stage), Roles::kConsumers);   // one arrival per consumer warpgroup
+            mbarrier_init(v_empty(stage), Roles::kConsumers);
+        }
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {   // the producer
+        warpgroup_registers_decrease<Roles::kProducerRegisters>();
+        if (tid_wg == 0 && n_tiles > 0) {
+            // the maps' coordinates: a packed batch's rows from its sequence's first, batch 0
+            const int batch_coord = VARLEN ? 0 : b, q_row = static_cast<int>(seq.q_start) + m0;
+            const int k_row = static_cast<int>(seq.k_start), h_kv = blk.h_kv;
+            mbarrier_expect_bytes(q_full, Smem::kK);
+            for (int c = 0; c < Smem::kColBlocks; ++c)
+                tma_load_4d(q_s + c * Smem::kQBlock, q_map, q_full, c * kSwizzleElems, h, q_row, batch_coord);
+            for (int j = 0; j < n_tiles; ++j) {
+                const int stage = j % kWgmmaStages, refill_phase = (j / kWgmmaStages - 1) & 1;
+                const int row = k_row + tile_key(j);
+                if (j >= kWgmmaStages) mbarrier_wait(k_empty(stage), refill_phase);
+                mbarrier_expect_bytes(k_full(stage), Smem::kKVStage);
+                for (int c = 0; c < Smem::kColBlocks; ++c)
+                    tma_load_4d(k_s + stage * Smem::kKVStage + c * Smem::kKVBlock, k_map, k_full(stage),
+                                c * kSwizzleElems, h_kv, row, batch_coord);
+                if (j >= kWgmmaStages) mbarrier_wait(v_empty(stage), refill_phase);
+                mbarrier_expect_bytes(v_full(stage), Smem::kKVStage);
+                for (int c = 0; c < Smem::kColBlocks; ++c)
+                    tma_load_4d(v_s + stage * Smem::kKVStage + c * Smem::kKVBlock, v_map, v_full(stage),
+                                c * kSwizzleElems, h_kv, row, batch_coord);
+            }
+        }
+        return;
+    }
+
+    // The consumers: warpgroup 1 + cw owns rows 64 cw.. of the block; its warp w rows 16 w.. of those, and
+    // accumulator element e of n8 column tile nb (of S or O) is at row g + 8 (e / 2), column 8 nb + 2 t + e % 2.
+    warpgroup_registers_increase<Roles::kConsumerRegisters>();
+    const int cw = warpgroup - 1, warp = tid_wg / 32, lane = tid_wg % 32, g = lane / 4, t = lane % 4;
+    const int wg_row0 = m0 + 64 * cw, row0 = wg_row0 + 16 * warp + g;   // row0: the row of elements 0, 1
+    constexpr int kS = BLOCK_N / 2, kO = HEAD_DIM / 2, kPSteps = BLOCK_N / 16;
+    using Mod = ScoreMod<MODS>;
+    const Mod mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
+    const float score_factor = Mod::kAny ? 1.f : scale_log2;   // as fwd_mma
+
+    float o[kO], s[kS];
+    unsigned p[kPSteps][4];
+    float m_i[2] = {-CUFLASH_INF, -CUFLASH_INF}, l_i[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < kO; ++i) o[i] = 0.f;
+
+    // S = Q K^T of the K tile in `stage` (issued, not waited on)
+    const unsigned q_rows = q_s + 64 * cw * kSwizzleRowBytes;
+    auto issue_s = [&](int stage) {
+        pin_registers(s);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+            const int block = ks / 4;                  // the 64-column block of k16 step ks
+            const unsigned col = (ks % 4) * 32;         // and its bytes into the block's 128-byte rows
+            wgmma_ss<T, BLOCK_N>(s, smem_descriptor(q_rows + block * Smem::kQBlock + col, 0),
+                                 smem_descriptor(k_s + stage * Smem::kKVStage + block * Smem::kKVBlock + col, 0),
+                                 ks > 0);
+        }
+        wgmma_commit();
+        pin_registers(s);
+    };
+    // O += P V of the V tile in `stage` (issued, not waited on)
+    auto issue_pv = [&](int stage) {
+        pin_registers(o);
+        pin_registers(p);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kPSteps; ++kk)
+            wgmma_rs<T, HEAD_DIM>(o, p[kk], smem_descriptor(v_s + stage * Smem::kKVStage + kk * 16 * kSwizzleRowBytes,
+                                                            Smem::kKVBlock), 1);
+        wgmma_commit();
+        pin_registers(o);
+        pin_registers(p);
+    };
+    // The scores of S (the tile of keys n0..) through the modifiers and the mask, their row maxima, and the
+    // moved references: returns whether O must be rescaled by `alpha` (only when some row's max grew past its
+    // reference by kRescaleSlack, as fwd_mma), leaves exp2(score - m_i) in s and adds it to l_i.
+    float alpha[2];
+    auto softmax = [&](int n0) -> bool {
+        const bool need_mask = n0 + BLOCK_N > seq.seqlen_k || !window.covers(wg_row0, wg_row0 + 64, n0, n0 + BLOCK_N);
+        const int key0 = n0 + 2 * t;   // the key of element 0 of n8 tile 0
+        if constexpr (Mod::kAny) {
+#pragma unroll
+            for (int nb = 0; nb < kS / 4; ++nb)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[4 * nb + e] = mod.score(s[4 * nb + e], row0 + 8 * (e / 2), key0 + 8 * nb + (e & 1), seq.diagonal);
+        }
+        if (need_mask) {
+#pragma unroll
+            for (int nb = 0; nb < kS / 4; ++nb)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!window.sees(row0 + 8 * (e / 2), key0 + 8 * nb + (e & 1), seq.seqlen_k)) s[4 * nb + e] = -CUFLASH_INF;
+        }
+        float tile_max[2] = {-CUFLASH_INF, -CUFLASH_INF};
+#pragma unroll
+        for (int i = 0; i < kS; ++i) tile_max[(i % 4) / 2] = fmaxf(tile_max[(i % 4) / 2], s[i]);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) tile_max[r] = quad_max(tile_max[r]) * score_factor;
+        const bool grown = tile_max[0] > m_i[0] + kRescaleSlack || tile_max[1] > m_i[1] + kRescaleSlack;
+        const bool rescale = __any_sync(0xffffffffu, grown);
+        if (rescale) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float m_new = fmaxf(m_i[r], tile_max[r]);
+                alpha[r] = exp2f(m_i[r] - safe_max(m_new));
+                m_i[r] = m_new;
+                l_i[r] *= alpha[r];
+            }
+        }
+        const float neg_base[2] = {-safe_max(m_i[0]), -safe_max(m_i[1])};
+#pragma unroll
+        for (int i = 0; i < kS; ++i) {
+            s[i] = exp2f(fmaf(s[i], score_factor, neg_base[(i % 4) / 2]));
+            l_i[(i % 4) / 2] += s[i];
+        }
+        return rescale;
+    };
+    // P (s, exponentiated) into A fragments: k16 step kk holds n8 tiles 2 kk and 2 kk + 1
+    auto pack_p = [&] {
+#pragma unroll
+        for (int nb = 0; nb < kS / 4; ++nb) {
+            p[nb / 2][(nb % 2) * 2 + 0] = pack2<T>(s[4 * nb + 0], s[4 * nb + 1]);
+            p[nb / 2][(nb % 2) * 2 + 1] = pack2<T>(s[4 * nb + 2], s[4 * nb + 3]);
+        }
+    };
+    auto rescale_o = [&] {
+#pragma unroll
+        for (int i = 0; i < kO; ++i) o[i] *= alpha[(i % 4) / 2];
+    };
+    auto release = [&](unsigned bar) {
+        if (tid_wg == 0) mbarrier_arrive(bar);
+    };
+    // Ping-pong: consumer cw issues its products on its turn, named barrier 1 + cw (barrier 0 is
+    // __syncthreads), then passes the turn to the next (arrives on that one's barrier). Each consumer issues
+    // n_tiles + 1 times; the last consumer gives consumer 0 its first turn and skips its own last pass, so
+    // every wait meets exactly one arrival.
+    constexpr int kTurnThreads = 2 * 128;   // the waiting warpgroup and the one that passes it the turn
+    const int last_consumer = Roles::kConsumers - 1;
+    auto take_turn = [&] {
+        if constexpr (kPingPong<HEAD_DIM>) named_barrier_sync(1 + cw, kTurnThreads);
+    };
+    auto pass_turn = [&](bool last_issue) {
+        if constexpr (kPingPong<HEAD_DIM>)
+            if (!(last_issue && cw == last_consumer)) named_barrier_arrive(1 + (cw + 1) % Roles::kConsumers, kTurnThreads);
+    };
+
+    if (n_tiles > 0) {
+        if (kPingPong<HEAD_DIM> && cw == last_consumer) named_barrier_arrive(1, kTurnThreads);
+        mbarrier_wait(q_full, 0);
+        mbarrier_wait(k_full(0), 0);
+        take_turn();
+        issue_s(0);
+        pass_turn(false);
+        wgmma_wait<0>();
+        pin_registers(s);
+        release(k_empty(0));
+        softmax(tile_key(0));   // O is zero: nothing to rescale
+        pack_p();
+#pragma unroll 1
+        for (int j = 1; j < n_tiles; ++j) {
+            const int stage = j % kWgmmaStages, prev = (j - 1) % kWgmmaStages;
+            mbarrier_wait(k_full(stage), (j / kWgmmaStages) & 1);
+            take_turn();
+            issue_s(stage);
+            mbarrier_wait(v_full(prev), ((j - 1) / kWgmmaStages) & 1);
+            issue_pv(prev);
+            pass_turn(false);
+            wgmma_wait<1>();   // S done; P V of the previous tile in flight
+            pin_registers(s);
+            release(k_empty(stage));
+            const bool rescale = softmax(tile_key(j));
+            wgmma_wait<0>();
+            pin_registers(o);
+            release(v_empty(prev));
+            if (rescale) rescale_o();
+            pack_p();
+        }
+        const int last = (n_tiles - 1) % kWgmmaStages;
+        mbarrier_wait(v_full(last), ((n_tiles - 1) / kWgmmaStages) & 1);
+        take_turn();
+        issue_pv(last);
+        pass_turn(true);
+        wgmma_wait<0>();
+        pin_registers(o);
+        release(v_empty(last));
+    }
+
+    // Epilogue: normalize (the sink joins the denominator, as fwd_mma) and store each thread's pairs of
+    // columns; a row that saw no key has l = 0: output 0, lse -inf (with a sink: output 0, lse the sink).
+    float* lse_head = lse == nullptr ? nullptr : lse + seq.stats(b, heads, h);
+    T* out_head = out + b * o_sb + seq.q_start * o_ss + h * o_sh;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r;
+        float l = quad_sum(l_i[r]), m = m_i[r], o_factor = 1.f;
+        if constexpr ((MODS & kModSinks) != 0) {
+            const float sink2 = sinks[h] * kLog2e;
+            const float m_new = safe_max(fmaxf(m, sink2));
+            o_factor = exp2f(m - m_new);
+            l = l * o_factor + exp2f(sink2 - m_new);
+            m = m_new;
+        }
+        if (row >= seq.seqlen_q) continue;
+        const float inv_l = l == 0.f ? 0.f : o_factor / l;
+        if (lse_head != nullptr && t == 0) lse_head[row] = l == 0.f ? -CUFLASH_INF : (m + log2f(l)) * kLn2;
+        T* dst = out_head + row * o_ss;
+#pragma unroll
+        for (int nb = 0; nb < kO / 4; ++nb) {
+            const int col = 8 * nb + 2 * t;
+            if (col < head_dim)
+                *reinterpret_cast<unsigned*>(dst + col) = pack2<T>(o[4 * nb + 2 * r] * inv_l, o[4 * nb + 2 * r + 1] * inv_l);
+        }
+    }
+}
+
+}  // namespace cuflash

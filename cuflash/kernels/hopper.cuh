@@ -1,0 +1,102 @@
+// Hopper (sm_90a) building blocks: tensor maps and TMA loads, mbarriers, shared-memory matrix descriptors,
+// and the asynchronous wgmma's fence, commit and wait. Kernels that include this compile for sm_90a only
+// (KernelSpec.arch_suffix).
+//
+// Tiles in shared memory are what a TMA load with the 128-byte swizzle writes: [rows][64] blocks of 16-bit
+// elements, 128 bytes per row, 16-byte chunk c of row r at chunk c ^ (r % 8), every block 1024-byte aligned.
+// A K-major operand (Q and K of S = Q K^T: rows of the matrix, the reduction along the row) is described by
+// its first row's address plus 32 bytes per k16 step inside a block, the stride between 8-row groups 1024
+// bytes; an MN-major one (V of P V: keys down, the head dim along the row) by its first key's address plus
+// 16 keys (2048 bytes) per k16 step, 1024 bytes between 8-key groups and `lbo` between 64-column blocks.
+#pragma once
+#include "mma.cuh"
+#include "wgmma_ops.cuh"
+
+namespace cuflash {
+
+// A CUtensorMap (cuTensorMapEncodeTiled's 128 opaque bytes, _tma.py), passed by value as a
+// `const __grid_constant__` kernel parameter so that TMA reads it from the parameter space.
+struct __align__(64) TmaMap {
+    unsigned long long words[16];
+};
+
+// Elements of a 128-byte swizzled row (the inner extent of every TMA box): 64 of 16-bit types.
+constexpr int kSwizzleElems = 64;
+constexpr int kSwizzleRowBytes = 128;
+
+__device__ __forceinline__ void mbarrier_init(unsigned bar, int arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals));
+}
+// Makes the initialized barriers visible to the async proxy (TMA) and to the other threads (with a barrier).
+__device__ __forceinline__ void mbarrier_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// One arrival that also expects `bytes` of TMA transactions before the phase completes.
+__device__ __forceinline__ void mbarrier_expect_bytes(unsigned bar, int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the barrier's phase of parity `phase` has completed.
+__device__ __forceinline__ void mbarrier_wait(unsigned bar, int phase) {
+    asm volatile(
+        "{\n.reg .pred done;\nwait_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n}\n" ::"r"(bar), "r"(phase)
+        : "memory");
+}
+
+// One box of a 4-D tensor map (column c, head h, row s, batch b) into shared memory at `dst`, completing
+// on `bar`. Rows and columns past the tensor's extent land as zeros (and still count their bytes).
+__device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaMap& map, unsigned bar, int c, int h, int s, int b) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+        "%5}], [%6];\n" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c), "r"(h), "r"(s), "r"(b), "r"(bar)
+        : "memory");
+}
+
+// A wgmma shared-memory matrix descriptor, 128-byte swizzle: start address >> 4 (bits 0-13), leading byte
+// offset >> 4 (bits 16-29), stride byte offset >> 4 (bits 32-45), layout 1 = 128-byte swizzle (bits 62-63).
+__device__ __forceinline__ unsigned long long smem_descriptor(unsigned addr, unsigned leading_bytes) {
+    constexpr unsigned long long kStride8Rows = 8 * kSwizzleRowBytes;
+    return static_cast<unsigned long long>((addr & 0x3FFFF) >> 4) |
+           static_cast<unsigned long long>((leading_bytes & 0x3FFFF) >> 4) << 16 | (kStride8Rows >> 4) << 32 |
+           1ull << 62;
+}
+
+// Orders this warpgroup's register writes before the wgmma that reads or accumulates into them.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most N of this warpgroup's committed groups are pending (groups complete in order).
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving a register array's reads or writes across this point: around a wgmma in
+// flight its accumulators (and A fragments) must stay in the registers the instruction named.
+template <int N> __device__ __forceinline__ void pin_registers(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N> __device__ __forceinline__ void pin_registers(unsigned (&r)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+
+// Adds this warpgroup's arrival to named barrier `id` without waiting (the other side of named_barrier_sync).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Moves this warpgroup's register budget (all its warps execute it, with a compile-time count).
+template <int REGISTERS> __device__ __forceinline__ void warpgroup_registers_increase() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
+}
+template <int REGISTERS> __device__ __forceinline__ void warpgroup_registers_decrease() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGISTERS));
+}
+
+}  // namespace cuflash
