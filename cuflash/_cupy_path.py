@@ -184,7 +184,7 @@ def _tensor_map(x, shape: tuple[int, ...], strides: tuple[int, int, int], box_ro
     """The tensor map of q, k or v as a plan planned it, or, for a view whose address TMA cannot take, of a
     contiguous copy (new memory is aligned; the copy lives until the stream has run the kernel: CuPy's pool)."""
     if x.data.ptr % _tma.ALIGNMENT:
-        x, strides = x.copy(), _contiguous_strides(shape)
+        x, strides = x.copy(), _tma.map_strides(x.dtype.itemsize, shape, _contiguous_strides(shape))
     return _tma.tensor_map(x, shape, strides, box_rows)
 
 
@@ -214,7 +214,8 @@ class ForwardPlan:
         self.maps = None
         if launch.spec.kernel == "fwd_wgmma":
             box_rows = (launch.spec.block_m, launch.spec.block_n, launch.spec.block_n)
-            self.maps = tuple(zip(map_shapes, strides, box_rows))
+            map_strides = [_tma.map_strides(itemsize, shape, s) for shape, s in zip(map_shapes, strides)]
+            self.maps = tuple(zip(map_shapes, map_strides, box_rows))
         self.out_shape, self.dtype = tuple(q.shape), q.dtype
         self.lse_shape = (p.heads, q.shape[0]) if packed else (p.batch, p.heads, p.seqlen_q)
         strides.append(strides_of(q, True))  # out, contiguous

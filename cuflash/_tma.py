@@ -38,7 +38,7 @@ def available() -> bool:
 def strides_ok(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     """Can a tensor map describe an array of ``shape`` (batch, rows, heads, head_dim) with element ``strides``
     (batch, row, head)? Its rows must be whole multiples of ALIGNMENT bytes and so must every stride of an axis
-    longer than one (an axis of one element never moves: tensor_map gives it a stride TMA accepts)."""
+    longer than one (an axis of one element never moves: map_strides gives it a stride TMA accepts)."""
     *outer, head_dim = shape
     return head_dim * itemsize % ALIGNMENT == 0 and all(
         n == 1 or (s > 0 and s * itemsize % ALIGNMENT == 0) for n, s in zip(outer, strides))
@@ -82,13 +82,17 @@ def _encode(pointer: int, dtype: np.dtype, shape: tuple[int, int, int, int], str
     return np.array(tuple(int(w) for w in tensor_map.opaque), dtype=_map_dtype())[()]
 
 
+def map_strides(itemsize: int, shape: tuple[int, ...], strides: tuple[int, int, int]) -> tuple[int, int, int]:
+    """Element ``strides`` (batch, row, head) of an array of ``shape`` as a tensor map takes them, where strides_ok
+    holds: an axis of one element never moves, and gets the array's span as its stride, a multiple of ALIGNMENT
+    that TMA accepts. A plan computes them once (tensor_map runs per call)."""
+    span = -(-max(n * s for n, s in zip(shape, strides)) * itemsize // ALIGNMENT) * ALIGNMENT // itemsize
+    return tuple(span if n == 1 else s for n, s in zip(shape, strides))
+
+
 def tensor_map(x, shape: tuple[int, int, int, int], strides: tuple[int, int, int], box_rows: int):
     """The tensor map of ``x`` (a CuPy array, float16 or bfloat16, its address ALIGNMENT-aligned) seen as ``shape``
-    (batch, rows, heads, head_dim) with element strides ``strides`` (batch, row, head; the last axis contiguous;
-    a packed (total, heads, head_dim) array is (1, total, heads, head_dim)), where strides_ok holds. Boxes of
+    (batch, rows, heads, head_dim; a packed (total, heads, head_dim) array is (1, total, heads, head_dim)) with
+    element strides ``strides`` from map_strides (batch, row, head; the last axis contiguous). Boxes of
     ``box_rows`` rows."""
-    itemsize = x.dtype.itemsize
-    # an axis of one element: the array's span as its stride, a multiple of ALIGNMENT that TMA accepts
-    span = -(-max(n * s for n, s in zip(shape, strides)) * itemsize // ALIGNMENT) * ALIGNMENT // itemsize
-    strides = tuple(span if n == 1 else s for n, s in zip(shape, strides))
-    return _encode(x.data.ptr, np.dtype(x.dtype), tuple(shape), strides, box_rows)
+    return _encode(x.data.ptr, x.dtype, shape, strides, box_rows)

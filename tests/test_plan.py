@@ -55,6 +55,10 @@ def test_tensor_map_strides():
     # an axis of one element never moves: its stride does not matter (tensor_map gives it a legal one)
     assert _tma.strides_ok(2, (1, 100, 1, 64), (0, 72, 3))
     assert _tma.strides_ok(2, (1, 5000, 8, 128), (0, 8 * 128, 128))                 # a packed batch
+    # the strides a map gets: a one-element axis takes the array's span (16-byte multiple), the others stay
+    assert _tma.map_strides(2, (1, 5000, 8, 128), (0, 8 * 128, 128)) == (5000 * 8 * 128, 8 * 128, 128)
+    assert _tma.map_strides(2, (1, 100, 1, 64), (0, 72, 3)) == (7200, 72, 7200)
+    assert _tma.map_strides(2, (2, 100, 8, 64), (51200, 512, 64)) == (51200, 512, 64)
 
 
 def test_forward_takes_the_modifiers_kernels():
