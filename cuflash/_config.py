@@ -41,7 +41,7 @@ ALL_MODS = MOD_SOFTCAP | MOD_ALIBI | MOD_SINKS | MOD_DROPOUT
 #: the modifiers that change the scores (the sinks change only the forward's epilogue)
 SCORE_MODS = MOD_SOFTCAP | MOD_ALIBI
 #: kernels whose template has MASK and MODS (every one but the row reductions)
-_MASKED_KERNELS = frozenset({"fwd_mma", "fwd_wgmma", "fwd_simt", "bwd_dkdv_simt", "bwd_dq_simt", "bwd_dkdv_mma",
+_MASKED_KERNELS = frozenset({"fwd_mma", "fwd_wgmma", "bwd_dkdv_wgmma", "fwd_simt", "bwd_dkdv_simt", "bwd_dq_simt", "bwd_dkdv_mma",
                              "bwd_dkdv_rows_mma", "bwd_dq_mma"})
 #: rows of one warp's mma tile in the tensor-core forward
 MMA_ROWS_PER_WARP = 16
@@ -59,13 +59,14 @@ KERNEL_FILES = {
     "bwd_dq_convert": "bwd_mma.cu",
     "merge_parts": "merge.cu",
     "fwd_wgmma": "fwd_wgmma.cu",
+    "bwd_dkdv_wgmma": "bwd_wgmma.cu",
 }
 #: kernels with a packed-batch specialization (their VARLEN template argument, the last)
 VARLEN_KERNELS = _MASKED_KERNELS | {"bwd_dq_convert"}
 #: tensor-core kernels: shared memory derived from the tile shape
 MMA_KERNELS = frozenset({"fwd_mma", "bwd_dkdv_mma", "bwd_dkdv_rows_mma", "bwd_dq_mma"})
 #: Hopper kernels (wgmma, TMA, setmaxnreg): compiled for sm_90a, which runs on compute capability 9.0 only
-SM90A_KERNELS = frozenset({"fwd_wgmma"})
+SM90A_KERNELS = frozenset({"fwd_wgmma", "bwd_dkdv_wgmma"})
 #: fwd_wgmma's rows per consumer warpgroup (a block of block_m rows has block_m / 64 consumers and a producer)
 WGMMA_ROWS_PER_CONSUMER = 64
 #: its K and V stages (``kWgmmaStages`` in kernels/fwd_wgmma.cu)
@@ -205,11 +206,15 @@ class AttentionConfig:
     bwd_dq: KernelSpec
     bwd_dkdv_atomic: tuple[KernelSpec, ...] = ()
     bwd_dq_convert: KernelSpec | None = None
+    #: the default (not deterministic) backward's dK/dV on Hopper in place of bwd_dkdv_atomic, where it serves
+    #: (wgmma_dkdv_spec); the deterministic split grid keeps bwd_dkdv_atomic
+    bwd_dkdv_wgmma: KernelSpec | None = None
 
     @property
     def specs(self) -> tuple[KernelSpec, ...]:
         atomic = (*self.bwd_dkdv_atomic, self.bwd_dq_convert) if self.bwd_dkdv_atomic else ()
-        return (self.forward, self.bwd_preprocess, *self.bwd_dkdv, self.bwd_dq, *atomic)
+        hopper = (self.bwd_dkdv_wgmma,) if self.bwd_dkdv_wgmma else ()
+        return (self.forward, self.bwd_preprocess, *self.bwd_dkdv, self.bwd_dq, *atomic, *hopper)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -503,6 +508,32 @@ def wgmma_spec(dtype, head_dim: int, mask: int, block_m: int, block_n: int, mods
                       mods=mods)
 
 
+#: bwd_dkdv_wgmma's tile (kernels/bwd_wgmma.cu): 128 keys on two consumers, 64 query rows per step
+WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_BLOCK_N, WGMMA_DKDV_HEAD_DIM = 64, 128, 128
+
+
+def wgmma_dkdv_smem_bytes(itemsize: int = 2) -> int:
+    """bwd_dkdv_wgmma's shared memory (``BwdWgmmaSmem``): K and V, two stages of Q and dO, two of dS^T, two of
+    lse and delta (float32), and 5 mbarriers."""
+    m, n, d = WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_BLOCK_N, WGMMA_DKDV_HEAD_DIM
+    return (2 * n * d + 2 * 2 * m * d + 2 * n * m) * itemsize + 2 * 2 * m * 4 + 8 * 5
+
+
+def wgmma_dkdv_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: int = 0) -> KernelSpec | None:
+    """The Hopper dK/dV kernel with atomic dQ (bwd_dkdv_wgmma), or None where it does not serve: as the Hopper
+    forward (wgmma_forward_spec), and only at the padded head dim 128 (97..128, multiples of 8), without score
+    modifiers or dropout. The deterministic backward keeps the mma.sync kernels."""
+    dtype = np.dtype(dtype)
+    if (device.compute_capability != 90 or not device.tensor_maps or dtype == np.float32 or mods
+            or padded_head_dim(head_dim) != WGMMA_DKDV_HEAD_DIM or head_dim % 8):
+        return None
+    smem = wgmma_dkdv_smem_bytes(dtype.itemsize)
+    if smem > device.max_smem_per_block:
+        return None
+    return KernelSpec("bwd_dkdv_wgmma", dtype, WGMMA_DKDV_HEAD_DIM, int(mask), WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_BLOCK_N,
+                      wgmma_threads(2 * WGMMA_ROWS_PER_CONSUMER), smem, atomic_dq=True)
+
+
 def forward_query_blocks_fastest(head_dim: int, causal: bool) -> bool:
     """The forward's grid order (``QueryBlock``, kernels/common.cuh): query blocks fastest (True) or batch *
     heads fastest, the highest query blocks first (False). ``head_dim`` is the padded one.
@@ -736,19 +767,21 @@ def choose_config(head_dim: int, dtype, mask: int, device: DeviceProps, mods: in
                                     for part, adds_dq in rows_dkdv_launches(d, atomic_dq=True)) if atomic_fits else ()
         bwd_dq = _mma_spec("bwd_dq_mma", dtype, d, mask, device, mods=bwd_mods)
         bwd_dq_convert = KernelSpec("bwd_dq_convert", dtype, d)
+        bwd_dkdv_wgmma = wgmma_dkdv_spec(head_dim, dtype, mask, device, bwd_mods) if bwd_dkdv_atomic else None
     else:  # float32: CUDA cores, always the deterministic pair
         bwd_dkdv = (_simt_spec("bwd_dkdv_simt", dtype, d, mask, device, bwd_mods),)
         bwd_dq = _simt_spec("bwd_dq_simt", dtype, d, mask, device, bwd_mods)
-        bwd_dkdv_atomic, bwd_dq_convert = (), None
+        bwd_dkdv_atomic, bwd_dq_convert, bwd_dkdv_wgmma = (), None, None
     if varlen:
         def packed(spec):
             return dataclasses.replace(spec, varlen=True)
         forward, bwd_dq = packed(forward), packed(bwd_dq)
         bwd_dkdv, bwd_dkdv_atomic = tuple(map(packed, bwd_dkdv)), tuple(map(packed, bwd_dkdv_atomic))
         bwd_dq_convert = bwd_dq_convert and packed(bwd_dq_convert)
+        bwd_dkdv_wgmma = bwd_dkdv_wgmma and packed(bwd_dkdv_wgmma)
     return AttentionConfig(forward=forward, bwd_preprocess=KernelSpec("bwd_preprocess", dtype),
                            bwd_dkdv=bwd_dkdv, bwd_dq=bwd_dq, bwd_dkdv_atomic=bwd_dkdv_atomic,
-                           bwd_dq_convert=bwd_dq_convert)
+                           bwd_dq_convert=bwd_dq_convert, bwd_dkdv_wgmma=bwd_dkdv_wgmma)
 
 
 def all_specs(device: DeviceProps) -> list[KernelSpec]:

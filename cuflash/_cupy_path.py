@@ -271,20 +271,27 @@ class _Launch:
 class _AttentionLaunch:
     """One launch of a backward attention kernel, compiled: its arguments by field name (``_params``), the
     plan's fixed ones with its tail (dq_splits, dq_pass), the per-call ones (BACKWARD_PER_CALL) given to
-    ``__call__`` in that order."""
+    ``__call__`` in that order. A Hopper kernel (bwd_dkdv_wgmma) takes the tensor maps of q, k, v and dout
+    first: ``maps`` holds each one's planned (shape, strides) (_tensor_map)."""
 
-    __slots__ = ("kernel", "grid", "block", "smem", "arguments")
+    __slots__ = ("kernel", "grid", "block", "smem", "arguments", "maps")
 
-    def __init__(self, launch: _plan.Launch, device_id: int, fixed: dict, packed: bool = False):
+    def __init__(self, launch: _plan.Launch, device_id: int, fixed: dict, packed: bool = False, maps=None):
         spec = launch.spec
         self.kernel = get_kernel(spec, device_id)
         self.grid, self.block, self.smem = launch.grid, (spec.threads,), spec.smem_bytes
         fields = _params.backward_fields()
         self.arguments = _params.Arguments(fields, {**fixed, **_tail_fields(fields, launch.tail)},
                                            BACKWARD_PER_CALL + (PACKED_PER_CALL if packed else ()), _by_value)
+        self.maps = None
+        if spec.kernel == "bwd_dkdv_wgmma":   # q and dout in query tiles, k and v in the block's keys
+            box_rows = (spec.block_m, spec.block_n, spec.block_n, spec.block_m)
+            self.maps = tuple((shape, strides, rows) for (shape, strides), rows in zip(maps, box_rows))
 
     def __call__(self, values: tuple):
-        self.kernel(self.grid, self.block, self.arguments(values), shared_mem=self.smem)
+        # BACKWARD_PER_CALL starts with q, k, v, dout
+        maps = () if self.maps is None else tuple(_tensor_map(x, *planned) for x, planned in zip(values, self.maps))
+        self.kernel(self.grid, self.block, maps + self.arguments(values), shared_mem=self.smem)
 
 
 class BackwardPlan:
@@ -298,7 +305,13 @@ class BackwardPlan:
         self.device_id = device_id
         self.copies = tuple(_needs_copy(x) for x in (dout, q, k, v, out))
         self.copy_lse = not lse.flags.c_contiguous
-        plan = _plan.backward(p, device_props(device_id), deterministic, cfg, q.shape[0] if packed else None)
+        strides_of = _packed_strides if packed else _strides_of
+        # the Hopper dK/dV kernel's tensor maps of q, k, v, dout: (batch, rows, heads, head_dim) and strides
+        maps = [((1, *x.shape) if packed else tuple(x.shape), strides_of(x, c))
+                for x, c in zip((q, k, v, dout), self.copies[1:4] + self.copies[:1])]
+        tensor_maps = all(_tma.strides_ok(q.dtype.itemsize, shape, s) for shape, s in maps)
+        plan = _plan.backward(p, device_props(device_id), deterministic, cfg, q.shape[0] if packed else None,
+                              tensor_maps)
         self.adds_dq = plan.adds_dq
         self.dtype, self.q_shape, self.kv_shape = q.dtype, tuple(q.shape), tuple(k.shape)
         # (batch, heads, rows): a packed batch's lse and delta (heads, total_q) as one sequence of the rows
@@ -308,7 +321,6 @@ class BackwardPlan:
         # kernels/common.cuh); O(seqlen) per (batch, head); in a packed batch per head, O(total_q + 128 * batch)
         self.accum_shape = plan.accum_shape
         itemsize = q.dtype.itemsize
-        strides_of = _packed_strides if packed else _strides_of
         dout_s, q_s, k_s, v_s, out_s = (strides_of(x, c) for x, c in zip((dout, q, k, v, out), self.copies))
         dq_s, dk_s = strides_of(q, True), strides_of(k, True)
         batch, rows = (1, q.shape[0]) if packed else (p.batch, p.seqlen_q)   # bwd_preprocess's
@@ -325,7 +337,7 @@ class BackwardPlan:
             fixed = {**_stride_fields(q=q_s, k=k_s, v=v_s, do=dout_s, dq=dq_s, dk=dk_s), **_problem_fields(p),
                      "scale": p.softmax_scale, **({} if packed else DENSE_FIELDS)}
             self.strides_vector_ok = _strides_vector_ok(p.head_dim, itemsize, q_s, k_s, v_s, dout_s)
-            self.dkdv = [_AttentionLaunch(launch, device_id, fixed, packed) for launch in plan.dkdv]
+            self.dkdv = [_AttentionLaunch(launch, device_id, fixed, packed, maps) for launch in plan.dkdv]
             if plan.adds_dq:  # bwd_dq_convert; its last argument is the dQ buffer's copies
                 convert_args = int64s(dq_s) + tuple(_int32(n) for n in (p.batch, p.heads, p.seqlen_q, p.head_dim)) + (
                     _by_value(p.softmax_scale, np.float32), _int32(plan.accum_shape[0]))

@@ -70,7 +70,8 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
 
 
 def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
-             cfg: _config.AttentionConfig | None = None, total_q: int | None = None) -> BackwardLaunches:
+             cfg: _config.AttentionConfig | None = None, total_q: int | None = None,
+             tensor_maps: bool = True) -> BackwardLaunches:
     """The backward's launches; ``cfg`` overrides the tile table's kernels (for tuning tools). ``total_q``:
     a packed batch of that many query rows (attention_varlen), ``p`` its batch of the longest sequences'
     lengths; bwd_preprocess then walks the packed rows and the dQ buffer has DqAccum's packed layout.
@@ -82,6 +83,8 @@ def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
     """
     packed = total_q is not None
     if cfg is None:
+        if not tensor_maps:  # arrays no tensor map describes: not the Hopper kernels
+            device = dataclasses.replace(device, tensor_maps=False)
         cfg = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device, p.mods, packed)
     pairs = p.batch * p.heads_kv
     dq_splits = _config.deterministic_dq_splits(cfg, pairs, p.seqlen_k, device.sm_count) if deterministic else 0
@@ -91,7 +94,13 @@ def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
     rows = p.heads * total_q if packed else p.batch * p.heads * p.seqlen_q
     preprocess = Launch(pre, grid(-(-rows * lanes // pre.threads)))
     dkdv = []
-    for spec in cfg.bwd_dkdv_atomic if adds_dq else cfg.bwd_dkdv:
+    if not adds_dq:
+        dkdv_specs = cfg.bwd_dkdv
+    elif not deterministic and cfg.bwd_dkdv_wgmma is not None:
+        dkdv_specs = (cfg.bwd_dkdv_wgmma,)   # the Hopper kernel: the default mode only (banded grid)
+    else:
+        dkdv_specs = cfg.bwd_dkdv_atomic
+    for spec in dkdv_specs:
         key_blocks = -(-p.seqlen_k // spec.block_n)
         if dq_splits:  # one launch per pass, in order
             dkdv += [Launch(spec, grid(pairs * dq_splits), (dq_splits, dq_pass))

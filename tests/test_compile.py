@@ -59,6 +59,8 @@ def test_every_specialization_compiles(reports):
     # the Hopper forward (sm_90a) on sm_90 only: 4 head dims (64-column blocks) per plain (dtype, mask), the
     # modifiers without dropout (bfloat16, 2 masks), packed (bfloat16, 2 per head dim); its fallback is counted above
     assert kernels["fwd_wgmma"] == (2 * masks * 4 + 2 * 4 + 2 * 4 if device.tensor_maps else 0)
+    # the Hopper dK/dV kernel at head_dim 128: each half dtype and mask, and packed bfloat16 without modifiers
+    assert kernels["bwd_dkdv_wgmma"] == (2 * masks + 1 if device.tensor_maps else 0)
     assert kernels["fwd_simt"] == masks * head_dims + 2 * 2 * head_dims + packed["fwd_simt"]
     no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT
     assert {r.spec.mods for r in reports} == {0, _config.ALL_MODS, _config.ALL_MODS & ~_config.MOD_SINKS, no_dropout,
@@ -101,6 +103,7 @@ SMEM_LAYOUTS = {
                                        f"{str(s.atomic_dq).lower()}>"),
     "bwd_dq_mma": lambda s, t: f"DqSmem<{t}, {s.head_dim}, {s.block_m}, {s.block_n}>",
     "fwd_wgmma": lambda s, t: f"WgmmaFwdSmem<{s.head_dim}, {s.block_m}, {s.block_n}>",
+    "bwd_dkdv_wgmma": lambda s, t: f"BwdWgmmaSmem<{s.head_dim}, {s.block_m}, {s.block_n}>",
 }
 
 
@@ -142,6 +145,8 @@ def test_python_mirrors_the_kernels_constants():
     assert len(smem_asserts("fwd_wgmma.cu")) > 4
     _nvrtc_compile(kernel_source("fwd_wgmma.cu") + "\n" + "\n".join(hopper + smem_asserts("fwd_wgmma.cu")) + "\n",
                    "sm_90a", [])
+    assert smem_asserts("bwd_wgmma.cu")
+    _nvrtc_compile(kernel_source("bwd_wgmma.cu") + "\n" + "\n".join(smem_asserts("bwd_wgmma.cu")) + "\n", "sm_90a", [])
 
     simt = [f"static_assert(cuflash::kSimtThreads == {_config.SIMT_THREADS}, \"_config.SIMT_THREADS\");"]
     simt.append(f"static_assert(cuflash::kPhiloxRounds == {_philox.ROUNDS}, \"_philox.ROUNDS\");")

@@ -230,3 +230,33 @@ def test_the_hopper_forward_matches_its_fallback(cp, rng):
     out = cuflash.attention(q, k, v)
     assert cp.abs(out.astype(cp.float32) - cuflash.attention(*(cp.ascontiguousarray(x) for x in (q, k, v)))
                   .astype(cp.float32)).max() <= 2e-2
+
+
+def test_the_hopper_backward_matches_its_fallback(cp, rng):
+    # bwd_dkdv_wgmma (the default backward's dK/dV and atomic dQ on sm_90) against the mma.sync kernels it falls
+    # back to, on awkward shapes at the head dims it serves (97..128)
+    import dataclasses
+
+    from cuflash import _validate
+
+    props = _cupy_path.device_props(0)
+    if not props.tensor_maps:
+        pytest.skip("the Hopper kernels run on compute capability 9.0 with cuda-bindings")
+    cases = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim), causal, window
+        ((2, 77, 300, 4, 2, 128), True, (-1, -1)),
+        ((1, 300, 129, 6, 1, 104), False, (40, 7)),
+        ((3, 129, 129, 2, 2, 128), False, (-1, -1)),
+        ((1, 513, 700, 2, 1, 120), True, (-1, -1)),
+    ]
+    for shape, causal, window in cases:
+        q, k, v = make_qkv(cp, rng, *shape, BF16)
+        out, lse = cuflash.attention(q, k, v, causal=causal, window_size=window, return_lse=True)
+        dout = cp.asarray(rng.standard_normal(out.shape, dtype=np.float32).astype(BF16))
+        p = _validate.check_backward(dout, q, k, v, out, lse, causal, None, window)
+        hopper = _cupy_path.BackwardPlan(p, 0, False, dout, q, k, v, out, lse)
+        assert hopper.dkdv[0].maps is not None, shape
+        mma_cfg = _config.choose_config(shape[-1], q.dtype, p.mask_kind, dataclasses.replace(props, tensor_maps=False))
+        fallback = _cupy_path.BackwardPlan(p, 0, False, dout, q, k, v, out, lse, mma_cfg)
+        for got, want in zip(hopper.run(dout, q, k, v, out, lse), fallback.run(dout, q, k, v, out, lse)):
+            got, want = to_numpy(got).astype(np.float32), to_numpy(want).astype(np.float32)
+            assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max() + 1e-3, shape

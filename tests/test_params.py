@@ -43,6 +43,11 @@ def test_the_field_lists_are_the_kernels_parameter_lists():
     _nvrtc_compile(SAME + kernel_source("simt.cu") + "\n" + checks[1] + "\n", "sm_90", [])
     assert hopper.kernel == "fwd_wgmma"
     _nvrtc_compile(SAME + kernel_source("fwd_wgmma.cu") + "\n" + checks[2] + "\n", "sm_90a", [])
+    # the Hopper dK/dV kernel: the tensor maps of q, k, v and dout, then the backward's fields
+    hopper_dkdv = _config.choose_config(128, BFLOAT16, _config.MASK_CAUSAL, _config.H100).bwd_dkdv_wgmma
+    types = "const cuflash::TmaMap, " * 4 + cpp_parameter_types(_params.backward_fields(), "__nv_bfloat16")
+    _nvrtc_compile(SAME + kernel_source("bwd_wgmma.cu") + "\n" + f"static_assert(same_type<decltype(&{hopper_dkdv.name}), "
+                   f"void (*)({types})>::value, \"bwd_dkdv_wgmma\");\n", "sm_90a", [])
     cfg = _config.choose_config(128, BFLOAT16, _config.MASK_WINDOW, _config.H100, _config.MOD_DROPOUT)
     backward = [cfg.bwd_dkdv[0], cfg.bwd_dkdv_atomic[0], cfg.bwd_dq]
     checks = [f"static_assert(same_type<decltype(&{spec.name}), "

@@ -66,6 +66,12 @@ __device__ __forceinline__ unsigned long long smem_descriptor(unsigned addr, uns
            1ull << 62;
 }
 
+// Makes this thread's ordinary shared-memory stores visible to the async proxy (wgmma and TMA read through it);
+// each writing thread fences before the barrier that precedes the read.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 // Orders this warpgroup's register writes before the wgmma that reads or accumulates into them.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }

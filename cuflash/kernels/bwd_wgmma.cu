@@ -1,0 +1,272 @@
+// The backward's dK/dV (and atomic dQ) on Hopper (sm_90a): wgmma, TMA, warp specialization. The algorithm is
+// bwd_dkdv_mma's (bwd_mma.cu) with dQ added into the float32 buffer (DqAccum) and bwd_dq_convert after it;
+// only head_dim 128, float16/bfloat16, no score modifiers and no dropout (the plan runs the mma.sync kernels
+// for the rest, and for deterministic=True).
+//
+// One thread block owns BLOCK_N = 128 keys of one (batch, kv head) (KeyBlock's banded grid) and walks the query
+// tiles of every head of its kv group that see them, BLOCK_M = 64 rows at a time (steps: head in group, query
+// tile fastest). Warpgroups:
+// - 0, the producer: thread 0 loads K and V once, then each step's Q and dO tiles by TMA into two stages;
+//   warp 1 copies the step's lse and delta (64 floats each) into the stage; the stage's "full" mbarrier
+//   completes on both, and it is refilled once both consumers have arrived on its "empty" one.
+// - 1 and 2, the consumers, 64 keys each (rows 64 cw.. of the block), holding dK and dV (64 x 128 each) in
+//   registers for the whole block. Per step, with keys as the M dimension of every product:
+//     S^T = K Q^T, dP^T = V dO^T          (wgmma ss, both K-major)
+//     P^T = exp2(S^T scale_log2 - lse2), dS^T = P^T (dP^T - delta)   (per element: lse and delta per query)
+//     dV += P^T dO, dK += dS^T Q          (wgmma rs: P^T, dS^T packed into A fragments; dO, Q MN-major)
+//     dS^T into shared memory; the consumers meet (named barrier); each computes dQ for 64 of the 128
+//     columns: dQ = dS K (wgmma ss, both MN-major: dS^T's rows are keys, K's are keys) and adds it into
+//     dq_accum with vector reductions (the accumulator layout is DqAccum's 16 x 8 tile order).
+//   dS^T is double-buffered: the step s + 1 barrier orders step s's dQ reads before step s + 2's writes.
+// Epilogue: dK times the softmax scale, and dV, stored from registers.
+#include "hopper.cuh"
+
+namespace cuflash {
+
+constexpr int kBwdWgmmaStages = 2;   // Q/dO stages
+
+// bwd_dkdv_wgmma's shared memory, bytes (128-byte swizzled [rows][64] blocks as TMA writes them):
+// K, V [HEAD_DIM / 64][BLOCK_N][64]; Q, dO stages [2][HEAD_DIM / 64][BLOCK_M][64]; dS^T [2][BLOCK_N][BLOCK_M]
+// (BLOCK_M = 64: one 128-byte row per key); lse, delta stages [2][BLOCK_M] float; then the mbarriers:
+// kv_full, q_full[2], q_empty[2].
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct BwdWgmmaSmem {
+    static constexpr int kColBlocks = HEAD_DIM / kSwizzleElems;
+    static constexpr int kKVBlock = BLOCK_N * kSwizzleRowBytes, kKV = kColBlocks * kKVBlock;
+    static constexpr int kQBlock = BLOCK_M * kSwizzleRowBytes, kQStage = kColBlocks * kQBlock;
+    static constexpr int kDsStage = BLOCK_N * BLOCK_M * 2;
+    static constexpr int kV = kKV, kQ = kV + kKV, kDo = kQ + kBwdWgmmaStages * kQStage;
+    static constexpr int kDs = kDo + kBwdWgmmaStages * kQStage, kStats = kDs + kBwdWgmmaStages * kDsStage;
+    static constexpr int kBarriers = kStats + kBwdWgmmaStages * 2 * BLOCK_M * 4;
+    static constexpr int kBytes = kBarriers + 8 * (1 + 2 * kBwdWgmmaStages);
+};
+
+template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, bool VARLEN>
+__global__ void __launch_bounds__(384, 1)
+bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
+               const __grid_constant__ TmaMap v_map, const __grid_constant__ TmaMap do_map,
+               CUFLASH_PARAMS(CUFLASH_BWD_FIELDS)) {
+    static_assert(sizeof(T) == 2 && HEAD_DIM == 128 && BLOCK_M == 64 && BLOCK_N == 128,
+                  "head_dim 128, 64-row query tiles, two consumers of 64 keys");
+    static_assert(MODS == 0, "no score modifiers, no dropout (the mma.sync kernels run them)");
+    using Smem = BwdWgmmaSmem<HEAD_DIM, BLOCK_M, BLOCK_N>;
+    constexpr int kConsumers = BLOCK_N / 64;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const unsigned k_s = smem_addr(smem_raw), v_s = k_s + Smem::kV, q_s = k_s + Smem::kQ, do_s = k_s + Smem::kDo;
+    const unsigned ds_s = k_s + Smem::kDs, bars = k_s + Smem::kBarriers;
+    float* const stats_s = reinterpret_cast<float*>(smem_raw + Smem::kStats);   // [stage][lse, delta][BLOCK_M]
+    const unsigned kv_full = bars;
+    auto q_full = [&](int stage) { return bars + 8 * (1 + stage); };
+    auto q_empty = [&](int stage) { return bars + 8 * (1 + kBwdWgmmaStages + stage); };
+
+    const KeyBlock blk(BLOCK_N, heads / group, seqlen_k, 0, 0);
+    const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
+    const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal);
+    if (VARLEN && n0 >= seq.seqlen_k) return;
+    const Window<MASK> window{seq.diagonal, window_left, window_right};
+    // the query tiles whose rows see some key of the block
+    const int m_begin = window.row_begin(n0) / BLOCK_M * BLOCK_M;
+    const int m_end = window.row_end(n0 + BLOCK_N, seq.seqlen_q);
+    const int m_tiles = m_begin < m_end ? (m_end - m_begin + BLOCK_M - 1) / BLOCK_M : 0;
+    const int steps = m_tiles * group;   // (head in group, query tile), query tile fastest
+    auto step_head = [&](int s) { return h_kv * group + s / m_tiles; };
+    auto step_row = [&](int s) { return m_begin + s % m_tiles * BLOCK_M; };
+
+    const int warpgroup = threadIdx.x / 128, tid_wg = threadIdx.x % 128;
+    if (threadIdx.x == 0) {
+        mbarrier_init(kv_full, 1);
+        for (int stage = 0; stage < kBwdWgmmaStages; ++stage) {
+            mbarrier_init(q_full(stage), 2);   // the TMA thread's expected bytes and the stats warp's arrival
+            mbarrier_init(q_empty(stage), kConsumers);
+        }
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {   // the producer
+        warpgroup_registers_decrease<24>();
+        const int batch_coord = VARLEN ? 0 : b;
+        if (tid_wg == 0 && steps > 0) {   // (no loads in flight when the block has no step and ends)
+            const int k_row = static_cast<int>(seq.k_start) + n0;
+            mbarrier_expect_bytes(kv_full, 2 * Smem::kKV);
+            for (int c = 0; c < Smem::kColBlocks; ++c) {
+                tma_load_4d(k_s + c * Smem::kKVBlock, k_map, kv_full, c * kSwizzleElems, h_kv, k_row, batch_coord);
+                tma_load_4d(v_s + c * Smem::kKVBlock, v_map, kv_full, c * kSwizzleElems, h_kv, k_row, batch_coord);
+            }
+            for (int s = 0; s < steps; ++s) {
+                const int stage = s % kBwdWgmmaStages;
+                if (s >= kBwdWgmmaStages) mbarrier_wait(q_empty(stage), (s / kBwdWgmmaStages - 1) & 1);
+                const int q_row = static_cast<int>(seq.q_start) + step_row(s), h = step_head(s);
+                mbarrier_expect_bytes(q_full(stage), 2 * Smem::kQStage);
+                for (int c = 0; c < Smem::kColBlocks; ++c) {
+                    tma_load_4d(q_s + stage * Smem::kQStage + c * Smem::kQBlock, q_map, q_full(stage),
+                                c * kSwizzleElems, h, q_row, batch_coord);
+                    tma_load_4d(do_s + stage * Smem::kQStage + c * Smem::kQBlock, do_map, q_full(stage),
+                                c * kSwizzleElems, h, q_row, batch_coord);
+                }
+            }
+        } else if (tid_wg / 32 == 1) {   // warp 1: lse and delta of each step; rows past seqlen_q read 0
+            const int lane = tid_wg % 32;
+            for (int s = 0; s < steps; ++s) {
+                const int stage = s % kBwdWgmmaStages;
+                if (s >= kBwdWgmmaStages) mbarrier_wait(q_empty(stage), (s / kBwdWgmmaStages - 1) & 1);
+                const long long base = seq.stats(b, heads, step_head(s));
+                float* dst = stats_s + stage * 2 * BLOCK_M;
+                for (int r = lane; r < BLOCK_M; r += 32) {
+                    const int row = step_row(s) + r;
+                    const bool ok = row < seq.seqlen_q;
+                    dst[r] = ok ? lse[base + row] : 0.f;
+                    dst[BLOCK_M + r] = ok ? delta[base + row] : 0.f;
+                }
+                __syncwarp();
+                if (lane == 0) mbarrier_arrive(q_full(stage));   // release: the stores above are visible
+            }
+        }
+        return;
+    }
+
+    // The consumers: warpgroup 1 + cw owns keys n0 + 64 cw..; its warp w keys 16 w.. of those. Accumulator
+    // element e of n8 tile nb of S^T / dP^T is (key g + 8 (e / 2), query 8 nb + 2 t + e % 2); of dK / dV
+    // (key, column 8 nb + 2 t + e % 2); of dQ (query 16 w + g + 8 (e / 2), column 64 cw + 8 nb + 2 t + e % 2).
+    warpgroup_registers_increase<240>();
+    const int cw = warpgroup - 1, warp = tid_wg / 32, lane = tid_wg % 32, g = lane / 4, t = lane % 4;
+    constexpr int kSq = BLOCK_M / 2, kAcc = HEAD_DIM / 2, kDq = 64 / 2, kPSteps = BLOCK_M / 16;
+    const int key_wg0 = n0 + 64 * cw, key0 = key_wg0 + 16 * warp + g;   // key0: elements 0, 1's key
+    float dk_acc[kAcc], dv_acc[kAcc];
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) dk_acc[i] = dv_acc[i] = 0.f;
+    const unsigned k_rows = k_s + 64 * cw * kSwizzleRowBytes, v_rows = v_s + 64 * cw * kSwizzleRowBytes;
+    auto release = [&](unsigned bar) {
+        if (tid_wg == 0) mbarrier_arrive(bar);
+    };
+    constexpr int kConsumerBarrier = 1, kConsumerThreads = 128 * kConsumers;
+
+    if (steps > 0) mbarrier_wait(kv_full, 0);
+#pragma unroll 1
+    for (int s = 0; s < steps; ++s) {
+        const int stage = s % kBwdWgmmaStages, h = step_head(s), m0 = step_row(s);
+        const unsigned q_tile = q_s + stage * Smem::kQStage, do_tile = do_s + stage * Smem::kQStage;
+        const float* lse_tile = stats_s + stage * 2 * BLOCK_M;
+        const float* delta_tile = lse_tile + BLOCK_M;
+        mbarrier_wait(q_full(stage), (s / kBwdWgmmaStages) & 1);
+
+        // S^T = K Q^T and dP^T = V dO^T for this consumer's 64 keys, one group
+        float st[kSq], dpt[kSq];
+        pin_registers(st);
+        pin_registers(dpt);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+            const int block = ks / 4;
+            const unsigned col = (ks % 4) * 32;
+            wgmma_ss<T, BLOCK_M>(st, smem_descriptor(k_rows + block * Smem::kKVBlock + col, 0),
+                                 smem_descriptor(q_tile + block * Smem::kQBlock + col, 0), ks > 0);
+        }
+#pragma unroll
+        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+            const int block = ks / 4;
+            const unsigned col = (ks % 4) * 32;
+            wgmma_ss<T, BLOCK_M>(dpt, smem_descriptor(v_rows + block * Smem::kKVBlock + col, 0),
+                                 smem_descriptor(do_tile + block * Smem::kQBlock + col, 0), ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(st);
+        pin_registers(dpt);
+
+        // P^T and dS^T, element by element into A fragments (k16 step kk: n8 tiles 2 kk, 2 kk + 1, as the
+        // forward packs P), and dS^T into shared memory for dQ
+        const bool need_mask = m0 + BLOCK_M > seq.seqlen_q || key_wg0 + 64 > seq.seqlen_k ||
+                               !window.covers(m0, m0 + BLOCK_M, key_wg0, key_wg0 + 64);
+        unsigned p_frag[kPSteps][4], ds_frag[kPSteps][4];
+        const unsigned ds_stage = ds_s + (s % 2) * Smem::kDsStage;
+#pragma unroll
+        for (int nb = 0; nb < kSq / 4; ++nb) {
+            float p[4], ds[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int query = 8 * nb + 2 * t + (e & 1), key = key0 + 8 * (e / 2);
+                const float lse2 = lse_tile[query] * kLog2e;
+                p[e] = exp2f(fmaf(st[4 * nb + e], scale_log2, -lse2));
+                if (need_mask && !window.sees(m0 + query, key, seq.seqlen_k)) p[e] = 0.f;
+                if (need_mask && m0 + query >= seq.seqlen_q) p[e] = 0.f;
+                ds[e] = p[e] * (dpt[4 * nb + e] - delta_tile[query]);
+            }
+            p_frag[nb / 2][(nb % 2) * 2 + 0] = pack2<T>(p[0], p[1]);
+            p_frag[nb / 2][(nb % 2) * 2 + 1] = pack2<T>(p[2], p[3]);
+            const unsigned ds_lo = pack2<T>(ds[0], ds[1]), ds_hi = pack2<T>(ds[2], ds[3]);
+            ds_frag[nb / 2][(nb % 2) * 2 + 0] = ds_lo;
+            ds_frag[nb / 2][(nb % 2) * 2 + 1] = ds_hi;
+            // dS^T (key row, query column) in the 128-byte swizzle: key rows 64 cw + 16 w + g (+ 8), the pair of
+            // queries 8 nb + 2 t in chunk nb ^ (row % 8)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = 64 * cw + 16 * warp + g + 8 * half;
+                const unsigned at = ds_stage + row * kSwizzleRowBytes + ((nb ^ (row % 8)) * 16) + 4 * t;
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(half ? ds_hi : ds_lo) : "memory");
+            }
+        }
+        fence_proxy_async_shared();
+
+        // dV += P^T dO, dK += dS^T Q (Q and dO MN-major: the query rows are the k dimension)
+        pin_registers(dv_acc);
+        pin_registers(dk_acc);
+        pin_registers(p_frag);
+        pin_registers(ds_frag);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kPSteps; ++kk)
+            wgmma_rs<T, HEAD_DIM>(dv_acc, p_frag[kk], smem_descriptor(do_tile + kk * 16 * kSwizzleRowBytes, Smem::kQBlock), 1);
+#pragma unroll
+        for (int kk = 0; kk < kPSteps; ++kk)
+            wgmma_rs<T, HEAD_DIM>(dk_acc, ds_frag[kk], smem_descriptor(q_tile + kk * 16 * kSwizzleRowBytes, Smem::kQBlock), 1);
+        wgmma_commit();
+
+        // dQ = dS K for the block's 128 keys, columns 64 cw.. (both consumers' dS^T: they meet first)
+        named_barrier_sync(kConsumerBarrier, kConsumerThreads);
+        float dq[kDq];
+        pin_registers(dq);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+            wgmma_ss_mn<T, 64>(dq, smem_descriptor(ds_stage + kk * 16 * kSwizzleRowBytes, 0),
+                               smem_descriptor(k_s + cw * Smem::kKVBlock + kk * 16 * kSwizzleRowBytes, 0), kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(dq);
+        pin_registers(dv_acc);
+        pin_registers(dk_acc);
+        pin_registers(p_frag);    // read by the products until the wait: live until here
+        pin_registers(ds_frag);
+        release(q_empty(stage));   // Q, dO, lse and delta of the stage are read
+        if (dq_accum != nullptr) {
+            float* head = dq_accum + DqAccum::head(0, batch, b, heads, h, seq, seqlen_q, HEAD_DIM);
+            float* at = head + DqAccum::tile(m0 + 16 * warp, 64 * cw, HEAD_DIM) + lane * 4;
+#pragma unroll
+            for (int nb = 0; nb < kDq / 4; ++nb) {
+                const float c[4] = {dq[4 * nb], dq[4 * nb + 1], dq[4 * nb + 2], dq[4 * nb + 3]};
+                atomicAdd(reinterpret_cast<float4*>(at + nb * 128), make_float4(c[0], c[1], c[2], c[3]));
+            }
+        }
+    }
+
+    // Epilogue: dK times the softmax scale, dV; keys past seqlen_k are not stored
+    const Sequence<VARLEN> out_seq =
+        VARLEN ? Sequence<VARLEN>::reread(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal) : seq;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int key = key0 + 8 * half;
+        if (key >= out_seq.seqlen_k) continue;
+        T* dk_row = dk + b * dk_sb + (out_seq.k_start + key) * dk_ss + h_kv * dk_sh;
+        T* dv_row = dv + b * dk_sb + (out_seq.k_start + key) * dk_ss + h_kv * dk_sh;
+#pragma unroll
+        for (int nb = 0; nb < kAcc / 4; ++nb) {
+            const int col = 8 * nb + 2 * t;
+            if (col >= head_dim) continue;
+            *reinterpret_cast<unsigned*>(dk_row + col) =
+                pack2<T>(dk_acc[4 * nb + 2 * half] * scale, dk_acc[4 * nb + 2 * half + 1] * scale);
+            *reinterpret_cast<unsigned*>(dv_row + col) = pack2<T>(dv_acc[4 * nb + 2 * half], dv_acc[4 * nb + 2 * half + 1]);
+        }
+    }
+}
+
+}  // namespace cuflash
