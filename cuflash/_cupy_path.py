@@ -310,6 +310,7 @@ class BackwardPlan:
         maps = [((1, *x.shape) if packed else tuple(x.shape), strides_of(x, c))
                 for x, c in zip((q, k, v, dout), self.copies[1:4] + self.copies[:1])]
         tensor_maps = all(_tma.strides_ok(q.dtype.itemsize, shape, s) for shape, s in maps)
+        maps = [(shape, _tma.map_strides(q.dtype.itemsize, shape, s)) for shape, s in maps]
         plan = _plan.backward(p, device_props(device_id), deterministic, cfg, q.shape[0] if packed else None,
                               tensor_maps)
         self.adds_dq = plan.adds_dq
