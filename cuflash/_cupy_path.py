@@ -180,12 +180,18 @@ def _run_on(device_id: int, run, *args):
         return run(*args)
 
 
-def _tensor_map(x, shape: tuple[int, ...], strides: tuple[int, int, int], box_rows: int):
-    """The tensor map of q, k or v as a plan planned it, or, for a view whose address TMA cannot take, of a
-    contiguous copy (new memory is aligned; the copy lives until the stream has run the kernel: CuPy's pool)."""
-    if x.data.ptr % _tma.ALIGNMENT:
-        x, strides = x.copy(), _tma.map_strides(x.dtype.itemsize, shape, _contiguous_strides(shape))
-    return _tma.tensor_map(x, shape, strides, box_rows)
+def _tensor_maps(arrays, planned) -> tuple[tuple, list]:
+    """The tensor maps of ``arrays`` (q, k, v[, dout]) as a plan planned them (``planned``: each one's shape,
+    strides and box rows), and the copies they describe. A view whose address TMA cannot take is copied
+    (new memory is aligned); the caller holds the copies until the kernel is queued, so that no allocation
+    in between (a work counter, say) takes their memory back from CuPy's pool before the kernel reads it."""
+    maps, copies = [], []
+    for x, (shape, strides, box_rows) in zip(arrays, planned):
+        if x.data.ptr % _tma.ALIGNMENT:
+            x, strides = x.copy(), _tma.map_strides(x.dtype.itemsize, shape, _contiguous_strides(shape))
+            copies.append(x)
+        maps.append(_tma.tensor_map(x, shape, strides, box_rows))
+    return tuple(maps), copies
 
 
 class ForwardPlan:
@@ -242,12 +248,12 @@ class ForwardPlan:
         out = cupy.ndarray(self.out_shape, self.dtype)
         lse = cupy.ndarray(self.lse_shape, np.float32) if with_lse else None
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k.data.ptr | v.data.ptr) & 15
-        maps = () if self.maps is None else tuple(
-            _tensor_map(x, *planned) for x, planned in zip((q, k, v), self.maps))
+        maps, copies = _tensor_maps((q, k, v), self.maps) if self.maps else ((), ())
         self.kernel(self.grid, self.block,
                     maps + self.arguments((q, k, v, out, _NULL if lse is None else lse, _vector(alibi_slopes),
                                            _vector(sinks)) + dropout + (_VECTOR_OK[vector_ok],) + cu_seqlens),
                     shared_mem=self.smem)
+        del copies   # queued: their memory may go back to the pool (stream order protects it)
         return out, lse
 
 
@@ -272,7 +278,7 @@ class _AttentionLaunch:
     """One launch of a backward attention kernel, compiled: its arguments by field name (``_params``), the
     plan's fixed ones with its tail (dq_splits, dq_pass), the per-call ones (BACKWARD_PER_CALL) given to
     ``__call__`` in that order. A Hopper kernel (bwd_dkdv_wgmma) takes the tensor maps of q, k, v and dout
-    first: ``maps`` holds each one's planned (shape, strides) (_tensor_map)."""
+    first: ``maps`` holds each one's planned (shape, strides, box rows) (_tensor_maps)."""
 
     __slots__ = ("kernel", "grid", "block", "smem", "arguments", "maps")
 
@@ -290,8 +296,9 @@ class _AttentionLaunch:
 
     def __call__(self, values: tuple):
         # BACKWARD_PER_CALL starts with q, k, v, dout
-        maps = () if self.maps is None else tuple(_tensor_map(x, *planned) for x, planned in zip(values, self.maps))
+        maps, copies = _tensor_maps(values, self.maps) if self.maps else ((), ())
         self.kernel(self.grid, self.block, maps + self.arguments(values), shared_mem=self.smem)
+        del copies   # queued: their memory may go back to the pool (stream order protects it)
 
 
 class BackwardPlan:
