@@ -457,8 +457,8 @@ def _mma_forward_tiles(head_dim: int, causal: bool, device: DeviceProps, mods: i
 
 def wgmma_smem_bytes(head_dim: int, block_m: int, block_n: int, itemsize: int = 2) -> int:
     """fwd_wgmma's shared memory (``WgmmaFwdSmem`` in kernels/fwd_wgmma.cu): the Q tile, WGMMA_STAGES stages of
-    K and of V, and 1 + 4 * WGMMA_STAGES mbarriers of 8 bytes."""
-    return (block_m + 2 * WGMMA_STAGES * block_n) * head_dim * itemsize + 8 * (1 + 4 * WGMMA_STAGES)
+    K and of V, and 2 + 4 * WGMMA_STAGES mbarriers of 8 bytes."""
+    return (block_m + 2 * WGMMA_STAGES * block_n) * head_dim * itemsize + 8 * (2 + 4 * WGMMA_STAGES)
 
 
 def wgmma_threads(block_m: int) -> int:

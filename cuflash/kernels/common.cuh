@@ -279,16 +279,20 @@ template <bool ENABLED> struct Dropout {
 struct QueryBlock {
     int bh, b, h, h_kv, m0;
     __device__ __forceinline__ QueryBlock(int block_m, int batch, int heads, int group, int seqlen_q,
+                                          bool query_blocks_fastest)
+        : QueryBlock(blockIdx.x, block_m, batch, heads, group, seqlen_q, query_blocks_fastest) {}
+    // The query block of work item `index` of that order (a persistent grid's blocks walk several).
+    __device__ __forceinline__ QueryBlock(unsigned index, int block_m, int batch, int heads, int group, int seqlen_q,
                                           bool query_blocks_fastest) {
         const int bh_count = batch * heads;
         const int num_m_blocks = (seqlen_q + block_m - 1) / block_m;
         int m_block;
         if (query_blocks_fastest) {
-            m_block = static_cast<int>(blockIdx.x % num_m_blocks);
-            bh = static_cast<int>(blockIdx.x / num_m_blocks);
+            m_block = static_cast<int>(index % num_m_blocks);
+            bh = static_cast<int>(index / num_m_blocks);
         } else {
-            m_block = num_m_blocks - 1 - static_cast<int>(blockIdx.x / bh_count);
-            bh = static_cast<int>(blockIdx.x % bh_count);
+            m_block = num_m_blocks - 1 - static_cast<int>(index / bh_count);
+            bh = static_cast<int>(index % bh_count);
         }
         b = bh / heads;
         h = bh % heads;

@@ -42,7 +42,7 @@ template <int BLOCK_M> struct WgmmaRoles {
 
 // fwd_wgmma's shared memory, bytes: Q [HEAD_DIM / 64][BLOCK_M rows][64], then K stages and V stages, each
 // [HEAD_DIM / 64][BLOCK_N rows][64] (128-byte swizzled blocks as TMA writes them: hopper.cuh), then the
-// mbarriers: q_full, k_full[stages], v_full[stages], k_empty[stages], v_empty[stages]. kBytes is what the
+// mbarriers: q_full, q_empty, k_full[stages], v_full[stages], k_empty[stages], v_empty[stages]. kBytes is what the
 // launch gives it (_config.wgmma_smem_bytes, checked by tests/test_compile.py).
 template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct WgmmaFwdSmem {
     static constexpr int kColBlocks = HEAD_DIM / kSwizzleElems;
@@ -50,7 +50,7 @@ template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct WgmmaFwdSmem {
     static constexpr int kKVBlock = BLOCK_N * kSwizzleRowBytes;        // one [BLOCK_N][64] block of K or V
     static constexpr int kKVStage = kColBlocks * kKVBlock;
     static constexpr int kK = kColBlocks * kQBlock, kV = kK + kWgmmaStages * kKVStage;
-    static constexpr int kBarriers = kV + kWgmmaStages * kKVStage, kBarrierCount = 1 + 4 * kWgmmaStages;
+    static constexpr int kBarriers = kV + kWgmmaStages * kKVStage, kBarrierCount = 2 + 4 * kWgmmaStages;
     static constexpr int kBytes = kBarriers + 8 * kBarrierCount;
 };
 
@@ -68,25 +68,39 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     extern __shared__ __align__(1024) unsigned char smem_raw[];   // the swizzle's 1024-byte atoms
     const unsigned q_s = smem_addr(smem_raw), k_s = q_s + Smem::kK, v_s = q_s + Smem::kV;
     const unsigned bars = q_s + Smem::kBarriers;
-    const unsigned q_full = bars;
-    auto k_full = [&](int stage) { return bars + 8 * (1 + stage); };
-    auto v_full = [&](int stage) { return bars + 8 * (1 + kWgmmaStages + stage); };
-    auto k_empty = [&](int stage) { return bars + 8 * (1 + 2 * kWgmmaStages + stage); };
-    auto v_empty = [&](int stage) { return bars + 8 * (1 + 3 * kWgmmaStages + stage); };
+    const unsigned q_full = bars, q_empty = bars + 8;
+    auto k_full = [&](int stage) { return bars + 8 * (2 + stage); };
+    auto v_full = [&](int stage) { return bars + 8 * (2 + kWgmmaStages + stage); };
+    auto k_empty = [&](int stage) { return bars + 8 * (2 + 2 * kWgmmaStages + stage); };
+    auto v_empty = [&](int stage) { return bars + 8 * (2 + 3 * kWgmmaStages + stage); };
 
-    const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, query_blocks_fastest);
-    const int b = blk.b, h = blk.h, m0 = blk.m0;
-    const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal);
-    if (VARLEN && m0 >= seq.seqlen_q) return;
-    const Window<MASK> window{seq.diagonal, window_left, window_right};
-    // the key tiles the block's rows see: n_tiles from key_first, walked the highest first
-    const int key_first = window.key_begin(m0) / BLOCK_N * BLOCK_N;
-    const int n_tiles = (window.key_end(m0 + BLOCK_M, seq.seqlen_k) - key_first + BLOCK_N - 1) / BLOCK_N;
-    auto tile_key = [&](int j) { return key_first + (n_tiles - 1 - j) * BLOCK_N; };
+    // The block walks work items blockIdx.x, blockIdx.x + gridDim.x, ... of QueryBlock's order: one where the
+    // grid has a block per item, several on a persistent grid (a block per SM), where the producer loads the
+    // next item's Q and keys while the consumers finish the last one's epilogue. Producer and consumers
+    // decode each item alike; the mbarriers' phases run on across items (counts of Q tiles and of key tiles).
+    const unsigned items = static_cast<unsigned>((seqlen_q + BLOCK_M - 1) / BLOCK_M) * batch * heads;
+    struct Item {
+        QueryBlock blk;
+        Sequence<VARLEN> seq;
+        Window<MASK> window;
+        int key_first, n_tiles;   // the key tiles the item's rows see: n_tiles from key_first
+        __device__ __forceinline__ bool idle() const { return VARLEN && blk.m0 >= seq.seqlen_q; }
+        // the j-th key tile walked, the highest first
+        __device__ __forceinline__ int tile_key(int j) const { return key_first + (n_tiles - 1 - j) * BLOCK_N; }
+    };
+    auto item = [&](unsigned index) {
+        const QueryBlock blk(index, BLOCK_M, batch, heads, group, seqlen_q, query_blocks_fastest);
+        const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, blk.b, batch, seqlen_q, seqlen_k, diagonal);
+        const Window<MASK> window{seq.diagonal, window_left, window_right};
+        const int key_first = window.key_begin(blk.m0) / BLOCK_N * BLOCK_N;
+        const int n_tiles = (window.key_end(blk.m0 + BLOCK_M, seq.seqlen_k) - key_first + BLOCK_N - 1) / BLOCK_N;
+        return Item{blk, seq, window, key_first, n_tiles};
+    };
 
     const int warpgroup = threadIdx.x / 128, tid_wg = threadIdx.x % 128;
     if (threadIdx.x == 0) {
         mbarrier_init(q_full, 1);
+        mbarrier_init(q_empty, Roles::kConsumers);
         for (int stage = 0; stage < kWgmmaStages; ++stage) {
             mbarrier_init(k_full(stage), 1);
             mbarrier_init(v_full(stage), 1);
@@ -99,46 +113,49 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
 
     if (warpgroup == 0) {   // the producer
         warpgroup_registers_decrease<Roles::kProducerRegisters>();
-        if (tid_wg == 0 && n_tiles > 0) {
-            // the maps' coordinates: a packed batch's rows from its sequence's first, batch 0
-            const int batch_coord = VARLEN ? 0 : b, q_row = static_cast<int>(seq.q_start) + m0;
-            const int k_row = static_cast<int>(seq.k_start), h_kv = blk.h_kv;
-            mbarrier_expect_bytes(q_full, Smem::kK);
-            for (int c = 0; c < Smem::kColBlocks; ++c)
-                tma_load_4d(q_s + c * Smem::kQBlock, q_map, q_full, c * kSwizzleElems, h, q_row, batch_coord);
-            for (int j = 0; j < n_tiles; ++j) {
-                const int stage = j % kWgmmaStages, refill_phase = (j / kWgmmaStages - 1) & 1;
-                const int row = k_row + tile_key(j);
-                if (j >= kWgmmaStages) mbarrier_wait(k_empty(stage), refill_phase);
-                mbarrier_expect_bytes(k_full(stage), Smem::kKVStage);
+        if (tid_wg == 0) {
+            int q_loads = 0, kv_loads = 0;   // Q tiles and key tiles loaded so far: the barriers' phases
+            for (unsigned index = blockIdx.x; index < items; index += gridDim.x) {
+                const Item w = item(index);
+                if (w.idle() || w.n_tiles <= 0) continue;
+                // the maps' coordinates: a packed batch's rows from its sequence's first, batch 0
+                const int batch_coord = VARLEN ? 0 : w.blk.b, q_row = static_cast<int>(w.seq.q_start) + w.blk.m0;
+                const int k_row = static_cast<int>(w.seq.k_start), h = w.blk.h, h_kv = w.blk.h_kv;
+                if (q_loads > 0) mbarrier_wait(q_empty, (q_loads - 1) & 1);   // the consumers are done with Q
+                ++q_loads;
+                mbarrier_expect_bytes(q_full, Smem::kK);
                 for (int c = 0; c < Smem::kColBlocks; ++c)
-                    tma_load_4d(k_s + stage * Smem::kKVStage + c * Smem::kKVBlock, k_map, k_full(stage),
-                                c * kSwizzleElems, h_kv, row, batch_coord);
-                if (j >= kWgmmaStages) mbarrier_wait(v_empty(stage), refill_phase);
-                mbarrier_expect_bytes(v_full(stage), Smem::kKVStage);
-                for (int c = 0; c < Smem::kColBlocks; ++c)
-                    tma_load_4d(v_s + stage * Smem::kKVStage + c * Smem::kKVBlock, v_map, v_full(stage),
-                                c * kSwizzleElems, h_kv, row, batch_coord);
+                    tma_load_4d(q_s + c * Smem::kQBlock, q_map, q_full, c * kSwizzleElems, h, q_row, batch_coord);
+                for (int j = 0; j < w.n_tiles; ++j, ++kv_loads) {
+                    const int stage = kv_loads % kWgmmaStages, refill_phase = (kv_loads / kWgmmaStages - 1) & 1;
+                    const int row = k_row + w.tile_key(j);
+                    if (kv_loads >= kWgmmaStages) mbarrier_wait(k_empty(stage), refill_phase);
+                    mbarrier_expect_bytes(k_full(stage), Smem::kKVStage);
+                    for (int c = 0; c < Smem::kColBlocks; ++c)
+                        tma_load_4d(k_s + stage * Smem::kKVStage + c * Smem::kKVBlock, k_map, k_full(stage),
+                                    c * kSwizzleElems, h_kv, row, batch_coord);
+                    if (kv_loads >= kWgmmaStages) mbarrier_wait(v_empty(stage), refill_phase);
+                    mbarrier_expect_bytes(v_full(stage), Smem::kKVStage);
+                    for (int c = 0; c < Smem::kColBlocks; ++c)
+                        tma_load_4d(v_s + stage * Smem::kKVStage + c * Smem::kKVBlock, v_map, v_full(stage),
+                                    c * kSwizzleElems, h_kv, row, batch_coord);
+                }
             }
         }
         return;
     }
 
-    // The consumers: warpgroup 1 + cw owns rows 64 cw.. of the block; its warp w rows 16 w.. of those, and
-    // accumulator element e of n8 column tile nb (of S or O) is at row g + 8 (e / 2), column 8 nb + 2 t + e % 2.
+    // The consumers: warpgroup 1 + cw owns rows 64 cw.. of each item's block; its warp w rows 16 w.. of those,
+    // and accumulator element e of n8 column tile nb (of S or O) is at row g + 8 (e / 2), column 8 nb + 2 t + e % 2.
     warpgroup_registers_increase<Roles::kConsumerRegisters>();
     const int cw = warpgroup - 1, warp = tid_wg / 32, lane = tid_wg % 32, g = lane / 4, t = lane % 4;
-    const int wg_row0 = m0 + 64 * cw, row0 = wg_row0 + 16 * warp + g;   // row0: the row of elements 0, 1
     constexpr int kS = BLOCK_N / 2, kO = HEAD_DIM / 2, kPSteps = BLOCK_N / 16;
     using Mod = ScoreMod<MODS>;
-    const Mod mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
     const float score_factor = Mod::kAny ? 1.f : scale_log2;   // as fwd_mma
 
     float o[kO], s[kS];
     unsigned p[kPSteps][4];
-    float m_i[2] = {-CUFLASH_INF, -CUFLASH_INF}, l_i[2] = {0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < kO; ++i) o[i] = 0.f;
+    float m_i[2], l_i[2], alpha[2];
 
     // S = Q K^T of the K tile in `stage` (issued, not waited on)
     const unsigned q_rows = q_s + 64 * cw * kSwizzleRowBytes;
@@ -169,51 +186,6 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         pin_registers(o);
         pin_registers(p);
     };
-    // The scores of S (the tile of keys n0..) through the modifiers and the mask, their row maxima, and the
-    // moved references: returns whether O must be rescaled by `alpha` (only when some row's max grew past its
-    // reference by kRescaleSlack, as fwd_mma), leaves exp2(score - m_i) in s and adds it to l_i.
-    float alpha[2];
-    auto softmax = [&](int n0) -> bool {
-        const bool need_mask = n0 + BLOCK_N > seq.seqlen_k || !window.covers(wg_row0, wg_row0 + 64, n0, n0 + BLOCK_N);
-        const int key0 = n0 + 2 * t;   // the key of element 0 of n8 tile 0
-        if constexpr (Mod::kAny) {
-#pragma unroll
-            for (int nb = 0; nb < kS / 4; ++nb)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    s[4 * nb + e] = mod.score(s[4 * nb + e], row0 + 8 * (e / 2), key0 + 8 * nb + (e & 1), seq.diagonal);
-        }
-        if (need_mask) {
-#pragma unroll
-            for (int nb = 0; nb < kS / 4; ++nb)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (!window.sees(row0 + 8 * (e / 2), key0 + 8 * nb + (e & 1), seq.seqlen_k)) s[4 * nb + e] = -CUFLASH_INF;
-        }
-        float tile_max[2] = {-CUFLASH_INF, -CUFLASH_INF};
-#pragma unroll
-        for (int i = 0; i < kS; ++i) tile_max[(i % 4) / 2] = fmaxf(tile_max[(i % 4) / 2], s[i]);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) tile_max[r] = quad_max(tile_max[r]) * score_factor;
-        const bool grown = tile_max[0] > m_i[0] + kRescaleSlack || tile_max[1] > m_i[1] + kRescaleSlack;
-        const bool rescale = __any_sync(0xffffffffu, grown);
-        if (rescale) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const float m_new = fmaxf(m_i[r], tile_max[r]);
-                alpha[r] = exp2f(m_i[r] - safe_max(m_new));
-                m_i[r] = m_new;
-                l_i[r] *= alpha[r];
-            }
-        }
-        const float neg_base[2] = {-safe_max(m_i[0]), -safe_max(m_i[1])};
-#pragma unroll
-        for (int i = 0; i < kS; ++i) {
-            s[i] = exp2f(fmaf(s[i], score_factor, neg_base[(i % 4) / 2]));
-            l_i[(i % 4) / 2] += s[i];
-        }
-        return rescale;
-    };
     // P (s, exponentiated) into A fragments: k16 step kk holds n8 tiles 2 kk and 2 kk + 1
     auto pack_p = [&] {
 #pragma unroll
@@ -230,86 +202,155 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         if (tid_wg == 0) mbarrier_arrive(bar);
     };
     // Ping-pong: consumer cw issues its products on its turn, named barrier 1 + cw (barrier 0 is
-    // __syncthreads), then passes the turn to the next (arrives on that one's barrier). Each consumer issues
-    // n_tiles + 1 times; the last consumer gives consumer 0 its first turn and skips its own last pass, so
-    // every wait meets exactly one arrival.
+    // __syncthreads), then passes the turn to the next (arrives on that one's barrier). The last consumer
+    // gives consumer 0 its first turn, and consumer 0 takes one turn more at the end, which the last
+    // consumer's final pass gives: every wait meets exactly one arrival.
     constexpr int kTurnThreads = 2 * 128;   // the waiting warpgroup and the one that passes it the turn
-    const int last_consumer = Roles::kConsumers - 1;
     auto take_turn = [&] {
         if constexpr (kPingPong<HEAD_DIM>) named_barrier_sync(1 + cw, kTurnThreads);
     };
-    auto pass_turn = [&](bool last_issue) {
-        if constexpr (kPingPong<HEAD_DIM>)
-            if (!(last_issue && cw == last_consumer)) named_barrier_arrive(1 + (cw + 1) % Roles::kConsumers, kTurnThreads);
+    auto pass_turn = [&] {
+        if constexpr (kPingPong<HEAD_DIM>) named_barrier_arrive(1 + (cw + 1) % Roles::kConsumers, kTurnThreads);
     };
+    if (kPingPong<HEAD_DIM> && cw == Roles::kConsumers - 1) named_barrier_arrive(1, kTurnThreads);
 
-    if (n_tiles > 0) {
-        if (kPingPong<HEAD_DIM> && cw == last_consumer) named_barrier_arrive(1, kTurnThreads);
-        mbarrier_wait(q_full, 0);
-        mbarrier_wait(k_full(0), 0);
-        take_turn();
-        issue_s(0);
-        pass_turn(false);
-        wgmma_wait<0>();
-        pin_registers(s);
-        release(k_empty(0));
-        softmax(tile_key(0));   // O is zero: nothing to rescale
-        pack_p();
-#pragma unroll 1
-        for (int j = 1; j < n_tiles; ++j) {
-            const int stage = j % kWgmmaStages, prev = (j - 1) % kWgmmaStages;
-            mbarrier_wait(k_full(stage), (j / kWgmmaStages) & 1);
+    int q_uses = 0, kv_uses = 0;   // Q tiles and key tiles consumed so far: the barriers' phases
+    for (unsigned index = blockIdx.x; index < items; index += gridDim.x) {
+        const Item w = item(index);
+        if (w.idle()) continue;
+        const int b = w.blk.b, h = w.blk.h;
+        const int wg_row0 = w.blk.m0 + 64 * cw, row0 = wg_row0 + 16 * warp + g;   // row0: elements 0, 1's row
+        const Mod mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
+        // The scores of S (the tile of keys n0..) through the modifiers and the mask, their row maxima, and the
+        // moved references: returns whether O must be rescaled by `alpha` (only when some row's max grew past
+        // its reference by kRescaleSlack, as fwd_mma), leaves exp2(score - m_i) in s and adds it to l_i.
+        auto softmax = [&](int n0) -> bool {
+            const bool need_mask =
+                n0 + BLOCK_N > w.seq.seqlen_k || !w.window.covers(wg_row0, wg_row0 + 64, n0, n0 + BLOCK_N);
+            const int key0 = n0 + 2 * t;   // the key of element 0 of n8 tile 0
+            if constexpr (Mod::kAny) {
+#pragma unroll
+                for (int nb = 0; nb < kS / 4; ++nb)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        s[4 * nb + e] = mod.score(s[4 * nb + e], row0 + 8 * (e / 2), key0 + 8 * nb + (e & 1),
+                                                  w.seq.diagonal);
+            }
+            if (need_mask) {
+#pragma unroll
+                for (int nb = 0; nb < kS / 4; ++nb)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (!w.window.sees(row0 + 8 * (e / 2), key0 + 8 * nb + (e & 1), w.seq.seqlen_k))
+                            s[4 * nb + e] = -CUFLASH_INF;
+            }
+            float tile_max[2] = {-CUFLASH_INF, -CUFLASH_INF};
+#pragma unroll
+            for (int i = 0; i < kS; ++i) tile_max[(i % 4) / 2] = fmaxf(tile_max[(i % 4) / 2], s[i]);
+#pragma unroll
+            for (int r = 0; r < 2; ++r) tile_max[r] = quad_max(tile_max[r]) * score_factor;
+            const bool grown = tile_max[0] > m_i[0] + kRescaleSlack || tile_max[1] > m_i[1] + kRescaleSlack;
+            const bool rescale = __any_sync(0xffffffffu, grown);
+            if (rescale) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const float m_new = fmaxf(m_i[r], tile_max[r]);
+                    alpha[r] = exp2f(m_i[r] - safe_max(m_new));
+                    m_i[r] = m_new;
+                    l_i[r] *= alpha[r];
+                }
+            }
+            const float neg_base[2] = {-safe_max(m_i[0]), -safe_max(m_i[1])};
+#pragma unroll
+            for (int i = 0; i < kS; ++i) {
+                s[i] = exp2f(fmaf(s[i], score_factor, neg_base[(i % 4) / 2]));
+                l_i[(i % 4) / 2] += s[i];
+            }
+            return rescale;
+        };
+
+#pragma unroll
+        for (int i = 0; i < kO; ++i) o[i] = 0.f;
+        m_i[0] = m_i[1] = -CUFLASH_INF;
+        l_i[0] = l_i[1] = 0.f;
+        if (w.n_tiles > 0) {
+            // key tile j of this item: stage and phase from the count of key tiles consumed before it
+            auto stage_of = [&](int j) { return (kv_uses + j) % kWgmmaStages; };
+            auto phase_of = [&](int j) { return ((kv_uses + j) / kWgmmaStages) & 1; };
+            // S of tile j is done: its K stage is free, and after the item's last S so is Q (the producer loads
+            // the next item's while this one's last P V and epilogue run)
+            auto s_done = [&](int j) {
+                pin_registers(s);
+                release(k_empty(stage_of(j)));
+                if (j == w.n_tiles - 1) release(q_empty);
+            };
+            mbarrier_wait(q_full, q_uses & 1);
+            mbarrier_wait(k_full(stage_of(0)), phase_of(0));
             take_turn();
-            issue_s(stage);
-            mbarrier_wait(v_full(prev), ((j - 1) / kWgmmaStages) & 1);
-            issue_pv(prev);
-            pass_turn(false);
-            wgmma_wait<1>();   // S done; P V of the previous tile in flight
-            pin_registers(s);
-            release(k_empty(stage));
-            const bool rescale = softmax(tile_key(j));
+            issue_s(stage_of(0));
+            pass_turn();
+            wgmma_wait<0>();
+            s_done(0);
+            softmax(w.tile_key(0));   // O is zero: nothing to rescale
+            pack_p();
+#pragma unroll 1
+            for (int j = 1; j < w.n_tiles; ++j) {
+                mbarrier_wait(k_full(stage_of(j)), phase_of(j));
+                take_turn();
+                issue_s(stage_of(j));
+                mbarrier_wait(v_full(stage_of(j - 1)), phase_of(j - 1));
+                issue_pv(stage_of(j - 1));
+                pass_turn();
+                wgmma_wait<1>();   // S done; P V of the previous tile in flight
+                s_done(j);
+                const bool rescale = softmax(w.tile_key(j));
+                wgmma_wait<0>();
+                pin_registers(o);
+                release(v_empty(stage_of(j - 1)));
+                if (rescale) rescale_o();
+                pack_p();
+            }
+            const int last = w.n_tiles - 1;
+            mbarrier_wait(v_full(stage_of(last)), phase_of(last));
+            take_turn();
+            issue_pv(stage_of(last));
+            pass_turn();
             wgmma_wait<0>();
             pin_registers(o);
-            release(v_empty(prev));
-            if (rescale) rescale_o();
-            pack_p();
+            release(v_empty(stage_of(last)));
+            ++q_uses;
+            kv_uses += w.n_tiles;
         }
-        const int last = (n_tiles - 1) % kWgmmaStages;
-        mbarrier_wait(v_full(last), ((n_tiles - 1) / kWgmmaStages) & 1);
-        take_turn();
-        issue_pv(last);
-        pass_turn(true);
-        wgmma_wait<0>();
-        pin_registers(o);
-        release(v_empty(last));
-    }
 
-    // Epilogue: normalize (the sink joins the denominator, as fwd_mma) and store each thread's pairs of
-    // columns; a row that saw no key has l = 0: output 0, lse -inf (with a sink: output 0, lse the sink).
-    float* lse_head = lse == nullptr ? nullptr : lse + seq.stats(b, heads, h);
-    T* out_head = out + b * o_sb + seq.q_start * o_ss + h * o_sh;
+        // Epilogue: normalize (the sink joins the denominator, as fwd_mma) and store each thread's pairs of
+        // columns; a row that saw no key has l = 0: output 0, lse -inf (with a sink: output 0, lse the sink).
+        float* lse_head = lse == nullptr ? nullptr : lse + w.seq.stats(b, heads, h);
+        T* out_head = out + b * o_sb + w.seq.q_start * o_ss + h * o_sh;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + 8 * r;
-        float l = quad_sum(l_i[r]), m = m_i[r], o_factor = 1.f;
-        if constexpr ((MODS & kModSinks) != 0) {
-            const float sink2 = sinks[h] * kLog2e;
-            const float m_new = safe_max(fmaxf(m, sink2));
-            o_factor = exp2f(m - m_new);
-            l = l * o_factor + exp2f(sink2 - m_new);
-            m = m_new;
-        }
-        if (row >= seq.seqlen_q) continue;
-        const float inv_l = l == 0.f ? 0.f : o_factor / l;
-        if (lse_head != nullptr && t == 0) lse_head[row] = l == 0.f ? -CUFLASH_INF : (m + log2f(l)) * kLn2;
-        T* dst = out_head + row * o_ss;
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + 8 * r;
+            float l = quad_sum(l_i[r]), m = m_i[r], o_factor = 1.f;
+            if constexpr ((MODS & kModSinks) != 0) {
+                const float sink2 = sinks[h] * kLog2e;
+                const float m_new = safe_max(fmaxf(m, sink2));
+                o_factor = exp2f(m - m_new);
+                l = l * o_factor + exp2f(sink2 - m_new);
+                m = m_new;
+            }
+            if (row >= w.seq.seqlen_q) continue;
+            const float inv_l = l == 0.f ? 0.f : o_factor / l;
+            if (lse_head != nullptr && t == 0) lse_head[row] = l == 0.f ? -CUFLASH_INF : (m + log2f(l)) * kLn2;
+            T* dst = out_head + row * o_ss;
 #pragma unroll
-        for (int nb = 0; nb < kO / 4; ++nb) {
-            const int col = 8 * nb + 2 * t;
-            if (col < head_dim)
-                *reinterpret_cast<unsigned*>(dst + col) = pack2<T>(o[4 * nb + 2 * r] * inv_l, o[4 * nb + 2 * r + 1] * inv_l);
+            for (int nb = 0; nb < kO / 4; ++nb) {
+                const int col = 8 * nb + 2 * t;
+                if (col < head_dim)
+                    *reinterpret_cast<unsigned*>(dst + col) =
+                        pack2<T>(o[4 * nb + 2 * r] * inv_l, o[4 * nb + 2 * r + 1] * inv_l);
+            }
         }
     }
+    if (kPingPong<HEAD_DIM> && cw == 0) take_turn();   // the last consumer's final pass
 }
 
 }  // namespace cuflash
