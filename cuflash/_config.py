@@ -457,8 +457,8 @@ def _mma_forward_tiles(head_dim: int, causal: bool, device: DeviceProps, mods: i
 
 def wgmma_smem_bytes(head_dim: int, block_m: int, block_n: int, itemsize: int = 2) -> int:
     """fwd_wgmma's shared memory (``WgmmaFwdSmem`` in kernels/fwd_wgmma.cu): the Q tile, WGMMA_STAGES stages of
-    K and of V, and 2 + 4 * WGMMA_STAGES mbarriers of 8 bytes."""
-    return (block_m + 2 * WGMMA_STAGES * block_n) * head_dim * itemsize + 8 * (2 + 4 * WGMMA_STAGES)
+    K and of V, 6 + 4 * WGMMA_STAGES mbarriers of 8 bytes and two work-item slots (4 bytes each)."""
+    return (block_m + 2 * WGMMA_STAGES * block_n) * head_dim * itemsize + 8 * (6 + 4 * WGMMA_STAGES) + 2 * 4
 
 
 def wgmma_threads(block_m: int) -> int:
@@ -466,7 +466,7 @@ def wgmma_threads(block_m: int) -> int:
     return 128 * (1 + block_m // WGMMA_ROWS_PER_CONSUMER)
 
 
-def _wgmma_forward_tiles(head_dim: int) -> tuple[int, int]:
+def _wgmma_forward_tiles(head_dim: int, mods: int = 0) -> tuple[int, int]:
     """(block_m, block_n) of fwd_wgmma at a (64-multiple) head dim. Key tiles: the widest whose S, P and O fit
     the consumers' registers beside each other (64 x (block_n + block_n / 2 + head_dim) / 128 per thread, 240 for
     two consumers, 160 for three) and whose stages fit in shared memory, unless a narrower one measured faster.
@@ -478,6 +478,8 @@ def _wgmma_forward_tiles(head_dim: int) -> tuple[int, int]:
       head_dim 192: 128 x 96 429 / 670 / 703, causal 313 / 603 / 714;  128 x 112 423 / 624 / 688
       head_dim 256: 128 x 64 597 / 762 / 767, causal 335 / 629 / 709;  128 x 80 593 / 736 / 711
     """
+    if head_dim == 64 and mods:   # three consumers' 160 registers spill 8-44 bytes with the modifiers' state
+        return 128, 128
     return {64: (192, 128), 128: (128, 128), 192: (128, 96), 256: (128, 64)}[head_dim]
 
 
@@ -492,7 +494,7 @@ def wgmma_forward_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mod
             or head_dim <= 32 or head_dim % 8):
         return None
     d = -(-head_dim // SWIZZLE_ELEMS) * SWIZZLE_ELEMS
-    block_m, block_n = _wgmma_forward_tiles(d)
+    block_m, block_n = _wgmma_forward_tiles(d, mods)
     return wgmma_spec(dtype, d, mask, block_m, block_n, mods, device)
 
 

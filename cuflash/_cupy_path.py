@@ -200,7 +200,7 @@ class ForwardPlan:
     kernel (fwd_wgmma) reads q, k and v through tensor maps made per call (_tma, cached)."""
 
     def __init__(self, p: Problem, device_id: int, q, k, v, spec: _config.KernelSpec | None = None,
-                 packed: bool = False):
+                 packed: bool = False, persistent: bool = False):
         self.problem = p
         self.device_id = device_id
         self.copies = tuple(_needs_copy(x) for x in (q, k, v))
@@ -218,6 +218,10 @@ class ForwardPlan:
         self.smem = launch.spec.smem_bytes
         # fwd_wgmma's maps: (shape, strides, box rows) of q (a block's rows), k and v (a key tile's)
         self.maps = None
+        # fwd_wgmma on a persistent grid (a block per SM) takes its work items from a zeroed counter per call
+        self.persistent = persistent and launch.spec.kernel == "fwd_wgmma"
+        if self.persistent:
+            self.grid = (min(self.grid[0], device_props(device_id).sm_count),)
         if launch.spec.kernel == "fwd_wgmma":
             box_rows = (launch.spec.block_m, launch.spec.block_n, launch.spec.block_n)
             map_strides = [_tma.map_strides(itemsize, shape, s) for shape, s in zip(map_shapes, strides)]
@@ -249,6 +253,8 @@ class ForwardPlan:
         lse = cupy.ndarray(self.lse_shape, np.float32) if with_lse else None
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k.data.ptr | v.data.ptr) & 15
         maps, copies = _tensor_maps((q, k, v), self.maps) if self.maps else ((), ())
+        if self.maps:   # fwd_wgmma's work counter follows its maps: a zeroed int per call on a persistent grid
+            maps += (cupy.zeros(1, np.int32) if self.persistent else _NULL,)
         self.kernel(self.grid, self.block,
                     maps + self.arguments((q, k, v, out, _NULL if lse is None else lse, _vector(alibi_slopes),
                                            _vector(sinks)) + dropout + (_VECTOR_OK[vector_ok],) + cu_seqlens),

@@ -121,7 +121,7 @@ def test_the_hopper_forward_serves_where_it_can(device):
                                                                     256: (128, 64)}
     assert all(s.smem_bytes <= _config.H100.max_smem_per_block for s in tiles.values())
     assert tiles[64].threads == 512 and tiles[128].threads == 384   # a producer and three or two consumers
-    assert tiles[128].smem_bytes == (128 + 4 * 128) * 128 * 2 + 8 * 10
+    assert tiles[128].smem_bytes == (128 + 4 * 128) * 128 * 2 + 8 * 14 + 8
     # sm_90a code runs on compute capability 9.0 only
     assert _config.wgmma_forward_spec(128, BFLOAT16, 0, dataclasses.replace(_config.H100, compute_capability=100)) is None
     assert tiles[128].arch_specific and not choose_config(128, BFLOAT16, False, _config.H100).bwd_dq.arch_specific

@@ -31,18 +31,19 @@ constexpr int kWgmmaStages = 2;     // K and V stages each
 // consumers); at 192 and 256, where P V is long beside the softmax, it cost 4-11% from 4k (bench/NOTES.md, h2).
 template <int HEAD_DIM> constexpr bool kPingPong = HEAD_DIM <= 128;
 
-// The warpgroups of a block of BLOCK_M rows: a producer and BLOCK_M / 64 consumers, and their setmaxnreg budgets:
-// the producer keeps the least setmaxnreg allows (24), the consumers share the rest of the SM's 65536 registers
-// (one block per SM) in multiples of 8: 240 each for two, 160 for three.
+// The warpgroups of a block of BLOCK_M rows: a producer and BLOCK_M / 64 consumers, and their setmaxnreg budgets
+// (one block per SM, 65536 registers, multiples of 8): the producer's thread decodes work items and picks the
+// next, which spilled at 24 registers; 40 beside two consumers of 232, 32 beside three of 160.
 template <int BLOCK_M> struct WgmmaRoles {
     static constexpr int kConsumers = BLOCK_M / 64, kThreads = 128 * (1 + kConsumers);
-    static constexpr int kProducerRegisters = 24;
+    static constexpr int kProducerRegisters = kConsumers == 2 ? 40 : 32;
     static constexpr int kConsumerRegisters = (65536 - 128 * kProducerRegisters) / (128 * kConsumers) / 8 * 8;
 };
 
 // fwd_wgmma's shared memory, bytes: Q [HEAD_DIM / 64][BLOCK_M rows][64], then K stages and V stages, each
 // [HEAD_DIM / 64][BLOCK_N rows][64] (128-byte swizzled blocks as TMA writes them: hopper.cuh), then the
-// mbarriers: q_full, q_empty, k_full[stages], v_full[stages], k_empty[stages], v_empty[stages]. kBytes is what the
+// mbarriers: q_full, q_empty, k_full[stages], v_full[stages], k_empty[stages], v_empty[stages],
+// item_full[2], item_empty[2]; then the two work-item slots (unsigned) the producer hands the consumers. kBytes is what the
 // launch gives it (_config.wgmma_smem_bytes, checked by tests/test_compile.py).
 template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct WgmmaFwdSmem {
     static constexpr int kColBlocks = HEAD_DIM / kSwizzleElems;
@@ -50,14 +51,15 @@ template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct WgmmaFwdSmem {
     static constexpr int kKVBlock = BLOCK_N * kSwizzleRowBytes;        // one [BLOCK_N][64] block of K or V
     static constexpr int kKVStage = kColBlocks * kKVBlock;
     static constexpr int kK = kColBlocks * kQBlock, kV = kK + kWgmmaStages * kKVStage;
-    static constexpr int kBarriers = kV + kWgmmaStages * kKVStage, kBarrierCount = 2 + 4 * kWgmmaStages;
-    static constexpr int kBytes = kBarriers + 8 * kBarrierCount;
+    static constexpr int kBarriers = kV + kWgmmaStages * kKVStage, kBarrierCount = 2 + 4 * kWgmmaStages + 4;
+    static constexpr int kItemSlots = kBarriers + 8 * kBarrierCount;
+    static constexpr int kBytes = kItemSlots + 2 * 4;
 };
 
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, bool VARLEN>
 __global__ void __launch_bounds__(WgmmaRoles<BLOCK_M>::kThreads, 1)
 fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
-          const __grid_constant__ TmaMap v_map, CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
+          const __grid_constant__ TmaMap v_map, int* __restrict__ work_counter, CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     static_assert(sizeof(T) == 2, "wgmma runs float16 and bfloat16");
     using Roles = WgmmaRoles<BLOCK_M>;
     static_assert(BLOCK_M % 64 == 0 && Roles::kConsumers >= 2 && Roles::kConsumers <= 3,
@@ -73,11 +75,16 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     auto v_full = [&](int stage) { return bars + 8 * (2 + kWgmmaStages + stage); };
     auto k_empty = [&](int stage) { return bars + 8 * (2 + 2 * kWgmmaStages + stage); };
     auto v_empty = [&](int stage) { return bars + 8 * (2 + 3 * kWgmmaStages + stage); };
+    auto item_full = [&](int slot) { return bars + 8 * (2 + 4 * kWgmmaStages + slot); };
+    auto item_empty = [&](int slot) { return bars + 8 * (4 + 4 * kWgmmaStages + slot); };
+    volatile unsigned* const item_slots = reinterpret_cast<volatile unsigned*>(smem_raw + Smem::kItemSlots);
 
-    // The block walks work items blockIdx.x, blockIdx.x + gridDim.x, ... of QueryBlock's order: one where the
-    // grid has a block per item, several on a persistent grid (a block per SM), where the producer loads the
-    // next item's Q and keys while the consumers finish the last one's epilogue. Producer and consumers
-    // decode each item alike; the mbarriers' phases run on across items (counts of Q tiles and of key tiles).
+    // The block walks work items of QueryBlock's order: blockIdx.x first, then, where work_counter is given (a
+    // zeroed int per launch: the persistent grid of a block per SM), the next one not yet taken
+    // (gridDim.x + atomicAdd(work_counter, 1): the longest items first, each SM taking one as it frees), else
+    // blockIdx.x + gridDim.x, ... The producer's thread 0 picks each item and hands its index to the consumers
+    // through two slots (item_full / item_empty); it loads the next item's Q and keys while the consumers
+    // finish the last one's epilogue. The mbarriers' phases run on across items (counts of Q and key tiles).
     const unsigned items = static_cast<unsigned>((seqlen_q + BLOCK_M - 1) / BLOCK_M) * batch * heads;
     struct Item {
         QueryBlock blk;
@@ -101,6 +108,10 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     if (threadIdx.x == 0) {
         mbarrier_init(q_full, 1);
         mbarrier_init(q_empty, Roles::kConsumers);
+        for (int slot = 0; slot < 2; ++slot) {
+            mbarrier_init(item_full(slot), 1);
+            mbarrier_init(item_empty(slot), 128 * Roles::kConsumers);   // every consumer thread has read it
+        }
         for (int stage = 0; stage < kWgmmaStages; ++stage) {
             mbarrier_init(k_full(stage), 1);
             mbarrier_init(v_full(stage), 1);
@@ -115,8 +126,15 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         warpgroup_registers_decrease<Roles::kProducerRegisters>();
         if (tid_wg == 0) {
             int q_loads = 0, kv_loads = 0;   // Q tiles and key tiles loaded so far: the barriers' phases
-            for (unsigned index = blockIdx.x; index < items; index += gridDim.x) {
+            unsigned index = blockIdx.x;
+            for (int handed = 0;; ++handed) {
+                const int slot = handed % 2;
+                if (handed >= 2) mbarrier_wait(item_empty(slot), (handed / 2 - 1) & 1);
+                item_slots[slot] = index;
+                mbarrier_arrive(item_full(slot));   // (release: the consumers see the slot)
+                if (index >= items) break;
                 const Item w = item(index);
+                index = work_counter != nullptr ? gridDim.x + atomicAdd(work_counter, 1) : index + gridDim.x;
                 if (w.idle() || w.n_tiles <= 0) continue;
                 // the maps' coordinates: a packed batch's rows from its sequence's first, batch 0
                 const int batch_coord = VARLEN ? 0 : w.blk.b, q_row = static_cast<int>(w.seq.q_start) + w.blk.m0;
@@ -215,7 +233,12 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     if (kPingPong<HEAD_DIM> && cw == Roles::kConsumers - 1) named_barrier_arrive(1, kTurnThreads);
 
     int q_uses = 0, kv_uses = 0;   // Q tiles and key tiles consumed so far: the barriers' phases
-    for (unsigned index = blockIdx.x; index < items; index += gridDim.x) {
+    for (int handed = 0;; ++handed) {
+        const int slot = handed % 2;
+        mbarrier_wait(item_full(slot), (handed / 2) & 1);
+        const unsigned index = item_slots[slot];
+        mbarrier_arrive(item_empty(slot));
+        if (index >= items) break;
         const Item w = item(index);
         if (w.idle()) continue;
         const int b = w.blk.b, h = w.blk.h;
