@@ -197,10 +197,12 @@ def _tensor_maps(arrays, planned) -> tuple[tuple, list]:
 class ForwardPlan:
     """The forward of one problem on one device: one kernel launch. ``packed``: q, k and v are a packed batch
     (attention_varlen; ``p`` its batch of the longest lengths), whose prefix sums each call passes. The Hopper
-    kernel (fwd_wgmma) reads q, k and v through tensor maps made per call (_tma, cached)."""
+    kernel (fwd_wgmma) reads q, k and v through tensor maps made per call (_tma, cached), and on a persistent
+    grid (``_plan.Launch.work_counter``; ``persistent`` overrides the table) its work items from a zeroed
+    int32 per call."""
 
     def __init__(self, p: Problem, device_id: int, q, k, v, spec: _config.KernelSpec | None = None,
-                 packed: bool = False, persistent: bool = False):
+                 packed: bool = False, persistent: bool | None = None):
         self.problem = p
         self.device_id = device_id
         self.copies = tuple(_needs_copy(x) for x in (q, k, v))
@@ -210,7 +212,7 @@ class ForwardPlan:
         # the (batch, rows, heads, head_dim) a tensor map sees: a packed batch is one sequence of its rows
         map_shapes = [(1, *x.shape) if packed else tuple(x.shape) for x in (q, k, v)]
         tensor_maps = all(_tma.strides_ok(itemsize, shape, s) for shape, s in zip(map_shapes, strides))
-        launch = _plan.forward(p, device_props(device_id), spec, packed, tensor_maps)
+        launch = _plan.forward(p, device_props(device_id), spec, packed, tensor_maps, persistent)
         with cupy.cuda.Device(device_id):
             self.kernel = get_kernel(launch.spec, device_id)
         self.grid = launch.grid
@@ -218,10 +220,7 @@ class ForwardPlan:
         self.smem = launch.spec.smem_bytes
         # fwd_wgmma's maps: (shape, strides, box rows) of q (a block's rows), k and v (a key tile's)
         self.maps = None
-        # fwd_wgmma on a persistent grid (a block per SM) takes its work items from a zeroed counter per call
-        self.persistent = persistent and launch.spec.kernel == "fwd_wgmma"
-        if self.persistent:
-            self.grid = (min(self.grid[0], device_props(device_id).sm_count),)
+        self.work_counter = launch.work_counter
         if launch.spec.kernel == "fwd_wgmma":
             box_rows = (launch.spec.block_m, launch.spec.block_n, launch.spec.block_n)
             map_strides = [_tma.map_strides(itemsize, shape, s) for shape, s in zip(map_shapes, strides)]
@@ -254,7 +253,7 @@ class ForwardPlan:
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k.data.ptr | v.data.ptr) & 15
         maps, copies = _tensor_maps((q, k, v), self.maps) if self.maps else ((), ())
         if self.maps:   # fwd_wgmma's work counter follows its maps: a zeroed int per call on a persistent grid
-            maps += (cupy.zeros(1, np.int32) if self.persistent else _NULL,)
+            maps += (cupy.zeros(1, np.int32) if self.work_counter else _NULL,)
         self.kernel(self.grid, self.block,
                     maps + self.arguments((q, k, v, out, _NULL if lse is None else lse, _vector(alibi_slopes),
                                            _vector(sinks)) + dropout + (_VECTOR_OK[vector_ok],) + cu_seqlens),

@@ -24,6 +24,7 @@ class Launch:
     spec: _config.KernelSpec
     grid: tuple[int, ...]
     tail: tuple[int, ...] = ()
+    work_counter: bool = False   # a persistent grid: the kernel takes its work items from a zeroed int32 per call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,17 +57,23 @@ def banded_grid(tiles_per_head: int, pairs: int, sm_count: int) -> tuple[int, in
 
 
 def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | None = None,
-            packed: bool = False, tensor_maps: bool = True) -> Launch:
+            packed: bool = False, tensor_maps: bool = True, persistent: bool | None = None) -> Launch:
     """The forward's one launch; ``spec`` overrides the tile table's (for tuning tools). Its tail is
     QueryBlock's grid order (kernels/common.cuh). ``packed``: a packed batch (attention_varlen), ``p`` its
     batch of the longest sequences' lengths, each sequence's blocks past its own end idle. ``tensor_maps``:
-    can tensor maps describe the arrays (_tma.strides_ok)? Where not, the Hopper kernel does not serve."""
+    can tensor maps describe the arrays (_tma.strides_ok)? Where not, the Hopper kernel does not serve.
+    ``persistent`` overrides the table's choice of a persistent grid for fwd_wgmma (for probes)."""
     if spec is None:
         if not tensor_maps:
             device = dataclasses.replace(device, tensor_maps=False)
         spec = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device, p.mods, packed).forward
     order = _config.forward_query_blocks_fastest(spec.head_dim, p.masked)
-    return Launch(spec, grid(-(-p.seqlen_q // spec.block_m) * p.batch * p.heads), (int(order),))
+    items = -(-p.seqlen_q // spec.block_m) * p.batch * p.heads
+    if spec.kernel != "fwd_wgmma":
+        return Launch(spec, grid(items), (int(order),))
+    if persistent is None:
+        persistent = _config.wgmma_forward_persistent(p.seqlen_k)
+    return Launch(spec, grid(min(items, device.sm_count) if persistent else items), (int(order),), persistent)
 
 
 def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,

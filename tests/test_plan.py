@@ -34,6 +34,21 @@ def test_forward_launch_covers_every_query_block_of_every_head():
     assert _plan.forward(p, H100, other).grid == (16 * 16,)
 
 
+def test_the_hopper_forward_runs_on_a_persistent_grid_where_keys_are_few():
+    # up to WGMMA_PERSISTENT_MAX_SEQLEN_K keys, a block per SM (or per item, where fewer) taking work items from a
+    # counter; past it a block per item; the mma.sync forward never
+    limit = _config.WGMMA_PERSISTENT_MAX_SEQLEN_K
+    short = _plan.forward(problem(batch=8, seqlen_q=limit, seqlen_k=limit), H100)
+    assert short.spec.kernel == "fwd_wgmma" and short.work_counter and short.grid == (H100.sm_count,)
+    long = problem(batch=8, seqlen_q=limit, seqlen_k=limit + 1)
+    launch = _plan.forward(long, H100)
+    assert not launch.work_counter and launch.grid == (-(-limit // launch.spec.block_m) * 8 * 8,)
+    assert _plan.forward(long, H100, persistent=True).grid == (H100.sm_count,)
+    few = _plan.forward(problem(batch=1, seqlen_q=100, seqlen_k=100, heads=2, heads_kv=2), H100)
+    assert few.work_counter and few.grid == (2,)
+    assert not _plan.forward(problem(), _config.A100).work_counter
+
+
 def test_the_hopper_forward_falls_back_where_no_tensor_map_serves():
     # arrays whose strides no tensor map describes run the mma.sync forward on the same device
     p = problem()
