@@ -212,9 +212,10 @@ class AttentionConfig:
 
     @property
     def specs(self) -> tuple[KernelSpec, ...]:
-        atomic = (*self.bwd_dkdv_atomic, self.bwd_dq_convert) if self.bwd_dkdv_atomic else ()
         hopper = (self.bwd_dkdv_wgmma,) if self.bwd_dkdv_wgmma else ()
-        return (self.forward, self.bwd_preprocess, *self.bwd_dkdv, self.bwd_dq, *atomic, *hopper)
+        convert = (self.bwd_dq_convert,) if self.bwd_dkdv_atomic or hopper else ()
+        return (self.forward, self.bwd_preprocess, *self.bwd_dkdv, self.bwd_dq, *self.bwd_dkdv_atomic, *convert,
+                *hopper)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -525,30 +526,31 @@ def wgmma_spec(dtype, head_dim: int, mask: int, block_m: int, block_n: int, mods
                       mods=mods)
 
 
-#: bwd_dkdv_wgmma's tile (kernels/bwd_wgmma.cu): 128 keys on two consumers, 64 query rows per step
-WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_BLOCK_N, WGMMA_DKDV_HEAD_DIM = 64, 128, 128
+#: bwd_dkdv_wgmma's tile (kernels/bwd_wgmma.cu): 128 keys on two consumers, 64 query rows per step; its head dims
+WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_BLOCK_N, WGMMA_DKDV_HEAD_DIMS = 64, 128, (64, 128)
 
 
-def wgmma_dkdv_smem_bytes(itemsize: int = 2) -> int:
+def wgmma_dkdv_smem_bytes(head_dim: int, itemsize: int = 2) -> int:
     """bwd_dkdv_wgmma's shared memory (``BwdWgmmaSmem``): K and V, two stages of Q and dO, two of dS^T, two of
     lse and delta (float32), and 5 mbarriers."""
-    m, n, d = WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_BLOCK_N, WGMMA_DKDV_HEAD_DIM
+    m, n, d = WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_BLOCK_N, head_dim
     return (2 * n * d + 2 * 2 * m * d + 2 * n * m) * itemsize + 2 * 2 * m * 4 + 8 * 5
 
 
 def wgmma_dkdv_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: int = 0) -> KernelSpec | None:
     """The Hopper dK/dV kernel with atomic dQ (bwd_dkdv_wgmma), or None where it does not serve: as the Hopper
-    forward (wgmma_forward_spec), and only at the padded head dim 128 (97..128, multiples of 8), without score
-    modifiers or dropout. The deterministic backward keeps the mma.sync kernels."""
+    forward (wgmma_forward_spec), and only at the padded head dims 64 and 128 (33..64 and 97..128, multiples of
+    8), without dropout. The deterministic backward keeps the mma.sync kernels."""
     dtype = np.dtype(dtype)
-    if (device.compute_capability != 90 or not device.tensor_maps or dtype == np.float32 or mods
-            or padded_head_dim(head_dim) != WGMMA_DKDV_HEAD_DIM or head_dim % 8):
+    d = padded_head_dim(head_dim)
+    if (device.compute_capability != 90 or not device.tensor_maps or dtype == np.float32 or mods & MOD_DROPOUT
+            or d not in WGMMA_DKDV_HEAD_DIMS or head_dim % 8):
         return None
-    smem = wgmma_dkdv_smem_bytes(dtype.itemsize)
+    smem = wgmma_dkdv_smem_bytes(d, dtype.itemsize)
     if smem > device.max_smem_per_block:
         return None
-    return KernelSpec("bwd_dkdv_wgmma", dtype, WGMMA_DKDV_HEAD_DIM, int(mask), WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_BLOCK_N,
-                      wgmma_threads(2 * WGMMA_ROWS_PER_CONSUMER), smem, atomic_dq=True)
+    return KernelSpec("bwd_dkdv_wgmma", dtype, d, int(mask), WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_BLOCK_N,
+                      wgmma_threads(2 * WGMMA_ROWS_PER_CONSUMER), smem, mods=mods, atomic_dq=True)
 
 
 def forward_query_blocks_fastest(head_dim: int, causal: bool) -> bool:
@@ -784,7 +786,7 @@ def choose_config(head_dim: int, dtype, mask: int, device: DeviceProps, mods: in
                                     for part, adds_dq in rows_dkdv_launches(d, atomic_dq=True)) if atomic_fits else ()
         bwd_dq = _mma_spec("bwd_dq_mma", dtype, d, mask, device, mods=bwd_mods)
         bwd_dq_convert = KernelSpec("bwd_dq_convert", dtype, d)
-        bwd_dkdv_wgmma = wgmma_dkdv_spec(head_dim, dtype, mask, device, bwd_mods) if bwd_dkdv_atomic else None
+        bwd_dkdv_wgmma = wgmma_dkdv_spec(head_dim, dtype, mask, device, bwd_mods)
     else:  # float32: CUDA cores, always the deterministic pair
         bwd_dkdv = (_simt_spec("bwd_dkdv_simt", dtype, d, mask, device, bwd_mods),)
         bwd_dq = _simt_spec("bwd_dq_simt", dtype, d, mask, device, bwd_mods)

@@ -95,16 +95,17 @@ def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
         cfg = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device, p.mods, packed)
     pairs = p.batch * p.heads_kv
     dq_splits = _config.deterministic_dq_splits(cfg, pairs, p.seqlen_k, device.sm_count) if deterministic else 0
-    adds_dq = bool(cfg.bwd_dkdv_atomic) and (not deterministic or dq_splits > 0)
+    hopper = not deterministic and cfg.bwd_dkdv_wgmma is not None   # the Hopper kernel: the default mode only
+    adds_dq = hopper or bool(cfg.bwd_dkdv_atomic) and (not deterministic or dq_splits > 0)
     lanes = _config.preprocess_lanes(p.head_dim, p.dtype.itemsize)
     pre = cfg.bwd_preprocess
     rows = p.heads * total_q if packed else p.batch * p.heads * p.seqlen_q
     preprocess = Launch(pre, grid(-(-rows * lanes // pre.threads)))
     dkdv = []
-    if not adds_dq:
+    if hopper:
+        dkdv_specs = (cfg.bwd_dkdv_wgmma,)
+    elif not adds_dq:
         dkdv_specs = cfg.bwd_dkdv
-    elif not deterministic and cfg.bwd_dkdv_wgmma is not None:
-        dkdv_specs = (cfg.bwd_dkdv_wgmma,)   # the Hopper kernel: the default mode only (banded grid)
     else:
         dkdv_specs = cfg.bwd_dkdv_atomic
     for spec in dkdv_specs:

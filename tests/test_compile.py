@@ -59,8 +59,9 @@ def test_every_specialization_compiles(reports):
     # the Hopper forward (sm_90a) on sm_90 only: 4 head dims (64-column blocks) per plain (dtype, mask), the
     # modifiers without dropout (bfloat16, 2 masks), packed (bfloat16, 2 per head dim); its fallback is counted above
     assert kernels["fwd_wgmma"] == (2 * masks * 4 + 2 * 4 + 2 * 4 if device.tensor_maps else 0)
-    # the Hopper dK/dV kernel at head_dim 128: each half dtype and mask, and packed bfloat16 without modifiers
-    assert kernels["bwd_dkdv_wgmma"] == (2 * masks + 1 if device.tensor_maps else 0)
+    # the Hopper dK/dV kernel at head dims 64 and 128: each half dtype and mask, the modifiers without dropout
+    # (bfloat16, 2 masks), packed bfloat16 plain and windowed with the modifiers
+    assert kernels["bwd_dkdv_wgmma"] == (2 * (2 * masks + 2 + 2) if device.tensor_maps else 0)
     assert kernels["fwd_simt"] == masks * head_dims + 2 * 2 * head_dims + packed["fwd_simt"]
     no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT
     assert {r.spec.mods for r in reports} == {0, _config.ALL_MODS, _config.ALL_MODS & ~_config.MOD_SINKS, no_dropout,

@@ -242,9 +242,11 @@ def test_all_specs_are_distinct_and_cover_the_table():
     # covering set's modifiers without dropout (bfloat16, 2 masks), and the packed batches' (2 per head dim)
     hopper = [s for s in specs if s.kernel == "fwd_wgmma"]
     assert sum(not s.varlen for s in hopper) == 2 * masks * 4 + 2 * 4 and sum(s.varlen for s in hopper) == 2 * 4
-    # and the Hopper dK/dV kernel at head_dim 128 (plain specs only: each dtype and mask; packed: bfloat16 plain)
+    # and the Hopper dK/dV kernel at head dims 64 and 128: each dtype and mask, the covering set's modifiers
+    # without dropout (bfloat16, 2 masks); packed: bfloat16, plain and windowed with the modifiers
     hopper_dkdv = [s for s in specs if s.kernel == "bwd_dkdv_wgmma"]
-    assert sum(not s.varlen for s in hopper_dkdv) == 2 * masks and sum(s.varlen for s in hopper_dkdv) == 1
+    assert sum(not s.varlen for s in hopper_dkdv) == 2 * (2 * masks + 2)
+    assert sum(s.varlen for s in hopper_dkdv) == 2 * 2
     assert len(specs) == (2 * half + single + modified + kvcache + len(packed) + len(_config.SUPPORTED_DTYPES)
                           + sum(not s.varlen for s in hopper) + sum(not s.varlen for s in hopper_dkdv))
     no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT

@@ -234,7 +234,7 @@ def test_the_hopper_forward_matches_its_fallback(cp, rng):
 
 def test_the_hopper_backward_matches_its_fallback(cp, rng):
     # bwd_dkdv_wgmma (the default backward's dK/dV and atomic dQ on sm_90) against the mma.sync kernels it falls
-    # back to, on awkward shapes at the head dims it serves (97..128)
+    # back to, on awkward shapes at the head dims it serves (33..64 and 97..128), with the score modifiers and sinks
     import dataclasses
 
     from cuflash import _validate
@@ -242,21 +242,32 @@ def test_the_hopper_backward_matches_its_fallback(cp, rng):
     props = _cupy_path.device_props(0)
     if not props.tensor_maps:
         pytest.skip("the Hopper kernels run on compute capability 9.0 with cuda-bindings")
-    cases = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim), causal, window
-        ((2, 77, 300, 4, 2, 128), True, (-1, -1)),
-        ((1, 300, 129, 6, 1, 104), False, (40, 7)),
-        ((3, 129, 129, 2, 2, 128), False, (-1, -1)),
-        ((1, 513, 700, 2, 1, 120), True, (-1, -1)),
+    cases = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim), causal, window, softcap, ALiBi, sinks
+        ((2, 77, 300, 4, 2, 128), True, (-1, -1), 0.0, False, False),
+        ((1, 300, 129, 6, 1, 104), False, (40, 7), 0.0, False, False),
+        ((3, 129, 129, 2, 2, 128), False, (-1, -1), 0.0, False, False),
+        ((1, 513, 700, 2, 1, 120), True, (-1, -1), 0.0, False, False),
+        ((2, 200, 333, 4, 4, 64), True, (-1, -1), 0.0, False, False),
+        ((1, 129, 70, 6, 2, 40), False, (-1, -1), 0.0, False, False),
+        ((2, 150, 260, 4, 2, 64), False, (50, 20), 30.0, True, True),
+        ((1, 257, 190, 2, 1, 128), True, (-1, -1), 15.0, False, False),
+        ((1, 300, 300, 4, 1, 112), False, (-1, -1), 0.0, True, False),
     ]
-    for shape, causal, window in cases:
+    for shape, causal, window, softcap, alibi, sinks in cases:
+        heads = shape[3]
         q, k, v = make_qkv(cp, rng, *shape, BF16)
-        out, lse = cuflash.attention(q, k, v, causal=causal, window_size=window, return_lse=True)
+        slopes = cp.asarray(rng.uniform(0.01, 0.2, heads), cp.float32) if alibi else None
+        sink = cp.asarray(rng.uniform(-2, 2, heads), cp.float32) if sinks else None
+        out, lse = cuflash.attention(q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes,
+                                     sinks=sink, return_lse=True)
         dout = cp.asarray(rng.standard_normal(out.shape, dtype=np.float32).astype(BF16))
-        p = _validate.check_backward(dout, q, k, v, out, lse, causal, None, window)
+        p = _validate.check_backward(dout, q, k, v, out, lse, causal, None, window, softcap, slopes, sink)
         hopper = _cupy_path.BackwardPlan(p, 0, False, dout, q, k, v, out, lse)
         assert hopper.dkdv[0].maps is not None, shape
-        mma_cfg = _config.choose_config(shape[-1], q.dtype, p.mask_kind, dataclasses.replace(props, tensor_maps=False))
+        mma_cfg = _config.choose_config(shape[-1], q.dtype, p.mask_kind, dataclasses.replace(props, tensor_maps=False),
+                                        p.mods)
         fallback = _cupy_path.BackwardPlan(p, 0, False, dout, q, k, v, out, lse, mma_cfg)
-        for got, want in zip(hopper.run(dout, q, k, v, out, lse), fallback.run(dout, q, k, v, out, lse)):
+        args = (dout, q, k, v, out, lse, slopes, sink)
+        for got, want in zip(hopper.run(*args), fallback.run(*args)):
             got, want = to_numpy(got).astype(np.float32), to_numpy(want).astype(np.float32)
             assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max() + 1e-3, shape

@@ -1,7 +1,7 @@
 // The backward's dK/dV (and atomic dQ) on Hopper (sm_90a): wgmma, TMA, warp specialization. The algorithm is
 // bwd_dkdv_mma's (bwd_mma.cu) with dQ added into the float32 buffer (DqAccum) and bwd_dq_convert after it;
-// only head_dim 128, float16/bfloat16, no score modifiers and no dropout (the plan runs the mma.sync kernels
-// for the rest, and for deterministic=True).
+// head_dim 64 and 128, float16/bfloat16, every mask and score modifier, no dropout (the plan runs the
+// mma.sync kernels for the rest, and for deterministic=True).
 //
 // One thread block owns BLOCK_N = 128 keys of one (batch, kv head) (KeyBlock's banded grid) and walks the query
 // tiles of every head of its kv group that see them, BLOCK_M = 64 rows at a time (steps: head in group, query
@@ -12,11 +12,13 @@
 // - 1 and 2, the consumers, 64 keys each (rows 64 cw.. of the block), holding dK and dV (64 x 128 each) in
 //   registers for the whole block. Per step, with keys as the M dimension of every product:
 //     S^T = K Q^T, dP^T = V dO^T          (wgmma ss, both K-major)
-//     P^T = exp2(S^T scale_log2 - lse2), dS^T = P^T (dP^T - delta)   (per element: lse and delta per query)
+//     P^T = exp2(score(S^T) - lse2), dS^T = P^T (dP^T - delta) score'   (per element: lse, delta per query;
+//     score and its derivative from ScoreMod: scale, softcap, ALiBi)
 //     dV += P^T dO, dK += dS^T Q          (wgmma rs: P^T, dS^T packed into A fragments; dO, Q MN-major)
-//     dS^T into shared memory; the consumers meet (named barrier); each computes dQ for 64 of the 128
-//     columns: dQ = dS K (wgmma ss, both MN-major: dS^T's rows are keys, K's are keys) and adds it into
-//     dq_accum with vector reductions (the accumulator layout is DqAccum's 16 x 8 tile order).
+//     dS^T into shared memory, then dQ = dS K (wgmma ss, both MN-major: dS^T's rows are keys, K's are keys),
+//     added into dq_accum with vector reductions (the accumulator layout is DqAccum's 16 x 8 tile order).
+//     At head_dim 128 the consumers meet (named barrier) and each takes 64 of the columns over all 128 keys;
+//     at 64 each takes its own 64 keys over all columns, and meets only its own warps.
 //   dS^T is double-buffered: the step s + 1 barrier orders step s's dQ reads before step s + 2's writes.
 // Epilogue: dK times the softmax scale, and dV, stored from registers.
 #include "hopper.cuh"
@@ -45,9 +47,9 @@ __global__ void __launch_bounds__(384, 1)
 bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
                const __grid_constant__ TmaMap v_map, const __grid_constant__ TmaMap do_map,
                CUFLASH_PARAMS(CUFLASH_BWD_FIELDS)) {
-    static_assert(sizeof(T) == 2 && HEAD_DIM == 128 && BLOCK_M == 64 && BLOCK_N == 128,
-                  "head_dim 128, 64-row query tiles, two consumers of 64 keys");
-    static_assert(MODS == 0, "no score modifiers, no dropout (the mma.sync kernels run them)");
+    static_assert(sizeof(T) == 2 && (HEAD_DIM == 64 || HEAD_DIM == 128) && BLOCK_M == 64 && BLOCK_N == 128,
+                  "head_dim 64 or 128, 64-row query tiles, two consumers of 64 keys");
+    static_assert(!(MODS & kModDropout), "no dropout (the mma.sync kernels run it)");
     using Smem = BwdWgmmaSmem<HEAD_DIM, BLOCK_M, BLOCK_N>;
     constexpr int kConsumers = BLOCK_N / 64;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -138,7 +140,13 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     auto release = [&](unsigned bar) {
         if (tid_wg == 0) mbarrier_arrive(bar);
     };
-    constexpr int kConsumerBarrier = 1, kConsumerThreads = 128 * kConsumers;
+    // dQ's share of this consumer: keys dq_key0.. (kDqKeys of them) times columns dq_col0.. (64)
+    constexpr bool kDqOwnKeys = HEAD_DIM == 64;
+    constexpr int kDqKeys = kDqOwnKeys ? 64 : BLOCK_N;
+    const int dq_key0 = kDqOwnKeys ? 64 * cw : 0, dq_col0 = kDqOwnKeys ? 0 : 64 * cw;
+    // the barrier before dQ reads dS^T: both consumers' (id 1), or this consumer's own (id 2 + cw)
+    const int ds_barrier = kDqOwnKeys ? 2 + cw : 1;
+    constexpr int kDsThreads = kDqOwnKeys ? 128 : 128 * kConsumers;
 
     if (steps > 0) mbarrier_wait(kv_full, 0);
 #pragma unroll 1
@@ -147,6 +155,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         const unsigned q_tile = q_s + stage * Smem::kQStage, do_tile = do_s + stage * Smem::kQStage;
         const float* lse_tile = stats_s + stage * 2 * BLOCK_M;
         const float* delta_tile = lse_tile + BLOCK_M;
+        const ScoreMod<MODS> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
         mbarrier_wait(q_full(stage), (s / kBwdWgmmaStages) & 1);
 
         // S^T = K Q^T and dP^T = V dO^T for this consumer's 64 keys, one group
@@ -185,11 +194,11 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int query = 8 * nb + 2 * t + (e & 1), key = key0 + 8 * (e / 2);
-                const float lse2 = lse_tile[query] * kLog2e;
-                p[e] = exp2f(fmaf(st[4 * nb + e], scale_log2, -lse2));
+                float grad;   // d score / d (scale q.k)
+                p[e] = exp2f(mod.score(st[4 * nb + e], m0 + query, key, seq.diagonal, grad) - lse_tile[query] * kLog2e);
                 if (need_mask && !window.sees(m0 + query, key, seq.seqlen_k)) p[e] = 0.f;
                 if (need_mask && m0 + query >= seq.seqlen_q) p[e] = 0.f;
-                ds[e] = p[e] * (dpt[4 * nb + e] - delta_tile[query]);
+                ds[e] = p[e] * (dpt[4 * nb + e] - delta_tile[query]) * grad;
             }
             p_frag[nb / 2][(nb % 2) * 2 + 0] = pack2<T>(p[0], p[1]);
             p_frag[nb / 2][(nb % 2) * 2 + 1] = pack2<T>(p[2], p[3]);
@@ -221,15 +230,17 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
             wgmma_rs<T, HEAD_DIM>(dk_acc, ds_frag[kk], smem_descriptor(q_tile + kk * 16 * kSwizzleRowBytes, Smem::kQBlock), 1);
         wgmma_commit();
 
-        // dQ = dS K for the block's 128 keys, columns 64 cw.. (both consumers' dS^T: they meet first)
-        named_barrier_sync(kConsumerBarrier, kConsumerThreads);
+        // dQ = dS K over this consumer's share (dS^T of both consumers at head_dim 128: they meet first)
+        named_barrier_sync(ds_barrier, kDsThreads);
         float dq[kDq];
         pin_registers(dq);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-            wgmma_ss_mn<T, 64>(dq, smem_descriptor(ds_stage + kk * 16 * kSwizzleRowBytes, 0),
-                               smem_descriptor(k_s + cw * Smem::kKVBlock + kk * 16 * kSwizzleRowBytes, 0), kk > 0);
+        for (int kk = 0; kk < kDqKeys / 16; ++kk) {
+            const unsigned key_rows = (dq_key0 + kk * 16) * kSwizzleRowBytes;
+            wgmma_ss_mn<T, 64>(dq, smem_descriptor(ds_stage + key_rows, 0),
+                               smem_descriptor(k_s + dq_col0 / kSwizzleElems * Smem::kKVBlock + key_rows, 0), kk > 0);
+        }
         wgmma_commit();
         wgmma_wait<0>();
         pin_registers(dq);
@@ -240,7 +251,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         release(q_empty(stage));   // Q, dO, lse and delta of the stage are read
         if (dq_accum != nullptr) {
             float* head = dq_accum + DqAccum::head(0, batch, b, heads, h, seq, seqlen_q, HEAD_DIM);
-            float* at = head + DqAccum::tile(m0 + 16 * warp, 64 * cw, HEAD_DIM) + lane * 4;
+            float* at = head + DqAccum::tile(m0 + 16 * warp, dq_col0, HEAD_DIM) + lane * 4;
 #pragma unroll
             for (int nb = 0; nb < kDq / 4; ++nb) {
                 const float c[4] = {dq[4 * nb], dq[4 * nb + 1], dq[4 * nb + 2], dq[4 * nb + 3]};
