@@ -674,7 +674,8 @@ def block_band(tiles_per_head: int, pairs: int, sm_count: int) -> int:
     return min((d for d in divisors if d >= least), default=max(pairs, 1))
 
 
-#: bwd_dkdv_mma's resident blocks per SM: 256 threads at up to 255 registers, 175-182 KB of shared memory
+#: the split-grid kernels' resident blocks per SM: bwd_dkdv_mma's 256 threads at up to 255 registers with
+#: 175-182 KB of shared memory, bwd_dkdv_wgmma's 384 threads with 99-165 KB
 TILED_DKDV_BLOCKS_PER_SM = 1
 #: The deterministic backward's split grid gives each split its own float32 dQ buffer, each the size of the
 #: default's; at most this many, so its extra memory stays within this multiple of the default's.
@@ -684,26 +685,42 @@ MAX_DQ_SPLITS = 8
 MIN_SPLIT_GRID_FILL = 0.9
 
 
+#: the head dims at which bwd_dkdv_wgmma serves the deterministic split grid: where its consumers split dQ by
+#: columns, so that one thread adds each dQ element (at 64 they split it by keys: both add into each element)
+WGMMA_DKDV_DETERMINISTIC_HEAD_DIMS = (128,)
+
+
+def split_grid_kernel(cfg: AttentionConfig) -> KernelSpec | None:
+    """The dK/dV kernel of the deterministic backward's split grid (``deterministic_dq_splits``): the Hopper
+    kernel where it serves deterministically, else the tiled mma.sync kernel's atomic-dQ form (the rows kernel
+    walks one key block per thread block); None where neither serves."""
+    hopper = cfg.bwd_dkdv_wgmma
+    if hopper is not None and hopper.head_dim in WGMMA_DKDV_DETERMINISTIC_HEAD_DIMS:
+        return hopper
+    if cfg.bwd_dkdv_atomic and cfg.bwd_dkdv_atomic[0].kernel == "bwd_dkdv_mma":
+        return cfg.bwd_dkdv_atomic[0]
+    return None
+
+
 def split_grid_serves(cfg: AttentionConfig) -> bool:
-    """Can the deterministic backward run on the split grid (``deterministic_dq_splits``)? Only the tiled
-    dK/dV kernel walks several key blocks per thread block."""
-    return bool(cfg.bwd_dkdv_atomic) and cfg.bwd_dkdv_atomic[0].kernel == "bwd_dkdv_mma"
+    """Can the deterministic backward run on the split grid (``deterministic_dq_splits``)?"""
+    return split_grid_kernel(cfg) is not None
 
 
 def deterministic_dq_splits(cfg: AttentionConfig, pairs: int, seqlen_k: int, sm_count: int) -> int:
     """The split count of the deterministic backward's split grid, or 0 where the dQ kernel serves.
 
-    The split grid runs the atomic-dQ dK/dV kernel (bwd_dkdv_mma only) with one thread block per
+    The split grid runs the atomic-dQ dK/dV kernel (``split_grid_kernel``) with one thread block per
     ((batch, kv head) pair, split); block ``split`` walks the key blocks split, split + splits, ... in
     order and adds dQ into its own copy of the float32 buffer, which bwd_dq_convert sums in copy order
     (``KeyBlock``, kernels/common.cuh). Five matrix products per tile, like the default, against the dQ
     kernel's seven. Returns the fewest splits (at most MAX_DQ_SPLITS and the key blocks per head) whose
-    ``pairs * splits`` blocks fill MIN_SPLIT_GRID_FILL of their waves; 0 if none does, or where
-    bwd_dkdv_mma does not serve.
+    ``pairs * splits`` blocks fill MIN_SPLIT_GRID_FILL of their waves; 0 if none does, or where no
+    split-grid kernel serves.
     """
     if not split_grid_serves(cfg):
         return 0
-    key_blocks = -(-seqlen_k // cfg.bwd_dkdv_atomic[0].block_n)
+    key_blocks = -(-seqlen_k // split_grid_kernel(cfg).block_n)
     wave = TILED_DKDV_BLOCKS_PER_SM * sm_count
     for splits in range(1, min(MAX_DQ_SPLITS, key_blocks) + 1):
         blocks = pairs * splits

@@ -95,19 +95,19 @@ def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
         cfg = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device, p.mods, packed)
     pairs = p.batch * p.heads_kv
     dq_splits = _config.deterministic_dq_splits(cfg, pairs, p.seqlen_k, device.sm_count) if deterministic else 0
-    hopper = not deterministic and cfg.bwd_dkdv_wgmma is not None   # the Hopper kernel: the default mode only
-    adds_dq = hopper or bool(cfg.bwd_dkdv_atomic) and (not deterministic or dq_splits > 0)
+    if deterministic:   # the split grid's kernel, or the pair (dK/dV, then the dQ kernel)
+        adds_dq = dq_splits > 0
+        dkdv_specs = (_config.split_grid_kernel(cfg),) if adds_dq else cfg.bwd_dkdv
+    elif cfg.bwd_dkdv_wgmma is not None:
+        adds_dq, dkdv_specs = True, (cfg.bwd_dkdv_wgmma,)
+    else:
+        adds_dq = bool(cfg.bwd_dkdv_atomic)
+        dkdv_specs = cfg.bwd_dkdv_atomic if adds_dq else cfg.bwd_dkdv
     lanes = _config.preprocess_lanes(p.head_dim, p.dtype.itemsize)
     pre = cfg.bwd_preprocess
     rows = p.heads * total_q if packed else p.batch * p.heads * p.seqlen_q
     preprocess = Launch(pre, grid(-(-rows * lanes // pre.threads)))
     dkdv = []
-    if hopper:
-        dkdv_specs = (cfg.bwd_dkdv_wgmma,)
-    elif not adds_dq:
-        dkdv_specs = cfg.bwd_dkdv
-    else:
-        dkdv_specs = cfg.bwd_dkdv_atomic
     for spec in dkdv_specs:
         key_blocks = -(-p.seqlen_k // spec.block_n)
         if dq_splits:  # one launch per pass, in order

@@ -1,7 +1,7 @@
 // The backward's dK/dV (and atomic dQ) on Hopper (sm_90a): wgmma, TMA, warp specialization. The algorithm is
 // bwd_dkdv_mma's (bwd_mma.cu) with dQ added into the float32 buffer (DqAccum) and bwd_dq_convert after it;
 // head_dim 64 and 128, float16/bfloat16, every mask and score modifier, no dropout (the plan runs the
-// mma.sync kernels for the rest, and for deterministic=True).
+// mma.sync kernels for the rest). deterministic=True runs it on the split grid (KeyBlock) at head_dim 128.
 //
 // One thread block owns BLOCK_N = 128 keys of one (batch, kv head) (KeyBlock's banded grid) and walks the query
 // tiles of every head of its kv group that see them, BLOCK_M = 64 rows at a time (steps: head in group, query
@@ -60,10 +60,12 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     auto q_full = [&](int stage) { return bars + 8 * (1 + stage); };
     auto q_empty = [&](int stage) { return bars + 8 * (1 + kBwdWgmmaStages + stage); };
 
-    const KeyBlock blk(BLOCK_N, heads / group, seqlen_k, 0, 0);
+    // the banded grid (dq_splits 0), or the deterministic split grid: block `split` adds into its own copy of
+    // dq_accum, and one thread adds each element there (dQ split by columns), so the sums are reproducible
+    const KeyBlock blk(BLOCK_N, heads / group, seqlen_k, dq_splits, dq_pass);
     const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
     const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal);
-    if (VARLEN && n0 >= seq.seqlen_k) return;
+    if (n0 >= seq.seqlen_k) return;   // a packed batch's shorter sequence, the split grid's last pass
     const Window<MASK> window{seq.diagonal, window_left, window_right};
     // the query tiles whose rows see some key of the block
     const int m_begin = window.row_begin(n0) / BLOCK_M * BLOCK_M;
@@ -250,7 +252,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         pin_registers(ds_frag);
         release(q_empty(stage));   // Q, dO, lse and delta of the stage are read
         if (dq_accum != nullptr) {
-            float* head = dq_accum + DqAccum::head(0, batch, b, heads, h, seq, seqlen_q, HEAD_DIM);
+            float* head = dq_accum + DqAccum::head(blk.split, batch, b, heads, h, seq, seqlen_q, HEAD_DIM);
             float* at = head + DqAccum::tile(m0 + 16 * warp, dq_col0, HEAD_DIM) + lane * 4;
 #pragma unroll
             for (int nb = 0; nb < kDq / 4; ++nb) {
