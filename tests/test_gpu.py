@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -191,16 +193,31 @@ def test_repeated_calls_reuse_their_plan(cp, rng):
     assert cp.array_equal(first, cuflash.attention(q, k, v, causal=True))
 
 
+def _hopper_devices():
+    """Device 0's properties, where the Hopper kernels run there (else the test skips), and the same device
+    without tensor maps: the one whose config holds the mma.sync kernels they fall back to."""
+    props = _cupy_path.device_props(0)
+    if not props.tensor_maps:
+        pytest.skip("the Hopper kernels run on compute capability 9.0 with cuda-bindings")
+    return props, dataclasses.replace(props, tensor_maps=False)
+
+
+def _hopper_inputs(cp, rng, shape, alibi: bool, sinks: bool):
+    """bfloat16 q, k, v of ``shape`` (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim), and ALiBi slopes
+    and sinks per head where asked (else None)."""
+    heads = shape[3]
+    q, k, v = make_qkv(cp, rng, *shape, BF16)
+    slopes = cp.asarray(rng.uniform(0.01, 0.2, heads), cp.float32) if alibi else None
+    sink = cp.asarray(rng.uniform(-2, 2, heads), cp.float32) if sinks else None
+    return q, k, v, slopes, sink
+
+
 def test_the_hopper_forward_matches_its_fallback(cp, rng):
     # fwd_wgmma (TMA, wgmma) against the mma.sync forward it falls back to, on awkward shapes with every feature
     # it takes; and an array no tensor map can describe runs the fallback
-    import dataclasses
-
     from cuflash import _validate
 
-    props = _cupy_path.device_props(0)
-    if not props.tensor_maps:
-        pytest.skip("the Hopper forward runs on compute capability 9.0 with cuda-bindings")
+    _, fallback_device = _hopper_devices()
     cases = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim), causal, window, softcap, ALiBi, sinks
         ((2, 77, 300, 4, 2, 72), True, (-1, -1), 0.0, False, False),
         ((1, 300, 129, 6, 1, 136), False, (40, 7), 20.0, True, True),
@@ -208,15 +225,11 @@ def test_the_hopper_forward_matches_its_fallback(cp, rng):
         ((1, 513, 700, 2, 1, 64), False, (-1, -1), 0.0, False, True),
     ]
     for shape, causal, window, softcap, alibi, sinks in cases:
-        batch, _, _, heads, _, head_dim = shape
-        q, k, v = make_qkv(cp, rng, *shape, BF16)
-        slopes = cp.asarray(rng.uniform(0.01, 0.2, heads), cp.float32) if alibi else None
-        sink = cp.asarray(rng.uniform(-2, 2, heads), cp.float32) if sinks else None
+        q, k, v, slopes, sink = _hopper_inputs(cp, rng, shape, alibi, sinks)
         p = _validate.check_forward(q, k, v, causal, None, window, softcap, slopes, sink)
         hopper = _cupy_path.ForwardPlan(p, 0, q, k, v)
         assert hopper.maps is not None, shape
-        fallback = _config.choose_config(head_dim, q.dtype, p.mask_kind, dataclasses.replace(props, tensor_maps=False),
-                                         p.mods).forward
+        fallback = _config.choose_config(p.head_dim, q.dtype, p.mask_kind, fallback_device, p.mods).forward
         out, lse = hopper.run(q, k, v, slopes, sink)
         want, want_lse = _cupy_path.ForwardPlan(p, 0, q, k, v, spec=fallback).run(q, k, v, slopes, sink)
         out, want = to_numpy(out).astype(np.float32), to_numpy(want).astype(np.float32)
@@ -235,13 +248,9 @@ def test_the_hopper_forward_matches_its_fallback(cp, rng):
 def test_the_hopper_backward_matches_its_fallback(cp, rng):
     # bwd_dkdv_wgmma (the default backward's dK/dV and atomic dQ on sm_90) against the mma.sync kernels it falls
     # back to, on awkward shapes at the head dims it serves (33..64 and 97..128), with the score modifiers and sinks
-    import dataclasses
-
     from cuflash import _validate
 
-    props = _cupy_path.device_props(0)
-    if not props.tensor_maps:
-        pytest.skip("the Hopper kernels run on compute capability 9.0 with cuda-bindings")
+    _, fallback_device = _hopper_devices()
     cases = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim), causal, window, softcap, ALiBi, sinks
         ((2, 77, 300, 4, 2, 128), True, (-1, -1), 0.0, False, False),
         ((1, 300, 129, 6, 1, 104), False, (40, 7), 0.0, False, False),
@@ -254,18 +263,14 @@ def test_the_hopper_backward_matches_its_fallback(cp, rng):
         ((1, 300, 300, 4, 1, 112), False, (-1, -1), 0.0, True, False),
     ]
     for shape, causal, window, softcap, alibi, sinks in cases:
-        heads = shape[3]
-        q, k, v = make_qkv(cp, rng, *shape, BF16)
-        slopes = cp.asarray(rng.uniform(0.01, 0.2, heads), cp.float32) if alibi else None
-        sink = cp.asarray(rng.uniform(-2, 2, heads), cp.float32) if sinks else None
+        q, k, v, slopes, sink = _hopper_inputs(cp, rng, shape, alibi, sinks)
         out, lse = cuflash.attention(q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes,
                                      sinks=sink, return_lse=True)
         dout = cp.asarray(rng.standard_normal(out.shape, dtype=np.float32).astype(BF16))
         p = _validate.check_backward(dout, q, k, v, out, lse, causal, None, window, softcap, slopes, sink)
         hopper = _cupy_path.BackwardPlan(p, 0, False, dout, q, k, v, out, lse)
         assert hopper.dkdv[0].maps is not None, shape
-        mma_cfg = _config.choose_config(shape[-1], q.dtype, p.mask_kind, dataclasses.replace(props, tensor_maps=False),
-                                        p.mods)
+        mma_cfg = _config.choose_config(p.head_dim, q.dtype, p.mask_kind, fallback_device, p.mods)
         fallback = _cupy_path.BackwardPlan(p, 0, False, dout, q, k, v, out, lse, mma_cfg)
         args = (dout, q, k, v, out, lse, slopes, sink)
         for got, want in zip(hopper.run(*args), fallback.run(*args)):
