@@ -41,8 +41,8 @@ ALL_MODS = MOD_SOFTCAP | MOD_ALIBI | MOD_SINKS | MOD_DROPOUT
 #: the modifiers that change the scores (the sinks change only the forward's epilogue)
 SCORE_MODS = MOD_SOFTCAP | MOD_ALIBI
 #: kernels whose template has MASK and MODS (every one but the row reductions)
-_MASKED_KERNELS = frozenset({"fwd_mma", "fwd_wgmma", "bwd_dkdv_wgmma", "fwd_simt", "bwd_dkdv_simt", "bwd_dq_simt", "bwd_dkdv_mma",
-                             "bwd_dkdv_rows_mma", "bwd_dq_mma"})
+_MASKED_KERNELS = frozenset({"fwd_mma", "fwd_wgmma", "bwd_dkdv_wgmma", "fwd_simt", "bwd_dkdv_simt", "bwd_dq_simt",
+                             "bwd_dkdv_mma", "bwd_dkdv_rows_mma", "bwd_dq_mma"})
 #: rows of one warp's mma tile in the tensor-core forward
 MMA_ROWS_PER_WARP = 16
 
@@ -206,8 +206,8 @@ class AttentionConfig:
     bwd_dq: KernelSpec
     bwd_dkdv_atomic: tuple[KernelSpec, ...] = ()
     bwd_dq_convert: KernelSpec | None = None
-    #: the default (not deterministic) backward's dK/dV on Hopper in place of bwd_dkdv_atomic, where it serves
-    #: (wgmma_dkdv_spec); the deterministic split grid keeps bwd_dkdv_atomic
+    #: the backward's dK/dV on Hopper in place of bwd_dkdv_atomic, where it serves (wgmma_dkdv_spec); on the
+    #: deterministic split grid where split_grid_kernel takes it
     bwd_dkdv_wgmma: KernelSpec | None = None
 
     @property
@@ -540,7 +540,7 @@ def wgmma_dkdv_smem_bytes(head_dim: int, itemsize: int = 2) -> int:
 def wgmma_dkdv_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: int = 0) -> KernelSpec | None:
     """The Hopper dK/dV kernel with atomic dQ (bwd_dkdv_wgmma), or None where it does not serve: as the Hopper
     forward (wgmma_forward_spec), and only at the padded head dims 64 and 128 (33..64 and 97..128, multiples of
-    8), without dropout. The deterministic backward keeps the mma.sync kernels."""
+    8), without dropout. The deterministic backward's split grid takes it at 128 (split_grid_kernel)."""
     dtype = np.dtype(dtype)
     d = padded_head_dim(head_dim)
     if (device.compute_capability != 90 or not device.tensor_maps or dtype == np.float32 or mods & MOD_DROPOUT
