@@ -1,7 +1,7 @@
 """Do two cuflash trees compile a kernel to the same code? No GPU needed.
 
-``python tools/ptx_compare.py OLD_TREE NEW_TREE [--kernel fwd_mma] [--jobs N]`` compiles to PTX (compute_90)
-every spec of ``kernel`` in the compile check (``_config.all_specs`` of the A100 and H100 tables) in both
+``python tools/ptx_compare.py OLD_TREE NEW_TREE [--kernel fwd_mma] [--jobs N]`` compiles to PTX (compute_90,
+or compute_90a for the Hopper kernels) every spec of ``kernel`` in the compile check (``_config.all_specs`` of the A100 and H100 tables) in both
 trees, each tree a folder holding a ``cuflash`` package, and compares each spec's kernel body with
 parameter declarations and names, register numbers and labels normalized: a kernel whose parameter list
 grew but whose code did not compares equal. Specs are matched by their fields (a field the other tree's
@@ -29,7 +29,8 @@ for device in (_config.A100, _config.H100):
         if spec.kernel == sys.argv[2]:
             fields = {k: (v.name if k == "dtype" else v) for k, v in dataclasses.asdict(spec).items()
                       if v or k in ("mask", "mods")}
-            found[json.dumps(fields, sort_keys=True, default=str)] = (spec.name, spec.source_file)
+            arch = "compute_90a" if getattr(spec, "arch_specific", False) else "compute_90"
+            found[json.dumps(fields, sort_keys=True, default=str)] = (spec.name, spec.source_file, arch)
 print(json.dumps(found))
 """
 
@@ -41,7 +42,7 @@ from cuda.bindings import nvrtc
 from cuflash import _compile
 err, prog = nvrtc.nvrtcCreateProgram(_compile.kernel_source(sys.argv[3]).encode(), b"x.cu", 0, [], [])
 nvrtc.nvrtcAddNameExpression(prog, sys.argv[2].encode())
-opts = [o.encode() for o in _compile.COMMON_OPTIONS] + [b"--gpu-architecture=compute_90", b"-ftz=true",
+opts = [o.encode() for o in _compile.COMMON_OPTIONS] + [f"--gpu-architecture={sys.argv[4]}".encode(), b"-ftz=true",
         f"-I{_compile._cuda_include_dir()}".encode()]
 err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
 if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
@@ -58,9 +59,9 @@ def specs(tree: str, kernel: str) -> dict:
     return json.loads(done.stdout)
 
 
-def body(tree: str, name: str, source: str) -> list[str]:
-    """The kernel's PTX from its entry on, normalized."""
-    ptx = subprocess.run([sys.executable, "-c", _PTX, tree, name, source], capture_output=True, text=True,
+def body(tree: str, name: str, source: str, arch: str) -> list[str]:
+    """The kernel's PTX for ``arch`` from its entry on, normalized."""
+    ptx = subprocess.run([sys.executable, "-c", _PTX, tree, name, source, arch], capture_output=True, text=True,
                          check=True).stdout
     text = ptx[ptx.index(".entry"):]
     text = re.sub(r"_Z\w+?_param_\d+", "PARAM", text)

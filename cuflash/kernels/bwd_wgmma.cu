@@ -142,6 +142,18 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     auto release = [&](unsigned bar) {
         if (tid_wg == 0) mbarrier_arrive(bar);
     };
+    // Issues acc = A B^T over the head dim (uncommitted): A's 64 rows at a_rows (K or V: key rows of the
+    // block's tiles), B's BLOCK_M at b_tile (a Q or dO stage), both K-major; k16 step ks reads 64-column block
+    // ks / 4, 32 bytes further in per step
+    auto issue_rows_by_rows = [&](float (&acc)[kSq], unsigned a_rows, unsigned b_tile) {
+#pragma unroll
+        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+            const int block = ks / 4;
+            const unsigned col = (ks % 4) * 32;
+            wgmma_ss<T, BLOCK_M>(acc, smem_descriptor(a_rows + block * Smem::kKVBlock + col, 0),
+                                 smem_descriptor(b_tile + block * Smem::kQBlock + col, 0), ks > 0);
+        }
+    };
     // dQ's share of this consumer: keys dq_key0.. (kDqKeys of them) times columns dq_col0.. (64)
     constexpr bool kDqOwnKeys = HEAD_DIM == 64;
     constexpr int kDqKeys = kDqOwnKeys ? 64 : BLOCK_N;
@@ -165,20 +177,8 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         pin_registers(st);
         pin_registers(dpt);
         wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-            const int block = ks / 4;
-            const unsigned col = (ks % 4) * 32;
-            wgmma_ss<T, BLOCK_M>(st, smem_descriptor(k_rows + block * Smem::kKVBlock + col, 0),
-                                 smem_descriptor(q_tile + block * Smem::kQBlock + col, 0), ks > 0);
-        }
-#pragma unroll
-        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-            const int block = ks / 4;
-            const unsigned col = (ks % 4) * 32;
-            wgmma_ss<T, BLOCK_M>(dpt, smem_descriptor(v_rows + block * Smem::kKVBlock + col, 0),
-                                 smem_descriptor(do_tile + block * Smem::kQBlock + col, 0), ks > 0);
-        }
+        issue_rows_by_rows(st, k_rows, q_tile);
+        issue_rows_by_rows(dpt, v_rows, do_tile);
         wgmma_commit();
         wgmma_wait<0>();
         pin_registers(st);
