@@ -296,6 +296,35 @@ def suite_of(header: dict, json_path: pathlib.Path) -> str:
     return suite
 
 
+#: the README's performance table: its passes, head dims and implementations (bfloat16, FlashAttention's grid)
+README_PASSES, README_HEAD_DIMS = ("fwd", "fwd+bwd"), (64, 128, 256)
+README_PEERS = ("torch-flash", "torch-cudnn")
+README_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+def readme_table(records: list[dict]) -> str:
+    """The README's performance table from grid records: per pass, head dim and mask, TFLOP/s of cuflash, of
+    cuflash-deterministic (forward plus backward, up to head_dim 128) and of the peers, then cuflash's ratio
+    to each peer. Every cell must be in ``records``."""
+    rates = {(r["pass"], r["head_dim"], r["causal"], r["impl"], r["seqlen_q"]): r["tflops"] for r in records
+             if r["dtype"] == "bfloat16" and r["status"] == "ok"}
+    lines = ["| pass, head_dim, mask | impl | " + " | ".join(fmt_count(n) for n in README_SEQLENS) + " |",
+             "|---|---|" + "---|" * len(README_SEQLENS)]
+    for pass_ in README_PASSES:
+        for head_dim in README_HEAD_DIMS:
+            for causal in (False, True):
+                label = f"{pass_} d={head_dim} {'causal' if causal else 'full'}"
+                deterministic = ("cuflash-deterministic",) if pass_ != "fwd" and head_dim <= 128 else ()
+                for i, impl in enumerate((SUBJECT, *deterministic, *README_PEERS)):
+                    cells = [f"{rates[pass_, head_dim, causal, impl, n]:.0f}" for n in README_SEQLENS]
+                    lines.append(f"| {label if i == 0 else ''} | {impl} | " + " | ".join(cells) + " |")
+                for peer in README_PEERS:
+                    cells = [f"{rates[pass_, head_dim, causal, SUBJECT, n] / rates[pass_, head_dim, causal, peer, n]:.2f}x"
+                             for n in README_SEQLENS]
+                    lines.append(f"| | {SUBJECT} / {peer} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def write_reports(json_path: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
     """Write ``<stem>.md`` and ``<stem>.png`` next to a results file; returns their paths."""
     json_path = pathlib.Path(json_path)
@@ -310,7 +339,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.report",
                                      description="Regenerate the markdown tables and plots of results files.")
     parser.add_argument("results", nargs="+", help="results JSON files written by python -m bench")
-    for path in parser.parse_args(argv).results:
+    parser.add_argument("--readme", action="store_true",
+                        help="print the README's performance table from a grid results file instead")
+    args = parser.parse_args(argv)
+    for path in args.results:
+        if args.readme:
+            print(readme_table(read_json(path)[1]))
+            continue
         for written in write_reports(path):
             print(written)
 

@@ -413,3 +413,10 @@ def test_varlen_suite_cells_and_packing_report():
     text = report.markdown({"gpu": "test"}, records, "varlen")
     assert "| cuflash | 100.0 |" in text and "| cuflash / torch-flash |" in text
     assert "| cuflash / cuflash-padded (padded work) | 1.00x |" in text
+
+
+def test_the_readme_table_is_the_committed_grid():
+    # the README's performance table is regenerated from the committed results (python -m bench.report --readme),
+    # never edited by hand: a table that drifted from grid.json fails here
+    _, records = read_json(REPO_ROOT / "bench" / "results" / "nvidia-h200" / "grid.json")
+    assert report.readme_table(records) in (REPO_ROOT / "README.md").read_text()
