@@ -387,9 +387,8 @@ def _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     check_flag("check_indices", check_indices)
     packed = _varlen.check_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                    read=xp is np or check_indices)
-    problem = _varlen.problem(q, k, packed, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks)
-    if dropout_p:
-        raise ValueError("dropout_p must be 0 in attention_varlen for now (the packed kernels take no dropout yet)")
+    problem = _varlen.problem(q, k, packed, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
+                              dropout_p)
     return xp, packed, problem
 
 
@@ -412,26 +411,30 @@ def _varlen_key(kind, arrays, max_seqlen_q, max_seqlen_k, check_indices, *option
 def _plan_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                          window_size, softcap, alibi_slopes, sinks, dropout_p, check_indices):
     """Validate a packed forward and return the function that runs it:
-    ``(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, with_lse) -> (out, lse)``."""
+    ``(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seed, offset, with_lse) -> (out, lse)``."""
     xp, packed, problem = _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                         softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p,
                                         check_indices)
     if xp is np:  # one attention per sequence, on this call's prefix sums (NumPy plans are never cached)
-        options = _varlen_options(causal, softmax_scale, window_size, softcap)
+        options = _varlen_options(causal, softmax_scale, window_size, softcap, dropout_p)
 
-        def per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, with_lse):
-            return _varlen.per_sequence_forward(np, attention, packed.packing, q, k, v, alibi_slopes,
-                                                {**options, "sinks": sinks})
+        def per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seed, offset, with_lse):
+            def attend(b, q_b, k_b, v_b, slopes_b):
+                p = check_forward(q_b, k_b, v_b, alibi_slopes=slopes_b, sinks=sinks, **options)
+                if p.is_empty or p.seqlen_k == 0:
+                    return _no_keys(np, q_b, (1, p.heads, p.seqlen_q), sinks)
+                return _numpy_path.forward(q_b, k_b, v_b, p, slopes_b, sinks, seed, offset, batch_index=b)
+            return _varlen.per_sequence_forward(np, attend, packed.packing, q, k, v, alibi_slopes)
         return per_sequence
     if q.shape[0] == 0 or problem.heads == 0 or problem.seqlen_k == 0:
-        return lambda q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, with_lse: _no_keys(
+        return lambda q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seed, offset, with_lse: _no_keys(
             xp, q, (q.shape[1], q.shape[0]), sinks)
     from . import _cupy_path
 
     run = _cupy_path.ForwardPlan(problem, q.data.device_id, q, k, v, packed=True).run
 
-    def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, with_lse):
-        return run(q, k, v, alibi_slopes, sinks, with_lse=with_lse, cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
+    def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seed, offset, with_lse):
+        return run(q, k, v, alibi_slopes, sinks, seed, offset, with_lse, (cu_seqlens_q, cu_seqlens_k))
     return packed_forward
 
 
@@ -439,7 +442,8 @@ def _plan_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
                           softmax_scale, deterministic, window_size, softcap, alibi_slopes, sinks, dropout_p,
                           check_indices):
     """Validate a packed backward and return the function that runs it:
-    ``(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks) -> (dq, dk, dv[, dsinks])``."""
+    ``(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seed, offset) -> (dq, dk, dv[,
+    dsinks])``."""
     xp, packed, problem = _varlen_setup(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                         softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p,
                                         check_indices, dout=dout, out=out, lse=lse)
@@ -453,34 +457,42 @@ def _plan_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
                          f"{tuple(lse.shape)}")
     check_same_device(q=q, dout=dout, out=out, lse=lse)
     if xp is np:  # as in the forward
-        options = {**_varlen_options(causal, softmax_scale, window_size, softcap), "deterministic": deterministic}
+        options = _varlen_options(causal, softmax_scale, window_size, softcap, dropout_p)
 
-        def per_sequence(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks):
-            return _varlen.per_sequence_backward(np, attention_backward, packed.packing, dout, q, k, v, out, lse,
-                                                 alibi_slopes, sinks, options)
+        def per_sequence(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seed, offset):
+            def attend_backward(b, dout_b, q_b, k_b, v_b, out_b, lse_b, slopes_b):
+                p = check_backward(dout_b, q_b, k_b, v_b, out_b, lse_b, alibi_slopes=slopes_b, sinks=sinks, **options)
+                if p.is_empty or p.seqlen_k == 0:
+                    return _zero_gradients(np, q_b, k_b, v_b, sinks)
+                return _numpy_path.backward(dout_b, q_b, k_b, v_b, out_b, lse_b, p, slopes_b, sinks, seed, offset,
+                                            batch_index=b)
+            return _varlen.per_sequence_backward(np, attend_backward, packed.packing, dout, q, k, v, out, lse,
+                                                 alibi_slopes, sinks)
         return per_sequence
     if q.shape[0] == 0 or problem.heads == 0 or problem.seqlen_k == 0:
-        return lambda dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks: _zero_gradients(
-            xp, q, k, v, sinks)
+        return lambda dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seed, offset: (
+            _zero_gradients(xp, q, k, v, sinks))
     from . import _cupy_path
 
     run = _cupy_path.BackwardPlan(problem, q.data.device_id, bool(deterministic), dout, q, k, v, out, lse,
                                   packed=True).run
 
-    def packed_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks):
-        return run(dout, q, k, v, out, lse, alibi_slopes, sinks, cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
+    def packed_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seed, offset):
+        return run(dout, q, k, v, out, lse, alibi_slopes, sinks, seed, offset, (cu_seqlens_q, cu_seqlens_k))
     return packed_backward
 
 
-def _varlen_options(causal, softmax_scale, window_size, softcap) -> dict:
-    """The options of the NumPy path's per-sequence calls."""
-    return dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+def _varlen_options(causal, softmax_scale, window_size, softcap, dropout_p) -> dict:
+    """The options of the NumPy path's per-sequence problems."""
+    return dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                dropout_p=dropout_p)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
                      causal: bool = False, softmax_scale: float | None = None,
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
-                     dropout_p: float = 0.0, return_lse: bool = False, check_indices: bool = False):
+                     dropout_p: float = 0.0, seed: int | None = None, offset: int = 0, return_lse: bool = False,
+                     check_indices: bool = False):
     """Attention over a batch of sequences of different lengths packed along one axis: FlashAttention's
     ``flash_attn_varlen_func``.
 
@@ -501,8 +513,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     causal, softmax_scale, window_size, softcap, alibi_slopes, sinks
         As in :func:`attention`, per sequence (the diagonal at each sequence's bottom-right corner; ALiBi
         slopes ``(heads,)`` or ``(batch, heads)``).
-    dropout_p : float
-        Must be 0 for now.
+    dropout_p, seed, offset
+        As in :func:`attention`. Sequence ``b`` draws the mask of batch entry ``b`` of a dense call, its rows and
+        keys counted from the sequence's start: ``cuflash.dropout_mask(batch, heads, max_seqlen_q,
+        max_seqlen_k, ...)[b, :, :seqlen_q_b, :seqlen_k_b]``.
     return_lse : bool
         Also return the logsumexp, float32 ``(heads, total_q)``.
     check_indices : bool
@@ -516,6 +530,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     On CuPy one launch walks every sequence (its blocks past a sequence's end do no work); on NumPy, one
     :func:`attention` call per sequence.
     """
+    if dropout_p:  # seed and offset change per call (they are not in the plan key): checked on every call
+        _, seed, offset = check_dropout(dropout_p, seed, offset)
     key = _varlen_key(_VARLEN_FORWARD, (q, k, v, cu_seqlens_q, cu_seqlens_k), max_seqlen_q, max_seqlen_k,
                       check_indices, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p)
     plan = None if key is None else _plans.get(key)
@@ -525,7 +541,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                                                    dropout_p, check_indices))
     if return_lse.__class__ is not bool:
         check_flag("return_lse", return_lse)
-    out, lse = plan(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, return_lse)
+    out, lse = plan(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seed, offset, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -533,13 +549,16 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               max_seqlen_k=None, *, causal: bool = False, softmax_scale: float | None = None,
                               deterministic: bool = False, window_size: tuple[int, int] = (-1, -1),
                               softcap: float = 0.0, alibi_slopes=None, sinks=None, dropout_p: float = 0.0,
-                              check_indices: bool = False):
+                              seed: int | None = None, offset: int = 0, check_indices: bool = False):
     """Gradients of :func:`attention_varlen`: ``(dq, dk, dv)``, packed as q, k and v (and ``dsinks``, float32
     ``(heads,)`` summed over every sequence and row, with ``sinks``). ``dout`` and ``out`` are ``(total_q,
     heads, head_dim)``, ``lse`` float32 ``(heads, total_q)`` as the forward returned it; the other arguments as
-    given to the forward (the max lengths and ``check_indices`` as there). ``deterministic`` as in
+    given to the forward (the max lengths and ``check_indices`` as there; the same ``seed`` and ``offset``
+    reproduce its dropout mask). ``deterministic`` as in
     :func:`attention_backward`. On CuPy the packed kernels; on NumPy one :func:`attention_backward` call per
     sequence."""
+    if dropout_p:
+        _, seed, offset = check_dropout(dropout_p, seed, offset)
     key = _varlen_key(_VARLEN_BACKWARD, (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), max_seqlen_q,
                       max_seqlen_k, check_indices, causal, softmax_scale, deterministic, window_size, softcap,
                       alibi_slopes, sinks, dropout_p)
@@ -548,4 +567,4 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         plan = _remember(key, _plan_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                     max_seqlen_k, causal, softmax_scale, deterministic, window_size,
                                                     softcap, alibi_slopes, sinks, dropout_p, check_indices))
-    return plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
+    return plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seed, offset)

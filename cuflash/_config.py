@@ -852,11 +852,11 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
             for mask, mods in ((MASK_NONE, 0), (MASK_WINDOW, ALL_MODS & ~MOD_DROPOUT)):
                 spec = kvcache_forward_spec(d, BFLOAT16, mask, device, mods, page_size)
                 specs[spec.cache_key] = spec
-    # the packed-batch kernels (no dropout: attention_varlen refuses it), plain and under a window with every
-    # modifier: bfloat16 at every head dim, float32 at the smallest and largest
+    # the packed-batch kernels, plain and under a window with every modifier, with and without dropout (which
+    # the Hopper kernels leave to the mma.sync ones): bfloat16 at every head dim, float32 at the smallest and largest
     for dtype, dims in ((BFLOAT16, HEAD_DIMS), (np.dtype(np.float32), (HEAD_DIMS[0], MAX_HEAD_DIM))):
         for d in dims:
-            for mask, mods in ((MASK_NONE, 0), (MASK_WINDOW, ALL_MODS & ~MOD_DROPOUT)):
+            for mask, mods in ((MASK_NONE, 0), (MASK_WINDOW, ALL_MODS & ~MOD_DROPOUT), (MASK_WINDOW, ALL_MODS)):
                 add(dtype, d, mask, mods, varlen=True)
     for dtype in SUPPORTED_DTYPES:
         spec = KernelSpec("merge_parts", dtype, threads=MERGE_WARPS * 32)

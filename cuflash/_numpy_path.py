@@ -86,12 +86,13 @@ class _Scores:
         return x * np.float32(LOG2E), factor
 
 
-def _dropout_keep(p: Problem, seed: int, offset: int, n0: int, n1: int, r0: int, r1: int):
+def _dropout_keep(p: Problem, seed: int, offset: int, n0: int, n1: int, r0: int, r1: int, batch_index: int):
     """The kept elements of rows r0.., keys n0.., (batch, heads_kv, group, rows, keys), or None without
-    dropout."""
+    dropout; the batch's entries draw the streams of batch entries ``batch_index`` onwards."""
     if not p.dropout_p:
         return None
-    bh = np.arange(p.batch * p.heads).reshape(p.batch, p.heads_kv, p.group, 1, 1)
+    bh = np.arange(batch_index * p.heads, (batch_index + p.batch) * p.heads)
+    bh = bh.reshape(p.batch, p.heads_kv, p.group, 1, 1)
     return _philox.keep(seed, offset, bh, np.arange(r0, r1)[:, None], np.arange(n0, n1)[None, :], p.dropout_p)
 
 
@@ -104,8 +105,10 @@ def _grouped_sinks(sinks, p: Problem):
     return np.asarray(sinks, np.float32).reshape(1, p.heads_kv, p.group) * np.float32(LOG2E)
 
 
-def forward(q, k, v, p: Problem, alibi_slopes=None, sinks=None, seed: int = 0, offset: int = 0):
-    """out (dtype of q), lse float32 (batch, heads, seqlen_q)."""
+def forward(q, k, v, p: Problem, alibi_slopes=None, sinks=None, seed: int = 0, offset: int = 0,
+            batch_index: int = 0):
+    """out (dtype of q), lse float32 (batch, heads, seqlen_q). ``batch_index``: the dropout stream of batch entry
+    0 is that of entry ``batch_index`` (a packed sequence's, computed on its own)."""
     qg = _grouped(q, p.heads_kv)  # (b, hk, g, sq, d)
     kg = k.astype(np.float32).transpose(0, 2, 1, 3)[:, :, None]  # (b, hk, 1, sk, d)
     vg = v.astype(np.float32).transpose(0, 2, 1, 3)[:, :, None]
@@ -123,7 +126,7 @@ def forward(q, k, v, p: Problem, alibi_slopes=None, sinks=None, seed: int = 0, o
             alpha = np.exp2(m_i[..., r0:r1] - base)
             probs = np.exp2(s - base[..., None])
             l_i[..., r0:r1] = l_i[..., r0:r1] * alpha + probs.sum(axis=-1)
-            probs = _kept(probs, _dropout_keep(p, seed, offset, n0, n1, r0, r1), p)
+            probs = _kept(probs, _dropout_keep(p, seed, offset, n0, n1, r0, r1, batch_index), p)
             acc[..., r0:r1, :] = acc[..., r0:r1, :] * alpha[..., None] + probs @ vg[..., n0:n1, :]
             m_i[..., r0:r1] = m_new
         if sinks is not None:  # the sink joins each row's denominator: rescale to max(m_i, sink)
@@ -140,9 +143,10 @@ def forward(q, k, v, p: Problem, alibi_slopes=None, sinks=None, seed: int = 0, o
     return _ungrouped(out).astype(q.dtype), lse.reshape(b, hk * g, sq).astype(np.float32)
 
 
-def backward(dout, q, k, v, out, lse, p: Problem, alibi_slopes=None, sinks=None, seed: int = 0, offset: int = 0):
+def backward(dout, q, k, v, out, lse, p: Problem, alibi_slopes=None, sinks=None, seed: int = 0, offset: int = 0,
+             batch_index: int = 0):
     """dq, dk, dv (dtype of q), and dsinks (float32, (heads,)) with sinks: the FlashAttention-2 backward,
-    one key block at a time."""
+    one key block at a time. ``batch_index`` as in :func:`forward`."""
     qg, dog = _grouped(q, p.heads_kv), _grouped(dout, p.heads_kv)
     kg = k.astype(np.float32).transpose(0, 2, 1, 3)[:, :, None]
     vg = v.astype(np.float32).transpose(0, 2, 1, 3)[:, :, None]
@@ -161,7 +165,7 @@ def backward(dout, q, k, v, out, lse, p: Problem, alibi_slopes=None, sinks=None,
             probs = np.exp2(s - lse2[..., r0:r1, None])
             if visible is not None:
                 probs = np.where(visible, probs, np.float32(0))
-            keep = _dropout_keep(p, seed, offset, n0, n1, r0, r1)
+            keep = _dropout_keep(p, seed, offset, n0, n1, r0, r1, batch_index)
             dp = _kept(do_rows @ v_blk.swapaxes(-1, -2), keep, p)
             ds = probs * (dp - delta[..., r0:r1, None])
             if softcap_factor is not None:

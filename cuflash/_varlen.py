@@ -1,5 +1,7 @@
 """Variable-length batches (attention_varlen): validation of the packed layout, the problem the packed kernels
 run (a batch of the longest sequences' lengths), and the per-sequence loop of the NumPy path and the reference.
+Dropout draws sequence b's mask from batch entry b's stream, its rows and keys counted from the sequence's start:
+the mask of a dense batch of the longest lengths (``cuflash.dropout_mask``), cut to each sequence.
 
 Sequence ``b`` is rows ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` of ``q`` (total_q, heads, head_dim) and rows
 ``cu_seqlens_k[b] : cu_seqlens_k[b + 1]`` of ``k`` and ``v`` (total_k, heads_kv, head_dim); ``lse`` is
@@ -14,8 +16,8 @@ import numbers
 import numpy as np
 
 from ._kvcache import sequence_slopes, to_host
-from ._validate import (_INT32_MAX, Problem, _check_dtype, _is_number, check_flag, check_head_vectors, check_heads,
-                        check_same_device, check_softcap, check_window, resolve_scale)
+from ._validate import (_INT32_MAX, Problem, _check_dtype, _is_number, check_dropout, check_flag, check_head_vectors,
+                        check_heads, check_same_device, check_softcap, check_window, resolve_scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,45 +97,50 @@ def check_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                        max_seqlen_k if max_seqlen_k is not None else longest[1], Packing(*cus))
 
 
-def problem(q, k, packed: PackedBatch, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks) -> Problem:
+def problem(q, k, packed: PackedBatch, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks,
+            dropout_p) -> Problem:
     """The packed kernels' problem: a batch of ``packed.batch`` sequences of the longest lengths, each
     sequence's diagonal at its own bottom-right corner (the kernels place it; ``diagonal`` here is the
     longest's). Checks the options once for the whole batch (an empty one included)."""
     check_flag("causal", causal)
     left, right = check_window(window_size, causal)
     alibi_shape = check_head_vectors(q, alibi_slopes, sinks, packed.batch, q.shape[1])
+    dropout_p, _, _ = check_dropout(dropout_p, 0, 0)
     return Problem(packed.batch, packed.max_q, packed.max_k, q.shape[1], k.shape[1], q.shape[2], np.dtype(q.dtype),
                    bool(causal), resolve_scale(softmax_scale, q.shape[2]), left, right, packed.max_k - packed.max_q,
-                   check_softcap(softcap), alibi_shape, sinks is not None)
+                   check_softcap(softcap), alibi_shape, sinks is not None, dropout_p)
 
 
-def per_sequence_forward(xp, attention, packing: Packing, q, k, v, alibi_slopes, options: dict):
-    """out (total_q, heads, head_dim) and lse (heads, total_q) from one dense ``attention`` per sequence."""
+def per_sequence_forward(xp, attend, packing: Packing, q, k, v, alibi_slopes):
+    """out (total_q, heads, head_dim) and lse (heads, total_q) from one dense forward per sequence:
+    ``attend(b, q_b, k_b, v_b, slopes_b) -> (out_b, lse_b)`` on sequence b as a batch of one (its ALiBi slopes
+    ``(heads,)``); b also names the dropout stream (the packed kernels' batch entry b)."""
     out = xp.zeros(q.shape, q.dtype)
     lse = xp.empty((q.shape[1], q.shape[0]), np.float32)
     for b in range(packing.batch):
         rows_q, rows_k = packing.rows(b)
         if rows_q.start == rows_q.stop:
             continue
-        out_b, lse_b = attention(q[rows_q][None], k[rows_k][None], v[rows_k][None], return_lse=True,
-                                 alibi_slopes=sequence_slopes(alibi_slopes, b), **options)
+        out_b, lse_b = attend(b, q[rows_q][None], k[rows_k][None], v[rows_k][None],
+                              sequence_slopes(alibi_slopes, b))
         out[rows_q] = out_b[0]
         lse[:, rows_q] = lse_b[0]
     return out, lse
 
 
-def per_sequence_backward(xp, attention_backward, packing: Packing, dout, q, k, v, out, lse, alibi_slopes, sinks,
-                          options: dict):
-    """(dq, dk, dv[, dsinks summed over the sequences]) from one dense ``attention_backward`` per sequence."""
+def per_sequence_backward(xp, attend_backward, packing: Packing, dout, q, k, v, out, lse, alibi_slopes, sinks):
+    """(dq, dk, dv[, dsinks summed over the sequences]) from one dense backward per sequence:
+    ``attend_backward(b, dout_b, q_b, k_b, v_b, out_b, lse_b, slopes_b) -> (dq_b, dk_b, dv_b[, dsinks_b])``, as
+    in :func:`per_sequence_forward`."""
     grads = [xp.zeros(q.shape, q.dtype), xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype)]
     dsinks = None if sinks is None else xp.zeros(sinks.shape, np.float32)
     for b in range(packing.batch):
         rows_q, rows_k = packing.rows(b)
         if rows_q.start == rows_q.stop and rows_k.start == rows_k.stop:
             continue
-        parts = attention_backward(dout[rows_q][None], q[rows_q][None], k[rows_k][None], v[rows_k][None],
-                                   out[rows_q][None], xp.ascontiguousarray(lse[:, rows_q][None]),
-                                   alibi_slopes=sequence_slopes(alibi_slopes, b), sinks=sinks, **options)
+        parts = attend_backward(b, dout[rows_q][None], q[rows_q][None], k[rows_k][None], v[rows_k][None],
+                                out[rows_q][None], xp.ascontiguousarray(lse[:, rows_q][None]),
+                                sequence_slopes(alibi_slopes, b))
         for grad, part, rows in zip(grads, parts[:3], (rows_q, rows_k, rows_k)):
             grad[rows] = part[0]
         if sinks is not None:

@@ -256,46 +256,61 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     return _kvcache.per_sequence(attend, q, k_cache, v_cache, keys, block_table, alibi)
 
 
+def _sequence_dropout(dropout_p, dropout_mask, b, q_b, k_b) -> dict:
+    """The dropout options of packed sequence b: its corner of batch entry b of the padded mask."""
+    if not dropout_p:
+        return {}
+    if dropout_mask is None:
+        raise ValueError("dropout_p > 0 needs the dropout_mask (cuflash.dropout_mask of the padded batch) to apply")
+    return dict(dropout_p=dropout_p,
+                dropout_mask=_host(dropout_mask)[b:b + 1, :, :q_b.shape[1], :k_b.shape[1]])
+
+
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, softmax_scale=None, *,
-                     window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None, in_dtype=None):
+                     window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None, dropout_p: float = 0.0,
+                     dropout_mask=None, in_dtype=None):
     """:func:`cuflash.attention_varlen` in float64 (:func:`attention_in_dtype` where ``in_dtype`` is given): each
-    packed sequence on its own. Returns (out (total_q, heads, head_dim), lse (heads, total_q))."""
+    packed sequence on its own. ``dropout_mask`` is bool (batch, heads, max_seqlen_q, max_seqlen_k), sequence
+    b's mask in the top-left corner of entry b (:func:`cuflash.dropout_mask` of the padded batch gives
+    cuflash's). Returns (out (total_q, heads, head_dim), lse (heads, total_q))."""
     packing = _varlen.Packing(_host(cu_seqlens_q).astype(np.int64), _host(cu_seqlens_k).astype(np.int64))
     options = dict(window_size=window_size, softcap=softcap, sinks=None if sinks is None else _host(sinks))
 
-    def attend(q_b, k_b, v_b, return_lse, alibi_slopes):
+    def attend(b, q_b, k_b, v_b, alibi_slopes):
+        dropout = _sequence_dropout(dropout_p, dropout_mask, b, q_b, k_b)
         if in_dtype is None:
-            return attention(q_b, k_b, v_b, causal, softmax_scale, alibi_slopes=alibi_slopes, **options)
-        return attention_in_dtype(q_b, k_b, v_b, causal, softmax_scale, in_dtype, alibi_slopes=alibi_slopes, **options)
+            return attention(q_b, k_b, v_b, causal, softmax_scale, alibi_slopes=alibi_slopes, **options, **dropout)
+        return attention_in_dtype(q_b, k_b, v_b, causal, softmax_scale, in_dtype, alibi_slopes=alibi_slopes, **options,
+                                  **dropout)
 
     host = [np.asarray(_host(x), np.float64) for x in (q, k, v)]
     alibi = None if alibi_slopes is None else _host(alibi_slopes)
-    out, lse = _varlen.per_sequence_forward(np, attend, packing, *host, alibi, {})
-    return out, lse
+    return _varlen.per_sequence_forward(np, attend, packing, *host, alibi)
 
 
 def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, softmax_scale=None, *,
-                              window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None, out=None,
-                              in_dtype=None):
-    """:func:`cuflash.attention_varlen_backward` in float64, each packed sequence on its own; ``out`` as
-    :func:`attention_backward` takes it; with ``in_dtype``, :func:`attention_backward_in_dtype` (which needs
-    ``out``). Returns (dq, dk, dv[, dsinks])."""
+                              window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
+                              dropout_p: float = 0.0, dropout_mask=None, out=None, in_dtype=None):
+    """:func:`cuflash.attention_varlen_backward` in float64, each packed sequence on its own; ``dropout_mask`` as
+    :func:`attention_varlen` takes it, ``out`` as :func:`attention_backward` does; with ``in_dtype``,
+    :func:`attention_backward_in_dtype` (which needs ``out``). Returns (dq, dk, dv[, dsinks])."""
     packing = _varlen.Packing(_host(cu_seqlens_q).astype(np.int64), _host(cu_seqlens_k).astype(np.int64))
-    options = dict(window_size=window_size, softcap=softcap)
+    options = dict(window_size=window_size, softcap=softcap, sinks=None if sinks is None else _host(sinks))
 
-    def backward(dout_b, q_b, k_b, v_b, out_b, lse_b, alibi_slopes, sinks):
+    def backward(b, dout_b, q_b, k_b, v_b, out_b, lse_b, alibi_slopes):
+        dropout = _sequence_dropout(dropout_p, dropout_mask, b, q_b, k_b)
         if in_dtype is None:
             return attention_backward(dout_b, q_b, k_b, v_b, causal, softmax_scale, alibi_slopes=alibi_slopes,
-                                      sinks=sinks, out=None if out is None else out_b, **options)
+                                      out=None if out is None else out_b, **options, **dropout)
         return attention_backward_in_dtype(dout_b, q_b, k_b, v_b, out_b, causal, softmax_scale, in_dtype,
-                                           alibi_slopes=alibi_slopes, sinks=sinks, **options)
+                                           alibi_slopes=alibi_slopes, **options, **dropout)
 
     host = [np.asarray(_host(x), np.float64) for x in (dout, q, k, v)]
     host_out = np.zeros_like(host[1]) if out is None else np.asarray(_host(out), np.float64)
     lse = np.zeros((host[1].shape[1], host[1].shape[0]), np.float32)  # unread: the reference recomputes it
     alibi = None if alibi_slopes is None else _host(alibi_slopes)
     return _varlen.per_sequence_backward(np, backward, packing, host[0], *host[1:], host_out, lse, alibi,
-                                         None if sinks is None else _host(sinks), {})
+                                         options["sinks"])
 
 
 def merge_states(outs, lses):

@@ -50,18 +50,20 @@ def test_every_specialization_compiles(reports):
     fused = sum(d <= _config.MMA_BACKWARD_FUSED_HEAD_DIM for d in _config.HEAD_DIMS)
     kvcache = sum(r.spec.kvcache for r in reports)
     assert kvcache == 2 * (fused + head_dims)
-    # packed batches: plain and windowed with every modifier but dropout, bfloat16 at every head dim, float32 at two
+    # packed batches: plain and windowed with every modifier, with and without dropout, bfloat16 at every head dim,
+    # float32 at two
     packed = collections.Counter(r.spec.kernel for r in reports if r.spec.varlen)
-    assert packed["fwd_mma"] == 2 * head_dims and packed["fwd_simt"] == 2 * 2
+    assert packed["fwd_mma"] == 3 * head_dims and packed["fwd_simt"] == 3 * 2
     assert packed["bwd_dq_convert"] == head_dims and "bwd_preprocess" not in packed
     assert kernels["fwd_mma"] == 2 * masks * head_dims + 2 * 2 * head_dims + kvcache + packed["fwd_mma"]
     assert kernels["merge_parts"] == len(_config.SUPPORTED_DTYPES)
     # the Hopper forward (sm_90a) on sm_90 only: 4 head dims (64-column blocks) per plain (dtype, mask), the
     # modifiers without dropout (bfloat16, 2 masks), packed (bfloat16, 2 per head dim); its fallback is counted above
     assert kernels["fwd_wgmma"] == (2 * masks * 4 + 2 * 4 + 2 * 4 if device.tensor_maps else 0)
-    # the Hopper dK/dV kernel at head dims 64 and 128: each half dtype and mask, the modifiers without dropout
-    # (bfloat16, 2 masks), packed bfloat16 plain and windowed with the modifiers
-    assert kernels["bwd_dkdv_wgmma"] == (2 * (2 * masks + 2 + 2) if device.tensor_maps else 0)
+    # the Hopper dK/dV kernel at head dims 64, 128 and 256: each half dtype and mask, the modifiers without
+    # dropout (bfloat16, 2 masks), packed bfloat16 plain and windowed with the modifiers
+    assert kernels["bwd_dkdv_wgmma"] == (len(_config.WGMMA_DKDV_HEAD_DIMS) * (2 * masks + 2 + 2)
+                                         if device.tensor_maps else 0)
     assert kernels["fwd_simt"] == masks * head_dims + 2 * 2 * head_dims + packed["fwd_simt"]
     no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT
     assert {r.spec.mods for r in reports} == {0, _config.ALL_MODS, _config.ALL_MODS & ~_config.MOD_SINKS, no_dropout,

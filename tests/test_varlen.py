@@ -1,5 +1,6 @@
 """attention_varlen and its backward: packed sequences of mixed lengths (empty ones among them) against the
-float64 reference of each sequence on its own, every mask and modifier but dropout; bad packings refused."""
+float64 reference of each sequence on its own, every mask and modifier (dropout against the padded batch's mask,
+cut to each sequence); bad packings refused."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ FEATURES = {
     "window": dict(window_size=(9, 3)),
     "softcap-sinks": dict(softcap=4.0, sinks=True),
     "alibi": dict(alibi_slopes=True, causal=True),
+    "dropout": dict(dropout_p=0.3, causal=True),
+    "everything": dict(dropout_p=0.15, window_size=(9, 3), softcap=4.0, sinks=True, alibi_slopes=True),
 }
 
 
@@ -33,23 +36,34 @@ def packed(xp, rng, lengths_q, lengths_k, heads, heads_kv, head_dim, dtype):
             draw(total_q, heads, head_dim), cu_q, cu_k)
 
 
+def dropout_options(rng, options, batch, heads, max_q, max_k):
+    """(cuflash's options, the reference's): with dropout, a fresh seed and offset for cuflash and the mask they
+    give a dense batch of the longest lengths for the reference."""
+    if not options.get("dropout_p"):
+        return options, options
+    seed, offset = int(rng.integers(2**63)), int(rng.integers(2**32))
+    mask = cuflash.dropout_mask(batch, heads, max_q, max_k, options["dropout_p"], seed, offset)
+    return {**options, "seed": seed, "offset": offset}, {**options, "dropout_mask": mask}
+
+
 def check_varlen(xp, rng, lengths_q, lengths_k, heads, heads_kv, head_dim, dtype, options):
     q, k, v, dout, cu_q, cu_k = packed(xp, rng, lengths_q, lengths_k, heads, heads_kv, head_dim, dtype)
-    options = feature_arrays(xp, rng, options, len(lengths_q), heads)
+    options, ref_options = dropout_options(rng, feature_arrays(xp, rng, options, len(lengths_q), heads),
+                                           len(lengths_q), heads, max(lengths_q), max(lengths_k))
     poison_pool(xp)
     out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **options)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (heads, q.shape[0])
-    ref_out, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, **options)
-    low_out, low_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, **options, in_dtype=dtype)
+    ref_out, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, **ref_options)
+    low_out, low_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, **ref_options, in_dtype=dtype)
     score = max_abs_finite(ref_lse)
     assert_fa_close(out, ref_out, low_out, dtype, 2, "out", max_score=score)
     assert_fa_close(lse, ref_lse, low_lse, np.float32, 2, "lse", max_score=score)
     grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **options)
-    refs = reference.attention_varlen_backward(dout, q, k, v, cu_q, cu_k, **options)
-    lows = reference.attention_varlen_backward(dout, q, k, v, cu_q, cu_k, **options, out=out, in_dtype=dtype)
+    refs = reference.attention_varlen_backward(dout, q, k, v, cu_q, cu_k, **ref_options)
+    lows = reference.attention_varlen_backward(dout, q, k, v, cu_q, cu_k, **ref_options, out=out, in_dtype=dtype)
     # What the rounded out costs by itself (test_features says why); dsinks sums rows of rowsum(dout * out),
     # out stored in dtype, so its rounding term is dtype's too
-    given_out = reference.attention_varlen_backward(dout, q, k, v, cu_q, cu_k, **options, out=out)
+    given_out = reference.attention_varlen_backward(dout, q, k, v, cu_q, cu_k, **ref_options, out=out)
     names = ("dq", "dk", "dv", "dsinks")
     for name, grad, ref, low, given in zip(names, grads, refs, lows, given_out):
         inherent = float(np.abs(np.asarray(given, np.float64) - ref).max()) if ref.size else 0.0
@@ -91,7 +105,8 @@ def test_bad_packings_are_refused(xp, rng):
         (dict(q=q[None]), ValueError, "q must have 3 dimensions"),
         (dict(q=q[..., :0], k=k[..., :0], v=v[..., :0]), ValueError, r"head_dim must be in 1\.\.256"),
         (dict(q=q[:, :1].repeat(3, axis=1)), ValueError, r"heads of q \(3\) must be a multiple of heads_kv of k and v"),
-        (dict(k=k[:, :1], v=v[:, :1], q=q[:, :1], dropout_p=0.1), ValueError, "dropout_p must be 0"),
+        (dict(dropout_p=0.1), ValueError, "seed must be given with dropout_p > 0"),
+        (dict(dropout_p=1.0, seed=1), ValueError, r"dropout_p must be in \[0, 1\)"),
         (dict(alibi_slopes=xp.zeros((3, 2), np.float32)), ValueError, "alibi_slopes must have shape"),
         (dict(causal=1), TypeError, "causal must be a bool"),
     ]
