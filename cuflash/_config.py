@@ -526,21 +526,25 @@ def wgmma_spec(dtype, head_dim: int, mask: int, block_m: int, block_n: int, mods
                       mods=mods)
 
 
-#: bwd_dkdv_wgmma's tile (kernels/bwd_wgmma.cu): 128 keys on two consumers, 64 query rows per step; its head dims
-WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_BLOCK_N, WGMMA_DKDV_HEAD_DIMS = 64, 128, (64, 128)
+#: bwd_dkdv_wgmma's tile (kernels/bwd_wgmma.cu): 64 query rows per step; per head dim, the keys of a block, which
+#: its two consumers split (64 keys each) up to head_dim 128; at 256 they split the columns of 64 keys (dK and dV
+#: of 64 keys by 256 columns would take 256 registers a thread)
+WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_BLOCK_N = 64, {64: 128, 128: 128, 256: 64}
+WGMMA_DKDV_HEAD_DIMS = tuple(WGMMA_DKDV_BLOCK_N)
 
 
 def wgmma_dkdv_smem_bytes(head_dim: int, itemsize: int = 2) -> int:
     """bwd_dkdv_wgmma's shared memory (``BwdWgmmaSmem``): K and V, two stages of Q and dO, two of dS^T, two of
     lse and delta (float32), and 5 mbarriers."""
-    m, n, d = WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_BLOCK_N, head_dim
+    m, n, d = WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_BLOCK_N[head_dim], head_dim
     return (2 * n * d + 2 * 2 * m * d + 2 * n * m) * itemsize + 2 * 2 * m * 4 + 8 * 5
 
 
 def wgmma_dkdv_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: int = 0) -> KernelSpec | None:
     """The Hopper dK/dV kernel with atomic dQ (bwd_dkdv_wgmma), or None where it does not serve: as the Hopper
-    forward (wgmma_forward_spec), and only at the padded head dims 64 and 128 (33..64 and 97..128, multiples of
-    8), without dropout. The deterministic backward's split grid takes it at 128 (split_grid_kernel)."""
+    forward (wgmma_forward_spec), and only at the padded head dims 64, 128 and 256 (33..64, 97..128 and 225..256,
+    multiples of 8), without dropout. The deterministic backward's split grid takes it at 128 and 256
+    (split_grid_kernel)."""
     dtype = np.dtype(dtype)
     d = padded_head_dim(head_dim)
     if (device.compute_capability != 90 or not device.tensor_maps or dtype == np.float32 or mods & MOD_DROPOUT
@@ -549,7 +553,7 @@ def wgmma_dkdv_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: 
     smem = wgmma_dkdv_smem_bytes(d, dtype.itemsize)
     if smem > device.max_smem_per_block:
         return None
-    return KernelSpec("bwd_dkdv_wgmma", dtype, d, int(mask), WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_BLOCK_N,
+    return KernelSpec("bwd_dkdv_wgmma", dtype, d, int(mask), WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_BLOCK_N[d],
                       wgmma_threads(2 * WGMMA_ROWS_PER_CONSUMER), smem, mods=mods, atomic_dq=True)
 
 
@@ -675,7 +679,7 @@ def block_band(tiles_per_head: int, pairs: int, sm_count: int) -> int:
 
 
 #: the split-grid kernels' resident blocks per SM: bwd_dkdv_mma's 256 threads at up to 255 registers with
-#: 175-182 KB of shared memory, bwd_dkdv_wgmma's 384 threads with 99-165 KB
+#: 175-182 KB of shared memory, bwd_dkdv_wgmma's 384 threads with 99-214 KB
 TILED_DKDV_BLOCKS_PER_SM = 1
 #: The deterministic backward's split grid gives each split its own float32 dQ buffer, each the size of the
 #: default's; at most this many, so its extra memory stays within this multiple of the default's.
@@ -687,7 +691,7 @@ MIN_SPLIT_GRID_FILL = 0.9
 
 #: the head dims at which bwd_dkdv_wgmma serves the deterministic split grid: where its consumers split dQ by
 #: columns, so that one thread adds each dQ element (at 64 they split it by keys: both add into each element)
-WGMMA_DKDV_DETERMINISTIC_HEAD_DIMS = (128,)
+WGMMA_DKDV_DETERMINISTIC_HEAD_DIMS = (128, 256)
 
 
 def split_grid_kernel(cfg: AttentionConfig) -> KernelSpec | None:

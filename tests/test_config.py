@@ -242,11 +242,12 @@ def test_all_specs_are_distinct_and_cover_the_table():
     # covering set's modifiers without dropout (bfloat16, 2 masks), and the packed batches' (2 per head dim)
     hopper = [s for s in specs if s.kernel == "fwd_wgmma"]
     assert sum(not s.varlen for s in hopper) == 2 * masks * 4 + 2 * 4 and sum(s.varlen for s in hopper) == 2 * 4
-    # and the Hopper dK/dV kernel at head dims 64 and 128: each dtype and mask, the covering set's modifiers
+    # and the Hopper dK/dV kernel at head dims 64, 128 and 256: each dtype and mask, the covering set's modifiers
     # without dropout (bfloat16, 2 masks); packed: bfloat16, plain and windowed with the modifiers
     hopper_dkdv = [s for s in specs if s.kernel == "bwd_dkdv_wgmma"]
-    assert sum(not s.varlen for s in hopper_dkdv) == 2 * (2 * masks + 2)
-    assert sum(s.varlen for s in hopper_dkdv) == 2 * 2
+    assert {s.head_dim for s in hopper_dkdv} == {64, 128, 256}
+    assert sum(not s.varlen for s in hopper_dkdv) == 3 * (2 * masks + 2)
+    assert sum(s.varlen for s in hopper_dkdv) == 3 * 2
     assert len(specs) == (2 * half + single + modified + kvcache + len(packed) + len(_config.SUPPORTED_DTYPES)
                           + sum(not s.varlen for s in hopper) + sum(not s.varlen for s in hopper_dkdv))
     no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT
@@ -311,6 +312,8 @@ def test_deterministic_dq_splits_fill_the_waves_with_the_fewest_copies(pairs, se
     (128, 4096, 2),    # 64 pairs, two splits: 128 blocks
     (128, 16384, 8),   # 16 pairs: the most copies
     (64, 16384, 4),    # 32 pairs
+    (256, 4096, 4),    # 32 pairs on the Hopper kernel
+    (256, 16384, 0),   # 8 pairs: even 8 splits fill under half the SMs, so the dQ kernel serves
 ])
 def test_deterministic_dq_splits_on_the_bench_grid(head_dim, seqlen, expected):
     # FlashAttention's grid (batch * seqlen = 16k, heads * head_dim = 2048) on the H100/H200's 132 SMs
@@ -325,9 +328,11 @@ def test_deterministic_dq_splits_leave_too_few_pairs_to_the_dq_kernel():
     assert _config.deterministic_dq_splits(cfg, 200, 128, 132) == 0   # one key block: no split to add
 
 
-@pytest.mark.parametrize("head_dim, device", [(256, _config.H100), (128, _config.A100)])
+@pytest.mark.parametrize("head_dim, device", [(256, dataclasses.replace(_config.H100, tensor_maps=False)),
+                                              (128, _config.A100)])
 def test_split_grid_needs_the_tiled_dkdv_kernel(head_dim, device):
-    # the rows kernel (head dims past 128, or too little shared memory) has one key block per thread block
+    # the rows kernel (head dims past 128 without the Hopper kernel, or too little shared memory) has one key
+    # block per thread block
     cfg = choose_config(head_dim, BFLOAT16, False, device)
     assert not _config.split_grid_serves(cfg)
     assert _config.deterministic_dq_splits(cfg, 16, 16384, device.sm_count) == 0

@@ -32,10 +32,10 @@ def test_forward_is_bitwise_reproducible(cp, rng, dtype):
         assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8))
 
 
-def _large_backward_inputs(cp, rng):
-    # 8 x 4 kv heads x 16 key blocks: enough dK/dV blocks to fill every SM several times, so the order
+def _large_backward_inputs(cp, rng, head_dim=64):
+    # 8 x 4 kv heads x 8-16 key blocks: enough dK/dV blocks to fill every SM several times, so the order
     # in which blocks run (and add into dQ) varies between runs
-    q, k, v = make_qkv(cp, rng, 8, 1024, 1024, 16, 4, 64, BF16)
+    q, k, v = make_qkv(cp, rng, 8, 1024, 1024, 16, 4, head_dim, BF16)
     dout = cp.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(BF16))
     out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
     return dout, q, k, v, out, lse
@@ -45,13 +45,14 @@ def _bitwise_equal(cp, a, b) -> bool:
     return bool(cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)))
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("way", ["split_grid", "dq_kernel"])
-def test_deterministic_backward_is_bitwise_reproducible(cp, rng, monkeypatch, request, way):
-    args = _large_backward_inputs(cp, rng)
-    # these 32 (batch, kv head) pairs take the split grid on GPUs of up to ~280 SMs; the dQ kernel serves
-    # where too few pairs would leave SMs idle, forced here
+def test_deterministic_backward_is_bitwise_reproducible(cp, rng, monkeypatch, request, way, head_dim):
+    args = _large_backward_inputs(cp, rng, head_dim)
+    # these 32 (batch, kv head) pairs take the split grid on GPUs of up to ~280 SMs (at head_dim 256 on sm_90,
+    # the Hopper kernel's); the dQ kernel serves where too few pairs would leave SMs idle, forced here
     props = _cupy_path.device_props(cp.cuda.Device().id)
-    cfg = _config.choose_config(64, BF16, True, props)
+    cfg = _config.choose_config(head_dim, BF16, True, props)
     chosen = _config.deterministic_dq_splits(cfg, 32, 1024, props.sm_count)
     if way == "split_grid":
         assert chosen > 0 or not _config.split_grid_serves(cfg), chosen
@@ -247,7 +248,8 @@ def test_the_hopper_forward_matches_its_fallback(cp, rng):
 
 def test_the_hopper_backward_matches_its_fallback(cp, rng):
     # bwd_dkdv_wgmma (the default backward's dK/dV and atomic dQ on sm_90) against the mma.sync kernels it falls
-    # back to, on awkward shapes at the head dims it serves (33..64 and 97..128), with the score modifiers and sinks
+    # back to, on awkward shapes at the head dims it serves (33..64, 97..128 and 225..256), with the score
+    # modifiers and sinks
     from cuflash import _validate
 
     _, fallback_device = _hopper_devices()
@@ -261,6 +263,10 @@ def test_the_hopper_backward_matches_its_fallback(cp, rng):
         ((2, 150, 260, 4, 2, 64), False, (50, 20), 30.0, True, True),
         ((1, 257, 190, 2, 1, 128), True, (-1, -1), 15.0, False, False),
         ((1, 300, 300, 4, 1, 112), False, (-1, -1), 0.0, True, False),
+        ((2, 77, 300, 4, 2, 256), True, (-1, -1), 0.0, False, False),
+        ((1, 300, 129, 6, 1, 232), False, (40, 7), 0.0, False, False),
+        ((1, 150, 260, 4, 2, 256), False, (50, 20), 30.0, True, True),
+        ((2, 64, 64, 2, 2, 248), False, (-1, -1), 0.0, False, False),
     ]
     for shape, causal, window, softcap, alibi, sinks in cases:
         q, k, v, slopes, sink = _hopper_inputs(cp, rng, shape, alibi, sinks)

@@ -1,16 +1,19 @@
 // The backward's dK/dV (and atomic dQ) on Hopper (sm_90a): wgmma, TMA, warp specialization. The algorithm is
 // bwd_dkdv_mma's (bwd_mma.cu) with dQ added into the float32 buffer (DqAccum) and bwd_dq_convert after it;
-// head_dim 64 and 128, float16/bfloat16, every mask and score modifier, no dropout (the plan runs the
-// mma.sync kernels for the rest). deterministic=True runs it on the split grid (KeyBlock) at head_dim 128.
+// head_dim 64, 128 and 256, float16/bfloat16, every mask and score modifier, no dropout (the plan runs the
+// mma.sync kernels for the rest). deterministic=True runs it on the split grid (KeyBlock) at head_dim 128 and 256.
 //
-// One thread block owns BLOCK_N = 128 keys of one (batch, kv head) (KeyBlock's banded grid) and walks the query
-// tiles of every head of its kv group that see them, BLOCK_M = 64 rows at a time (steps: head in group, query
-// tile fastest). Warpgroups:
+// One thread block owns BLOCK_N keys of one (batch, kv head) (KeyBlock's banded grid) and walks the query tiles
+// of every head of its kv group that see them, BLOCK_M = 64 rows at a time (steps: head in group, query tile
+// fastest). Warpgroups:
 // - 0, the producer: thread 0 loads K and V once, then each step's Q and dO tiles by TMA into two stages;
 //   warp 1 copies the step's lse and delta (64 floats each) into the stage; the stage's "full" mbarrier
 //   completes on both, and it is refilled once both consumers have arrived on its "empty" one.
-// - 1 and 2, the consumers, 64 keys each (rows 64 cw.. of the block), holding dK and dV (64 x 128 each) in
-//   registers for the whole block. Per step, with keys as the M dimension of every product:
+// - 1 and 2, the consumers, holding dK and dV of 64 keys in registers for the whole block. At head_dim 64 and
+//   128, BLOCK_N = 128 and each takes 64 keys (rows 64 cw.. of the block) and every column. At 256 (dK and dV
+//   of 64 keys would take 256 registers a thread), BLOCK_N = 64 and each takes every key and 128 columns (128
+//   cw..): both compute the block's S^T and dP^T (seven products' work for five), and consumer 0 alone stores
+//   dS^T. Per step, with keys as the M dimension of every product:
 //     S^T = K Q^T, dP^T = V dO^T          (wgmma ss, both K-major)
 //     P^T = exp2(score(S^T) - lse2), dS^T = P^T (dP^T - delta) score'   (per element: lse, delta per query;
 //     score and its derivative from ScoreMod: scale, softcap, ALiBi)
@@ -18,7 +21,8 @@
 //     dS^T into shared memory, then dQ = dS K (wgmma ss, both MN-major: dS^T's rows are keys, K's are keys),
 //     added into dq_accum with vector reductions (the accumulator layout is DqAccum's 16 x 8 tile order).
 //     At head_dim 128 the consumers meet (named barrier) and each takes 64 of the columns over all 128 keys;
-//     at 64 each takes its own 64 keys over all columns, and meets only its own warps.
+//     at 64 each takes its own 64 keys over all columns, and meets only its own warps; at 256 they meet and
+//     each takes its 128 columns over the 64 keys, 64 columns per pass.
 //   dS^T is double-buffered: the step s + 1 barrier orders step s's dQ reads before step s + 2's writes.
 // Epilogue: dK times the softmax scale, and dV, stored from registers.
 #include "hopper.cuh"
@@ -47,11 +51,14 @@ __global__ void __launch_bounds__(384, 1)
 bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
                const __grid_constant__ TmaMap v_map, const __grid_constant__ TmaMap do_map,
                CUFLASH_PARAMS(CUFLASH_BWD_FIELDS)) {
-    static_assert(sizeof(T) == 2 && (HEAD_DIM == 64 || HEAD_DIM == 128) && BLOCK_M == 64 && BLOCK_N == 128,
-                  "head_dim 64 or 128, 64-row query tiles, two consumers of 64 keys");
+    // the consumers split the block's keys (BLOCK_N 128) or, at head_dim 256, its columns (BLOCK_N 64)
+    constexpr bool kKeySplit = HEAD_DIM <= 128;
+    static_assert(sizeof(T) == 2 && (HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256) && BLOCK_M == 64 &&
+                      BLOCK_N == (kKeySplit ? 128 : 64),
+                  "head_dim 64 or 128 with two consumers of 64 keys, 256 with two of 128 columns; 64-row query tiles");
     static_assert(!(MODS & kModDropout), "no dropout (the mma.sync kernels run it)");
     using Smem = BwdWgmmaSmem<HEAD_DIM, BLOCK_M, BLOCK_N>;
-    constexpr int kConsumers = BLOCK_N / 64;
+    constexpr int kConsumers = 2;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned k_s = smem_addr(smem_raw), v_s = k_s + Smem::kV, q_s = k_s + Smem::kQ, do_s = k_s + Smem::kDo;
     const unsigned ds_s = k_s + Smem::kDs, bars = k_s + Smem::kBarriers;
@@ -128,17 +135,21 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         return;
     }
 
-    // The consumers: warpgroup 1 + cw owns keys n0 + 64 cw..; its warp w keys 16 w.. of those. Accumulator
-    // element e of n8 tile nb of S^T / dP^T is (key g + 8 (e / 2), query 8 nb + 2 t + e % 2); of dK / dV
-    // (key, column 8 nb + 2 t + e % 2); of dQ (query 16 w + g + 8 (e / 2), column 64 cw + 8 nb + 2 t + e % 2).
+    // The consumers: warpgroup 1 + cw owns keys n0 + key_row0.. (64 of them) and dK/dV columns col0.. (kCols);
+    // its warp w keys 16 w.. of those. Accumulator element e of n8 tile nb of S^T / dP^T is (key g + 8 (e / 2),
+    // query 8 nb + 2 t + e % 2); of dK / dV (key, column col0 + 8 nb + 2 t + e % 2); of dQ (query 16 w + g +
+    // 8 (e / 2), column dq_col + 8 nb + 2 t + e % 2).
     warpgroup_registers_increase<240>();
     const int cw = warpgroup - 1, warp = tid_wg / 32, lane = tid_wg % 32, g = lane / 4, t = lane % 4;
-    constexpr int kSq = BLOCK_M / 2, kAcc = HEAD_DIM / 2, kDq = 64 / 2, kPSteps = BLOCK_M / 16;
-    const int key_wg0 = n0 + 64 * cw, key0 = key_wg0 + 16 * warp + g;   // key0: elements 0, 1's key
+    constexpr int kCols = kKeySplit ? HEAD_DIM : HEAD_DIM / 2;
+    constexpr int kSq = BLOCK_M / 2, kAcc = kCols / 2, kDq = 64 / 2, kPSteps = BLOCK_M / 16;
+    const int key_row0 = kKeySplit ? 64 * cw : 0, col0 = kKeySplit ? 0 : kCols * cw;
+    const int key_wg0 = n0 + key_row0, key0 = key_wg0 + 16 * warp + g;   // key0: elements 0, 1's key
     float dk_acc[kAcc], dv_acc[kAcc];
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) dk_acc[i] = dv_acc[i] = 0.f;
-    const unsigned k_rows = k_s + 64 * cw * kSwizzleRowBytes, v_rows = v_s + 64 * cw * kSwizzleRowBytes;
+    const unsigned k_rows = k_s + key_row0 * kSwizzleRowBytes, v_rows = v_s + key_row0 * kSwizzleRowBytes;
+    const unsigned col_block0 = col0 / kSwizzleElems * Smem::kQBlock;   // dK/dV's columns in a Q or dO stage
     auto release = [&](unsigned bar) {
         if (tid_wg == 0) mbarrier_arrive(bar);
     };
@@ -154,10 +165,12 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                                  smem_descriptor(b_tile + block * Smem::kQBlock + col, 0), ks > 0);
         }
     };
-    // dQ's share of this consumer: keys dq_key0.. (kDqKeys of them) times columns dq_col0.. (64)
+    // dQ's share of this consumer: keys dq_key0.. (kDqKeys of them) times columns dq_col0.. (64 per pass)
     constexpr bool kDqOwnKeys = HEAD_DIM == 64;
-    constexpr int kDqKeys = kDqOwnKeys ? 64 : BLOCK_N;
-    const int dq_key0 = kDqOwnKeys ? 64 * cw : 0, dq_col0 = kDqOwnKeys ? 0 : 64 * cw;
+    constexpr int kDqKeys = kDqOwnKeys ? 64 : BLOCK_N, kDqPasses = kKeySplit ? 1 : kCols / 64;
+    const int dq_key0 = kDqOwnKeys ? 64 * cw : 0, dq_col0 = kDqOwnKeys ? 0 : kKeySplit ? 64 * cw : col0;
+    // the consumers that store dS^T: both (their own keys), or at head_dim 256 consumer 0 (both hold all of it)
+    const bool stores_ds = kKeySplit || cw == 0;
     // the barrier before dQ reads dS^T: both consumers' (id 1), or this consumer's own (id 2 + cw)
     const int ds_barrier = kDqOwnKeys ? 2 + cw : 1;
     constexpr int kDsThreads = kDqOwnKeys ? 128 : 128 * kConsumers;
@@ -207,13 +220,14 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
             const unsigned ds_lo = pack2<T>(ds[0], ds[1]), ds_hi = pack2<T>(ds[2], ds[3]);
             ds_frag[nb / 2][(nb % 2) * 2 + 0] = ds_lo;
             ds_frag[nb / 2][(nb % 2) * 2 + 1] = ds_hi;
-            // dS^T (key row, query column) in the 128-byte swizzle: key rows 64 cw + 16 w + g (+ 8), the pair of
-            // queries 8 nb + 2 t in chunk nb ^ (row % 8)
+            // dS^T (key row, query column) in the 128-byte swizzle: key rows key_row0 + 16 w + g (+ 8), the pair
+            // of queries 8 nb + 2 t in chunk nb ^ (row % 8)
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int row = 64 * cw + 16 * warp + g + 8 * half;
+                const int row = key_row0 + 16 * warp + g + 8 * half;
                 const unsigned at = ds_stage + row * kSwizzleRowBytes + ((nb ^ (row % 8)) * 16) + 4 * t;
-                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(half ? ds_hi : ds_lo) : "memory");
+                if (stores_ds)
+                    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(half ? ds_hi : ds_lo) : "memory");
             }
         }
         fence_proxy_async_shared();
@@ -226,38 +240,46 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kPSteps; ++kk)
-            wgmma_rs<T, HEAD_DIM>(dv_acc, p_frag[kk], smem_descriptor(do_tile + kk * 16 * kSwizzleRowBytes, Smem::kQBlock), 1);
+            wgmma_rs<T, kCols>(dv_acc, p_frag[kk],
+                               smem_descriptor(do_tile + col_block0 + kk * 16 * kSwizzleRowBytes, Smem::kQBlock), 1);
 #pragma unroll
         for (int kk = 0; kk < kPSteps; ++kk)
-            wgmma_rs<T, HEAD_DIM>(dk_acc, ds_frag[kk], smem_descriptor(q_tile + kk * 16 * kSwizzleRowBytes, Smem::kQBlock), 1);
+            wgmma_rs<T, kCols>(dk_acc, ds_frag[kk],
+                               smem_descriptor(q_tile + col_block0 + kk * 16 * kSwizzleRowBytes, Smem::kQBlock), 1);
         wgmma_commit();
 
-        // dQ = dS K over this consumer's share (dS^T of both consumers at head_dim 128: they meet first)
+        // dQ = dS K over this consumer's share (dS^T of both consumers at head_dim 128, consumer 0's at 256:
+        // they meet first)
         named_barrier_sync(ds_barrier, kDsThreads);
-        float dq[kDq];
-        pin_registers(dq);
-        wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kDqKeys / 16; ++kk) {
-            const unsigned key_rows = (dq_key0 + kk * 16) * kSwizzleRowBytes;
-            wgmma_ss_mn<T, 64>(dq, smem_descriptor(ds_stage + key_rows, 0),
-                               smem_descriptor(k_s + dq_col0 / kSwizzleElems * Smem::kKVBlock + key_rows, 0), kk > 0);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        pin_registers(dq);
-        pin_registers(dv_acc);
-        pin_registers(dk_acc);
-        pin_registers(p_frag);    // read by the products until the wait: live until here
-        pin_registers(ds_frag);
-        release(q_empty(stage));   // Q, dO, lse and delta of the stage are read
-        if (dq_accum != nullptr) {
-            float* head = dq_accum + DqAccum::head(blk.split, batch, b, heads, h, seq, seqlen_q, HEAD_DIM);
-            float* at = head + DqAccum::tile(m0 + 16 * warp, dq_col0, HEAD_DIM) + lane * 4;
+        for (int pass = 0; pass < kDqPasses; ++pass) {
+            const int dq_col = dq_col0 + 64 * pass;
+            float dq[kDq];
+            pin_registers(dq);
+            wgmma_fence();
 #pragma unroll
-            for (int nb = 0; nb < kDq / 4; ++nb) {
-                const float c[4] = {dq[4 * nb], dq[4 * nb + 1], dq[4 * nb + 2], dq[4 * nb + 3]};
-                atomicAdd(reinterpret_cast<float4*>(at + nb * 128), make_float4(c[0], c[1], c[2], c[3]));
+            for (int kk = 0; kk < kDqKeys / 16; ++kk) {
+                const unsigned key_rows = (dq_key0 + kk * 16) * kSwizzleRowBytes;
+                wgmma_ss_mn<T, 64>(dq, smem_descriptor(ds_stage + key_rows, 0),
+                                   smem_descriptor(k_s + dq_col / kSwizzleElems * Smem::kKVBlock + key_rows, 0),
+                                   kk > 0);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            pin_registers(dq);
+            pin_registers(dv_acc);
+            pin_registers(dk_acc);
+            pin_registers(p_frag);    // read by the products until the wait: live until here
+            pin_registers(ds_frag);
+            if (pass == 0) release(q_empty(stage));   // Q, dO, lse and delta of the stage are read
+            if (dq_accum != nullptr) {
+                float* head = dq_accum + DqAccum::head(blk.split, batch, b, heads, h, seq, seqlen_q, HEAD_DIM);
+                float* at = head + DqAccum::tile(m0 + 16 * warp, dq_col, HEAD_DIM) + lane * 4;
+#pragma unroll
+                for (int nb = 0; nb < kDq / 4; ++nb) {
+                    const float c[4] = {dq[4 * nb], dq[4 * nb + 1], dq[4 * nb + 2], dq[4 * nb + 3]};
+                    atomicAdd(reinterpret_cast<float4*>(at + nb * 128), make_float4(c[0], c[1], c[2], c[3]));
+                }
             }
         }
     }
@@ -273,7 +295,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         T* dv_row = dv + b * dk_sb + (out_seq.k_start + key) * dk_ss + h_kv * dk_sh;
 #pragma unroll
         for (int nb = 0; nb < kAcc / 4; ++nb) {
-            const int col = 8 * nb + 2 * t;
+            const int col = col0 + 8 * nb + 2 * t;
             if (col >= head_dim) continue;
             *reinterpret_cast<unsigned*>(dk_row + col) =
                 pack2<T>(dk_acc[4 * nb + 2 * half] * scale, dk_acc[4 * nb + 2 * half + 1] * scale);
