@@ -543,7 +543,7 @@ def wgmma_dkdv_smem_bytes(head_dim: int, itemsize: int = 2) -> int:
 def wgmma_dkdv_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: int = 0) -> KernelSpec | None:
     """The Hopper dK/dV kernel with atomic dQ (bwd_dkdv_wgmma), or None where it does not serve: as the Hopper
     forward (wgmma_forward_spec), and only at the padded head dims 64, 128 and 256 (33..64, 97..128 and 225..256,
-    multiples of 8), without dropout. The deterministic backward's split grid takes it at 128 and 256
+    multiples of 8), without dropout. The deterministic backward's split grid takes it too
     (split_grid_kernel)."""
     dtype = np.dtype(dtype)
     d = padded_head_dim(head_dim)
@@ -689,18 +689,13 @@ MAX_DQ_SPLITS = 8
 MIN_SPLIT_GRID_FILL = 0.9
 
 
-#: the head dims at which bwd_dkdv_wgmma serves the deterministic split grid: where its consumers split dQ by
-#: columns, so that one thread adds each dQ element (at 64 they split it by keys: both add into each element)
-WGMMA_DKDV_DETERMINISTIC_HEAD_DIMS = (128, 256)
-
-
 def split_grid_kernel(cfg: AttentionConfig) -> KernelSpec | None:
     """The dK/dV kernel of the deterministic backward's split grid (``deterministic_dq_splits``): the Hopper
-    kernel where it serves deterministically, else the tiled mma.sync kernel's atomic-dQ form (the rows kernel
-    walks one key block per thread block); None where neither serves."""
-    hopper = cfg.bwd_dkdv_wgmma
-    if hopper is not None and hopper.head_dim in WGMMA_DKDV_DETERMINISTIC_HEAD_DIMS:
-        return hopper
+    kernel where it serves (within a launch one thread adds each element of a dQ copy, or at head_dim 64 the
+    two consumers take turns), else the tiled mma.sync kernel's atomic-dQ form (the rows kernel walks one key
+    block per thread block); None where neither serves."""
+    if cfg.bwd_dkdv_wgmma is not None:
+        return cfg.bwd_dkdv_wgmma
     if cfg.bwd_dkdv_atomic and cfg.bwd_dkdv_atomic[0].kernel == "bwd_dkdv_mma":
         return cfg.bwd_dkdv_atomic[0]
     return None

@@ -1,7 +1,7 @@
 // The backward's dK/dV (and atomic dQ) on Hopper (sm_90a): wgmma, TMA, warp specialization. The algorithm is
 // bwd_dkdv_mma's (bwd_mma.cu) with dQ added into the float32 buffer (DqAccum) and bwd_dq_convert after it;
 // head_dim 64, 128 and 256, float16/bfloat16, every mask and score modifier, no dropout (the plan runs the
-// mma.sync kernels for the rest). deterministic=True runs it on the split grid (KeyBlock) at head_dim 128 and 256.
+// mma.sync kernels for the rest). deterministic=True runs it on the split grid (KeyBlock).
 //
 // One thread block owns BLOCK_N keys of one (batch, kv head) (KeyBlock's banded grid) and walks the query tiles
 // of every head of its kv group that see them, BLOCK_M = 64 rows at a time (steps: head in group, query tile
@@ -173,6 +173,12 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     const bool stores_ds = kKeySplit || cw == 0;
     // the barrier before dQ reads dS^T: both consumers' (id 1), or this consumer's own (id 2 + cw)
     const int ds_barrier = kDqOwnKeys ? 2 + cw : 1;
+    // On the deterministic split grid at head_dim 64, where both consumers add into each dQ element of a step,
+    // they take turns: consumer 1 adds after consumer 0 has (named barrier 4 + step parity: consumer 0 arrives
+    // after its adds, consumer 1 waits before releasing the stage, so that consumer 0 cannot arrive for step
+    // s + 2 on the same barrier before consumer 1 has passed it for step s).
+    const bool ordered_adds = kDqOwnKeys && dq_splits > 0;
+    constexpr int kAddedBarrier = 4;
     constexpr int kDsThreads = kDqOwnKeys ? 128 : 128 * kConsumers;
 
     if (steps > 0) mbarrier_wait(kv_full, 0);
@@ -271,7 +277,10 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
             pin_registers(dk_acc);
             pin_registers(p_frag);    // read by the products until the wait: live until here
             pin_registers(ds_frag);
-            if (pass == 0) release(q_empty(stage));   // Q, dO, lse and delta of the stage are read
+            if (pass == 0) {
+                if (ordered_adds && cw == 1) named_barrier_sync(kAddedBarrier + s % 2, 2 * 128);
+                release(q_empty(stage));   // Q, dO, lse and delta of the stage are read
+            }
             if (dq_accum != nullptr) {
                 float* head = dq_accum + DqAccum::head(blk.split, batch, b, heads, h, seq, seqlen_q, HEAD_DIM);
                 float* at = head + DqAccum::tile(m0 + 16 * warp, dq_col, HEAD_DIM) + lane * 4;
@@ -281,6 +290,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                     atomicAdd(reinterpret_cast<float4*>(at + nb * 128), make_float4(c[0], c[1], c[2], c[3]));
                 }
             }
+            if (ordered_adds && cw == 0) named_barrier_arrive(kAddedBarrier + s % 2, 2 * 128);
         }
     }
 

@@ -388,12 +388,13 @@ struct CacheBlock {
 //   so the blocks resident at once stream the Q and dO of a few heads, which stay in L2, instead of
 //   every head's from DRAM (5-24% faster at seqlen 1k-4k than pairs fastest, the same at 16k:
 //   bench/NOTES.md).
-// - split (dq_splits > 0; the deterministic backward, bwd_dkdv_mma and bwd_dkdv_wgmma at head_dim 128): the
+// - split (dq_splits > 0; the deterministic backward, bwd_dkdv_mma and bwd_dkdv_wgmma): the
 //   host launches the kernel once per pass, each launch one block per ((batch, kv head) pair, split), splits
 //   fastest; in pass
 //   dq_pass, block `split` takes key block split + dq_pass * dq_splits (none past the last) and adds dQ
-//   into copy `split` of dq_accum (DqAccum::head). Launches on one stream run in order and one thread
-//   adds each element of a copy within a launch, so every element's sum has a fixed order
+//   into copy `split` of dq_accum (DqAccum::head). Launches on one stream run in order and within a launch
+//   the adds into each element of a copy come in a fixed order (one thread's, or bwd_dkdv_wgmma's two
+//   consumers' in turn at head_dim 64), so every element's sum has a fixed order
 //   (_config.deterministic_dq_splits). Walking the passes inside the kernel instead made ptxas spill.
 struct KeyBlock {
     int b, h_kv, n0, split;
