@@ -86,3 +86,13 @@ def test_the_reason_there_is_no_gpu(monkeypatch, devices, driver, reason):
     assert gpu_unavailable_reason() == reason
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
     assert gpu_unavailable_reason().startswith("CuPy is not installed")
+
+
+def test_the_sanitizer_driver_runs_its_cases_on_the_numpy_path():
+    # tools/sanitize.py is what compute-sanitizer runs on the GPU; --numpy runs the same calls without kernels, so a
+    # change of the API it calls fails here rather than on the device
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "sanitize.py"), "--numpy"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) >= 10 and all(line.endswith(": ok") for line in lines), lines

@@ -1,0 +1,125 @@
+"""Small calls of every kernel family, for compute-sanitizer: each case runs once and checks that its outputs
+hold no NaN, so that memcheck, racecheck, initcheck and synccheck see every kernel on awkward shapes (lengths
+off the tiles, GQA, masks, modifiers, packed batches, pages).
+
+    PYTHONPATH=. compute-sanitizer --tool memcheck --error-exitcode 2 python3 tools/sanitize.py [--only S ...]
+    PYTHONPATH=. compute-sanitizer --tool racecheck python3 tools/sanitize.py --only hopper
+
+``--list`` prints the cases; ``--numpy`` runs them on the NumPy path (a check of this script, no kernels).
+Exit status 1 if a case raises or returns NaN (the sanitizer's findings are in its report and, with
+``--error-exitcode``, its exit status).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+#: (name, call keywords): the families each case reaches on an H100/H200 (on other GPUs the mma.sync ones)
+CASES = {
+    "hopper-fwd-64-causal": dict(shape=(1, 130, 130, 4, 2, 64), causal=True),
+    "hopper-fwd-128-window-softcap": dict(shape=(1, 200, 150, 2, 1, 128), window_size=(40, 7), softcap=20.0),
+    "hopper-fwd-256-alibi-sinks": dict(shape=(2, 70, 300, 2, 2, 256), alibi=True, sinks=True),
+    "hopper-bwd-64": dict(shape=(1, 150, 260, 4, 2, 64), backward=True),
+    "hopper-bwd-128-causal": dict(shape=(1, 77, 300, 2, 2, 128), causal=True, backward=True),
+    "hopper-bwd-256-window": dict(shape=(1, 300, 129, 2, 1, 232), window_size=(40, 7), backward=True),
+    # the split grid, forced (these shapes are too small to choose it): 2 splits, a last pass with one idle
+    "hopper-bwd-64-deterministic": dict(shape=(2, 150, 300, 4, 2, 64), backward=True, deterministic=True,
+                                        dq_splits=2),
+    "hopper-bwd-256-deterministic": dict(shape=(2, 150, 300, 4, 2, 256), backward=True, deterministic=True,
+                                         dq_splits=2),
+    "mma-dropout-96": dict(shape=(1, 100, 120, 2, 2, 96), causal=True, dropout=True, backward=True),
+    "simt-float32-40": dict(shape=(1, 50, 70, 2, 1, 40), dtype="float32", backward=True),
+    "varlen-128-causal": dict(shape=(0, 0, 0, 4, 2, 128), varlen=([17, 0, 40, 33], [23, 11, 40, 70]), causal=True),
+    "kvcache-paged-128": dict(shape=(3, 1, 0, 8, 2, 128), kvcache=(500, 256)),
+}
+
+
+def run_case(xp, rng, spec: dict) -> list:
+    import ml_dtypes
+
+    import cuflash
+    from cuflash import _config
+
+    batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim = spec["shape"]
+    dtype = np.dtype(ml_dtypes.bfloat16) if spec.get("dtype", "bfloat16") == "bfloat16" else np.dtype(np.float32)
+
+    def draw(*shape):
+        return xp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
+
+    options = dict(causal=spec.get("causal", False))
+    if "window_size" in spec:
+        options["window_size"] = spec["window_size"]
+    if "softcap" in spec:
+        options["softcap"] = spec["softcap"]
+    if spec.get("alibi"):
+        options["alibi_slopes"] = xp.asarray(rng.uniform(0.01, 0.3, heads).astype(np.float32))
+    if spec.get("sinks"):
+        options["sinks"] = xp.asarray(rng.standard_normal(heads).astype(np.float32))
+    if "varlen" in spec:
+        lengths_q, lengths_k = spec["varlen"]
+        cu_q, cu_k = (xp.asarray(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)) for n in (lengths_q, lengths_k))
+        q, dout = draw(sum(lengths_q), heads, head_dim), draw(sum(lengths_q), heads, head_dim)
+        k, v = draw(sum(lengths_k), heads_kv, head_dim), draw(sum(lengths_k), heads_kv, head_dim)
+        out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **options)
+        return [out, lse, *cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **options)]
+    if "kvcache" in spec:
+        keys, page_size = spec["kvcache"]
+        pages = -(-keys // page_size)
+        q = draw(batch, seqlen_q, heads, head_dim)
+        k_cache, v_cache = (draw(batch * pages + 1, page_size, heads_kv, head_dim) for _ in range(2))
+        table = xp.asarray(rng.permutation(batch * pages + 1)[:batch * pages].reshape(batch, pages).astype(np.int32))
+        lengths = xp.asarray(np.array([keys, 1, keys // 2], np.int32)[:batch])
+        return list(cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table,
+                                                   return_lse=True, **options))
+    q, dout = draw(batch, seqlen_q, heads, head_dim), draw(batch, seqlen_q, heads, head_dim)
+    k, v = draw(batch, seqlen_k, heads_kv, head_dim), draw(batch, seqlen_k, heads_kv, head_dim)
+    if spec.get("dropout"):
+        options.update(dropout_p=0.2, seed=7, offset=3)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    if not spec.get("backward"):
+        return [out, lse]
+    chosen = _config.deterministic_dq_splits
+    if "dq_splits" in spec:
+        _config.deterministic_dq_splits = lambda cfg, *_: spec["dq_splits"] if _config.split_grid_serves(cfg) else 0
+        cuflash.clear_plans()
+    try:
+        return [out, lse, *cuflash.attention_backward(dout, q, k, v, out, lse,
+                                                      deterministic=spec.get("deterministic", False), **options)]
+    finally:
+        _config.deterministic_dq_splits = chosen
+        cuflash.clear_plans()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", default=[], metavar="SUBSTRING", help="cases whose name holds one")
+    parser.add_argument("--list", action="store_true", help="print the case names and stop")
+    parser.add_argument("--numpy", action="store_true", help="run the cases on the NumPy path (no GPU)")
+    args = parser.parse_args(argv)
+    names = [n for n in CASES if not args.only or any(s in n for s in args.only)]
+    if args.list:
+        print("\n".join(names))
+        return 0
+    if args.numpy:
+        xp = np
+    else:
+        import cupy as xp
+
+    failed = 0
+    for name in names:
+        try:
+            outputs = run_case(xp, np.random.default_rng(0), CASES[name])
+            # lse is -inf in rows that see no key; nothing may be NaN
+            status = "NaN" if any(bool(xp.isnan(x.astype(np.float32)).any()) for x in outputs) else "ok"
+        except Exception as exc:  # report and go on: the sanitizer's report says more
+            status = f"raised {type(exc).__name__}: {exc}"
+        failed += status != "ok"
+        print(f"{name}: {status}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
