@@ -167,11 +167,8 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
     const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal);
     if (VARLEN && n0 >= seq.seqlen_k) return;
     const Window<MASK> window{seq.diagonal, window_left, window_right};
-    // the query tiles whose rows see some key of the block
-    const int m_begin = window.row_begin(n0) / BLOCK_M * BLOCK_M;
-    const int m_end = window.row_end(n0 + BLOCK_N, seq.seqlen_q);
-    const int m_tiles = m_begin < m_end ? (m_end - m_begin + BLOCK_M - 1) / BLOCK_M : 0;
-    const int steps = m_tiles * group;   // (head in group, query tile), query tile fastest
+    const QueryTiles<BLOCK_M> query_tiles(window, n0, BLOCK_N, seq.seqlen_q, group);
+    const int steps = query_tiles.steps;
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
@@ -182,7 +179,7 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
     // Issue the copies of the step (head h_step of the group, query tile m_step) into `stage`.
     auto load_step = [&](int h_step, int m_step, int stage) {
         const int h = h_kv * group + h_step;
-        const int m0 = m_begin + m_step * BLOCK_M;
+        const int m0 = query_tiles.begin + m_step * BLOCK_M;
         load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads>(q_s + stage * BLOCK_M * kRow,
                                                          q + b * q_sb + seq.q_start * q_ss + h * q_sh, q_ss, m0,
                                                          seq.seqlen_q, head_dim, vec_ok, tid);
@@ -210,12 +207,12 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
         cp_async_wait<0>();
         __syncthreads();   // stage s has landed; every warp is done with step s - 1's P, dS and stage
         if (s + 1 < steps) {
-            const bool last_tile = m_step + 1 == m_tiles;
+            const bool last_tile = m_step + 1 == query_tiles.count;
             load_step(h_step + last_tile, last_tile ? 0 : m_step + 1, (s + 1) & 1);
         }
         cp_async_commit();
         const int stage = s & 1;
-        const int m0 = m_begin + m_step * BLOCK_M;
+        const int m0 = query_tiles.begin + m_step * BLOCK_M;
         const ScoreMod<MODS> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b,
                                  h_kv * group + h_step);
         const Dropout<kDropout> dropout(dropout_seed, dropout_offset, dropout_threshold,
@@ -368,7 +365,7 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
             dq_accum_add<HEAD_DIM>(dq_accum + DqAccum::head(blk.split, batch, b, heads, h, seq, seqlen_q, HEAD_DIM),
                                    m0 + q_row0, q_col0, dq_part, lane);
         }
-        if (++m_step == m_tiles) {
+        if (++m_step == query_tiles.count) {
             m_step = 0;
             ++h_step;
         }
@@ -451,11 +448,8 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
                       : seq;
     };
     const Window<MASK> window{seq.diagonal, window_left, window_right};
-    // the query tiles whose rows see some key of the block
-    const int m_begin = window.row_begin(n0) / BLOCK_M * BLOCK_M;
-    const int m_end = window.row_end(n0 + BLOCK_N, seq.seqlen_q);
-    const int m_tiles = m_begin < m_end ? (m_end - m_begin + BLOCK_M - 1) / BLOCK_M : 0;
-    const int steps = m_tiles * group;   // (head in group, query tile), query tile fastest
+    const QueryTiles<BLOCK_M> query_tiles(window, n0, BLOCK_N, seq.seqlen_q, group);
+    const int m_begin = query_tiles.begin, m_tiles = query_tiles.count, steps = query_tiles.steps;
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;

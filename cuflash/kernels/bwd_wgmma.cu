@@ -74,13 +74,8 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal);
     if (n0 >= seq.seqlen_k) return;   // a packed batch's shorter sequence, the split grid's last pass
     const Window<MASK> window{seq.diagonal, window_left, window_right};
-    // the query tiles whose rows see some key of the block
-    const int m_begin = window.row_begin(n0) / BLOCK_M * BLOCK_M;
-    const int m_end = window.row_end(n0 + BLOCK_N, seq.seqlen_q);
-    const int m_tiles = m_begin < m_end ? (m_end - m_begin + BLOCK_M - 1) / BLOCK_M : 0;
-    const int steps = m_tiles * group;   // (head in group, query tile), query tile fastest
-    auto step_head = [&](int s) { return h_kv * group + s / m_tiles; };
-    auto step_row = [&](int s) { return m_begin + s % m_tiles * BLOCK_M; };
+    const QueryTiles<BLOCK_M> query_tiles(window, n0, BLOCK_N, seq.seqlen_q, group);
+    const int steps = query_tiles.steps;
 
     const int warpgroup = threadIdx.x / 128, tid_wg = threadIdx.x % 128;
     if (threadIdx.x == 0) {
@@ -106,7 +101,8 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
             for (int s = 0; s < steps; ++s) {
                 const int stage = s % kBwdWgmmaStages;
                 if (s >= kBwdWgmmaStages) mbarrier_wait(q_empty(stage), (s / kBwdWgmmaStages - 1) & 1);
-                const int q_row = static_cast<int>(seq.q_start) + step_row(s), h = step_head(s);
+                const int q_row = static_cast<int>(seq.q_start) + query_tiles.row(s);
+                const int h = query_tiles.head(s, h_kv, group);
                 mbarrier_expect_bytes(q_full(stage), 2 * Smem::kQStage);
                 for (int c = 0; c < Smem::kColBlocks; ++c) {
                     tma_load_4d(q_s + stage * Smem::kQStage + c * Smem::kQBlock, q_map, q_full(stage),
@@ -120,10 +116,10 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
             for (int s = 0; s < steps; ++s) {
                 const int stage = s % kBwdWgmmaStages;
                 if (s >= kBwdWgmmaStages) mbarrier_wait(q_empty(stage), (s / kBwdWgmmaStages - 1) & 1);
-                const long long base = seq.stats(b, heads, step_head(s));
+                const long long base = seq.stats(b, heads, query_tiles.head(s, h_kv, group));
                 float* dst = stats_s + stage * 2 * BLOCK_M;
                 for (int r = lane; r < BLOCK_M; r += 32) {
-                    const int row = step_row(s) + r;
+                    const int row = query_tiles.row(s) + r;
                     const bool ok = row < seq.seqlen_q;
                     dst[r] = ok ? lse[base + row] : 0.f;
                     dst[BLOCK_M + r] = ok ? delta[base + row] : 0.f;
@@ -184,7 +180,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     if (steps > 0) mbarrier_wait(kv_full, 0);
 #pragma unroll 1
     for (int s = 0; s < steps; ++s) {
-        const int stage = s % kBwdWgmmaStages, h = step_head(s), m0 = step_row(s);
+        const int stage = s % kBwdWgmmaStages, h = query_tiles.head(s, h_kv, group), m0 = query_tiles.row(s);
         const unsigned q_tile = q_s + stage * Smem::kQStage, do_tile = do_s + stage * Smem::kQStage;
         const float* lse_tile = stats_s + stage * 2 * BLOCK_M;
         const float* delta_tile = lse_tile + BLOCK_M;

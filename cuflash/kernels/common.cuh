@@ -105,6 +105,22 @@ template <int MASK> struct Window {
     }
 };
 
+// The query tiles a key block's backward walks: the BLOCK_M-row tiles from `begin` (a multiple of BLOCK_M) to
+// `end` whose rows see some key of [n0, n0 + block_n) under `window`, `count` of them, taken as `steps` steps
+// (head in the kv group, query tile), query tile fastest.
+template <int BLOCK_M> struct QueryTiles {
+    int begin, end, count, steps;
+    template <int MASK>
+    __device__ __forceinline__ QueryTiles(const Window<MASK>& window, int n0, int block_n, int seqlen_q, int group)
+        : begin(window.row_begin(n0) / BLOCK_M * BLOCK_M), end(window.row_end(n0 + block_n, seqlen_q)) {
+        count = begin < end ? (end - begin + BLOCK_M - 1) / BLOCK_M : 0;
+        steps = count * group;
+    }
+    // step s's query head (of kv head h_kv's group) and first row
+    __device__ __forceinline__ int head(int s, int h_kv, int group) const { return h_kv * group + s / count; }
+    __device__ __forceinline__ int row(int s) const { return begin + s % count * BLOCK_M; }
+};
+
 // Score modifiers a kernel is specialized for: bits of its MODS template argument (_config.MOD_*).
 enum ModBits : int {
     kModSoftcap = 1,   // score = softcap * tanh(scale q.k / softcap)
