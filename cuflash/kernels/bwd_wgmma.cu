@@ -286,8 +286,8 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                     atomicAdd(reinterpret_cast<float4*>(at + nb * 128), make_float4(c[0], c[1], c[2], c[3]));
                 }
             }
-            if (ordered_adds && cw == 0) named_barrier_arrive(kAddedBarrier + s % 2, 2 * 128);
         }
+        if (ordered_adds && cw == 0) named_barrier_arrive(kAddedBarrier + s % 2, 2 * 128);   // once per step
     }
 
     // Epilogue: dK times the softmax scale, dV; keys past seqlen_k are not stored
