@@ -256,14 +256,20 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     return _kvcache.per_sequence(attend, q, k_cache, v_cache, keys, block_table, alibi)
 
 
-def _sequence_dropout(dropout_p, dropout_mask, b, q_b, k_b) -> dict:
-    """The dropout options of packed sequence b: its corner of batch entry b of the padded mask."""
+def _padded_dropout_mask(dropout_p, dropout_mask):
+    """A packed call's padded dropout mask on the host (None without dropout), read once for every sequence."""
     if not dropout_p:
-        return {}
+        return None
     if dropout_mask is None:
         raise ValueError("dropout_p > 0 needs the dropout_mask (cuflash.dropout_mask of the padded batch) to apply")
-    return dict(dropout_p=dropout_p,
-                dropout_mask=_host(dropout_mask)[b:b + 1, :, :q_b.shape[1], :k_b.shape[1]])
+    return _host(dropout_mask)
+
+
+def _sequence_dropout(dropout_p, mask, b, q_b, k_b) -> dict:
+    """The dropout options of packed sequence b: its corner of batch entry b of the padded host ``mask``."""
+    if mask is None:
+        return {}
+    return dict(dropout_p=dropout_p, dropout_mask=mask[b:b + 1, :, :q_b.shape[1], :k_b.shape[1]])
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, softmax_scale=None, *,
@@ -275,9 +281,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool = False, 
     cuflash's). Returns (out (total_q, heads, head_dim), lse (heads, total_q))."""
     packing = _varlen.Packing(_host(cu_seqlens_q).astype(np.int64), _host(cu_seqlens_k).astype(np.int64))
     options = dict(window_size=window_size, softcap=softcap, sinks=None if sinks is None else _host(sinks))
+    mask = _padded_dropout_mask(dropout_p, dropout_mask)
 
     def attend(b, q_b, k_b, v_b, alibi_slopes):
-        dropout = _sequence_dropout(dropout_p, dropout_mask, b, q_b, k_b)
+        dropout = _sequence_dropout(dropout_p, mask, b, q_b, k_b)
         if in_dtype is None:
             return attention(q_b, k_b, v_b, causal, softmax_scale, alibi_slopes=alibi_slopes, **options, **dropout)
         return attention_in_dtype(q_b, k_b, v_b, causal, softmax_scale, in_dtype, alibi_slopes=alibi_slopes, **options,
@@ -296,9 +303,10 @@ def attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, causal:
     :func:`attention_backward_in_dtype` (which needs ``out``). Returns (dq, dk, dv[, dsinks])."""
     packing = _varlen.Packing(_host(cu_seqlens_q).astype(np.int64), _host(cu_seqlens_k).astype(np.int64))
     options = dict(window_size=window_size, softcap=softcap, sinks=None if sinks is None else _host(sinks))
+    mask = _padded_dropout_mask(dropout_p, dropout_mask)
 
     def backward(b, dout_b, q_b, k_b, v_b, out_b, lse_b, alibi_slopes):
-        dropout = _sequence_dropout(dropout_p, dropout_mask, b, q_b, k_b)
+        dropout = _sequence_dropout(dropout_p, mask, b, q_b, k_b)
         if in_dtype is None:
             return attention_backward(dout_b, q_b, k_b, v_b, causal, softmax_scale, alibi_slopes=alibi_slopes,
                                       out=None if out is None else out_b, **options, **dropout)
