@@ -288,8 +288,8 @@ def _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
         return run
     from . import _cupy_path
 
-    plan = _cupy_path.KVCachePlan(problem, q.data.device_id, q, k_cache, v_cache, cache_seqlens, block_table,
-                                  num_splits, interleaved)
+    plan = _cupy_path.KVCachePlan(problem, q.data.device_id, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                  rotary_cos, rotary_sin, num_splits, interleaved)
     if not checks_per_call:
         return plan.run
 
@@ -320,7 +320,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     k, v : arrays (batch, seqlen_new, heads_kv, head_dim), optional
         Written into the caches at positions ``cache_seqlens[b]``, ``cache_seqlens[b] + 1``, ... of each
         sequence before the attention, which then covers them: the one write into a caller's array. Need
-        ``cache_seqlens``. Written with array operations (a slice assignment, or one scatter per cache).
+        ``cache_seqlens``. On CuPy one kernel (append_rotary) writes them, rotating k first where rotary tables
+        are given; on NumPy, array operations.
     cache_seqlens : int, int32 array (batch,), or None
         Keys already in each sequence's cache; None: every sequence fills the cache. An int is checked against
         the cache's room; the values of an array are checked only with ``check_indices`` (reading them costs a
@@ -333,7 +334,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         positions ``cache_seqlens[b] + i`` before they are written into the cache, those of ``q`` at the same
         positions where causal or windowed, else all at ``cache_seqlens[b]``; the caller's q and k are not
         written. Need ``cache_seqlens``; an int is checked against seqlen_ro, an array's values are not.
-        Computed in float32 with array operations, then rounded to q's dtype.
+        Computed in float32, then rounded to q's dtype (on CuPy in the kernel that appends k and v).
     rotary_interleaved : bool
         Channel pairs (2i, 2i + 1) (GPT-J) where True, (i, i + rotary_dim / 2) (GPT-NeoX) where False.
     causal, softmax_scale, window_size, softcap, alibi_slopes, sinks

@@ -58,6 +58,7 @@ KERNEL_FILES = {
     "bwd_dq_mma": "bwd_mma.cu",
     "bwd_dq_convert": "bwd_mma.cu",
     "merge_parts": "merge.cu",
+    "append_rotary": "cache.cu",
     "fwd_wgmma": "fwd_wgmma.cu",
     "bwd_dkdv_wgmma": "bwd_wgmma.cu",
 }
@@ -165,7 +166,7 @@ class KernelSpec:
     def name(self) -> str:
         """The C++ template instance, e.g. ``cuflash::fwd_mma<__half, 128, true, 128, 64, 4, 1>``."""
         ctype = CUDA_TYPES[np.dtype(self.dtype)]
-        if self.kernel in ("bwd_preprocess", "merge_parts"):
+        if self.kernel in ("bwd_preprocess", "merge_parts", "append_rotary"):
             args = [ctype]
         elif self.kernel == "bwd_dq_convert":
             args = [ctype, str(self.head_dim), "true" if self.varlen else "false"]
@@ -577,9 +578,15 @@ def forward_query_blocks_fastest(head_dim: int, causal: bool) -> bool:
 
 #: rows merged per block of merge_parts, one warp each (``kMergeWarps`` in kernels/merge.cu)
 MERGE_WARPS = 4
+#: rows rotated or appended per block of append_rotary, one warp each (``kAppendWarps`` in kernels/cache.cu)
+APPEND_WARPS = 4
 #: A paged KV cache's pages hold a multiple of this many keys: the KV-cache forward's key tiles (as wide as
 #: divides the page size, at least this many keys) then never straddle a page.
 PAGE_SIZE_MULTIPLE = 64
+#: The dtypes of attention_with_kvcache on the GPU (the KV-cache forward and append_rotary)
+KVCACHE_DTYPES = (np.dtype(np.float16), BFLOAT16)
+#: The KV-cache forward's key tile up to head_dim 128, in keys (kvcache_forward_spec)
+KV_TILE_KEYS = 128
 #: The most key splits of the KV-cache forward: each writes a float32 partial output that the merge reads.
 MAX_KV_SPLITS = 128
 #: The fewest key tiles a split of the KV-cache forward walks (its prologue and epilogue cost about a tile).
@@ -589,11 +596,14 @@ LONG_SPLIT_TILES = 32
 
 
 def kvcache_forward_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: int,
-                         page_size: int = 0) -> KernelSpec:
+                         page_size: int = 0, row_groups: int = 0) -> KernelSpec:
     """fwd_mma's KV-cache specialization (``_plan.kvcache``): blocks of 16 packed query rows (seqlen_q x the
     query heads of a group, ``CacheBlock`` in kernels/common.cuh) on 4 warps that split each key tile among
     them (kKeyWarps in kernels/fwd_mma.cu); key tiles of 128 keys up to head_dim 128 (64 past it), halved
-    until the tile fits in shared memory and divides ``page_size`` (a paged cache's; 0: contiguous).
+    until the tile fits in shared memory and divides ``page_size`` (a paged cache's; 0: contiguous). Where
+    a 128-key block takes a whole SM (head_dim 128 on the H100) and the call's ``row_groups`` blocks give
+    every SM one by themselves (so the keys take no splits), 64-key tiles: two blocks per SM (registers
+    allow no more) keep more loads in flight and leave a shorter tail.
 
     Decoding reads the cache once and computes little on it: the block that keeps the most bytes in flight
     and the least latency per tile wins. Measured on the H200, bfloat16, head_dim 128, 32 query / 8 kv heads,
@@ -601,25 +611,31 @@ def kvcache_forward_spec(head_dim: int, dtype, mask: int, device: DeviceProps, m
     (bench/NOTES.md, decode d1, d2): 16 rows, 4 warps splitting 128-key tiles 0.018 / 0.079 / 0.140 / 0.963 /
     0.084; 64 rows, a warp per 16 (the others idle under one query) on 128-key tiles 0.021 / 0.080 / 0.144 /
     0.958 / 0.088, on 64-key tiles 0.022 / 0.082 / 0.149 / 0.972 / 0.079; 16 rows on one warp, 64-key tiles
-    0.023 / 0.082 / 0.156 / 0.995 / 0.086. float16 and bfloat16 only; no dropout (``attention_with_kvcache``
-    takes none).
+    0.023 / 0.082 / 0.156 / 0.995 / 0.086. The 16-row block on 64- against 128-key tiles (decode d3, ms):
+    where the blocks fill the slots, 64 x 1k 0.0787 / 0.0826, 64 x 1k with four queries 0.0809 / 0.0876, 64 x
+    4k 0.2516 / 0.2535, 64 x 16k 0.9492 / 0.9504; where they do not, 1 x 4k 0.0198 / 0.0173, 8 x 1k 0.0220 /
+    0.0196, 8 x 4k with four queries on 64 / 8 heads 0.0546 / 0.0489. float16 and bfloat16 only; no dropout
+    (``attention_with_kvcache`` takes none).
     """
     dtype = np.dtype(dtype)
-    if dtype not in (np.dtype(np.float16), BFLOAT16):
+    if dtype not in KVCACHE_DTYPES:
         raise TypeError(f"the KV-cache forward runs float16 and bfloat16 on the GPU, got {dtype}")
     if mods & MOD_DROPOUT:
         raise ValueError("the KV-cache forward takes no dropout")
     d = padded_head_dim(head_dim)
     block_m, warps = MMA_ROWS_PER_WARP, 4  # one atom; the warps split the keys
-    block_n = 128 if d <= 128 else 64
+    block_n = KV_TILE_KEYS if d <= 128 else KV_TILE_KEYS // 2
     while True:
         spec = mma_spec("fwd_mma", dtype, d, int(mask), block_m, block_n, warps, mods=mods)
         if spec.smem_bytes <= device.max_smem_per_block and page_size % block_n == 0:
-            return dataclasses.replace(spec, kvcache=True)
+            break
         if block_n == MMA_ROWS_PER_WARP:
             raise ValueError(f"no KV-cache forward tile for head_dim {head_dim} fits in {device.max_smem_per_block} "
                              "bytes of shared memory")
         block_n //= 2
+    if block_n == KV_TILE_KEYS and resident_blocks(spec, device) == 1 and row_groups >= device.sm_count:
+        spec = mma_spec("fwd_mma", dtype, d, int(mask), block_m, block_n // 2, warps, mods=mods)
+    return dataclasses.replace(spec, kvcache=True)
 
 
 def resident_blocks(spec: KernelSpec, device: DeviceProps) -> int:
@@ -631,7 +647,8 @@ def resident_blocks(spec: KernelSpec, device: DeviceProps) -> int:
 
 def kvcache_splits(blocks: int, key_tiles: int, resident: int, sm_count: int) -> int:
     """Key splits of the KV-cache forward: each of its ``blocks`` (query blocks x head groups x batch) walks
-    1 / splits of its ``key_tiles`` and merge_parts combines them (Flash-Decoding).
+    1 / splits of its ``key_tiles``, and the last block of each row group to finish merges them (Flash-Decoding
+    in one launch).
 
     A block streams the cache at what one SM pulls, so few blocks leave the bandwidth unused; but each split
     adds a partial output and its merge, which cost more than they save once the blocks occupy about half
@@ -641,7 +658,10 @@ def kvcache_splits(blocks: int, key_tiles: int, resident: int, sm_count: int) ->
     head_dim 128, 32 / 8 heads, one query, ms at 1 / 2 / 4 / 8 / 16 / 32 splits, bench/NOTES.md decode d2):
     batch 1 x 4k keys 0.036 / 0.025 / 0.020 / 0.018 / 0.021 / 0.027; 1 x 128k 0.90 / 0.46 / 0.24 / 0.146 /
     0.140 / 0.154; 8 x 1k 0.021 / 0.022 / 0.027 / 0.033 / 0.034 / 0.034; 8 x 8k 0.079 / 0.080 / 0.084 /
-    0.089 / 0.096 / 0.118.
+    0.089 / 0.096 / 0.118. Again with the merge in the same launch (decode d3), ms at 2 / 4 / 8 / 16 / 32
+    splits and the rule's choice: 1 x 4k 0.0239 / 0.0181 / 0.0166 / 0.0176 / 0.0245, 0.0166; 1 x 64k 0.231 /
+    0.124 / 0.0804 / 0.0789 / 0.0863, 0.0790; 8 x 1k 0.0210 / 0.0257 / 0.0353 / 0.0352 / 0.0351, 0.0198; 8 x 8k
+    0.0773 / 0.0821 / 0.0866 / 0.0946 / 0.123, 0.0771: the rule still picks the fastest or within 1% of it.
     """
     slots = resident * sm_count
     most = max(1, min(MAX_KV_SPLITS, key_tiles // MIN_SPLIT_TILES))
@@ -827,7 +847,7 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
     device with tensor maps, both forwards: the Hopper kernel and its mma.sync fallback. Not the
     cross product of the modifiers: 16 combinations per kernel. The KV-cache forward likewise (contiguous and
     on the smallest pages, plain and under a window with every modifier), the packed-batch kernels (below),
-    and merge_parts for each dtype."""
+    merge_parts for each dtype and append_rotary for each dtype of the KV-cache forward."""
     specs = {}
     # where the Hopper forward serves, the mma.sync forward is its fallback (arrays no tensor map describes)
     devices = {device, dataclasses.replace(device, tensor_maps=False)}
@@ -859,5 +879,8 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
                 add(dtype, d, mask, mods, varlen=True)
     for dtype in SUPPORTED_DTYPES:
         spec = KernelSpec("merge_parts", dtype, threads=MERGE_WARPS * 32)
+        specs[spec.cache_key] = spec
+    for dtype in KVCACHE_DTYPES:
+        spec = KernelSpec("append_rotary", dtype, threads=APPEND_WARPS * 32)
         specs[spec.cache_key] = spec
     return list(specs.values())

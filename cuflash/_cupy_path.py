@@ -14,7 +14,7 @@ import functools
 
 import numpy as np
 
-from . import _config, _kvcache, _params, _philox, _plan, _tma
+from . import _config, _params, _philox, _plan, _tma
 from ._compile import get_kernel
 from ._validate import CacheProblem, Problem
 
@@ -140,7 +140,7 @@ BACKWARD_PER_CALL = ("q", "k", "v", "dout", "lse", "delta", "dq", "dk", "dv", "d
 
 #: the KV-cache fields (CUFLASH_FWD_FIELDS, kernels/common.cuh) of a forward that reads no cache
 NO_CACHE_FIELDS = dict(cache_seqlens=_NULL, block_table=_NULL, out_partial=_NULL, lse_partial=_NULL,
-                       block_table_stride=0, seqlen_k_new=0, pack=1, num_splits=1, page_size=0)
+                       split_counters=_NULL, block_table_stride=0, seqlen_k_new=0, pack=1, num_splits=1, page_size=0)
 #: a packed batch's prefix sums, the per-call arguments of the packed plans after the others'
 PACKED_PER_CALL = ("cu_seqlens_q", "cu_seqlens_k")
 #: the same fields of a dense batch
@@ -408,7 +408,22 @@ def backward(dout, q, k, v, out, lse, p: Problem, deterministic: bool = False,
 
 #: the KV-cache forward's arguments that change from call to call, in the order KVCachePlan passes them
 KVCACHE_PER_CALL = ("q", "k", "v", "out", "lse", "alibi_slopes", "sinks", "cache_seqlens", "block_table",
-                    "out_partial", "lse_partial", "seqlen_k", "vec_ok")
+                    "out_partial", "lse_partial", "split_counters", "seqlen_k", "vec_ok")
+
+#: The KV-cache forward's split counters per (device, stream): int32, one per row group, zero between calls
+#: (the last block of each row group resets its own), so a call launches no memset. Calls on one stream run
+#: in order and calls on different streams count in different buffers.
+_SPLIT_COUNTERS: dict[tuple[int, int], cupy.ndarray] = {}
+
+
+def split_counters(device_id: int, count: int):
+    """At least ``count`` zeroed int32 counters for a launch on the current stream of device ``device_id``
+    (the device current), kept for the stream's later calls."""
+    key = (device_id, cupy.cuda.get_current_stream().ptr)
+    counters = _SPLIT_COUNTERS.get(key)
+    if counters is None or counters.size < count:
+        counters = _SPLIT_COUNTERS[key] = cupy.zeros(count, np.int32)
+    return counters
 
 
 def _int32_vector(x, copy: bool):
@@ -429,42 +444,54 @@ def kvcache_fixed_fields(p: CacheProblem, plan: _plan.CacheLaunches, strides, ta
 
 
 class KVCachePlan:
-    """attention_with_kvcache of one problem on one device: the appends (array operations, _kvcache.append),
-    the KV-cache forward (fwd_mma with KVCACHE), and merge_parts where its keys are split (_plan.kvcache)."""
+    """attention_with_kvcache of one problem on one device: at most two launches, append_rotary (the new keys
+    and values into the cache, rotated with the queries where rotary tables are given) and the KV-cache
+    forward (fwd_mma with KVCACHE, which also merges its key splits): _plan.kvcache."""
 
-    def __init__(self, p: CacheProblem, device_id: int, q, k_cache, v_cache, cache_seqlens, block_table,
-                 num_splits: int, rotary_interleaved: bool = True):
+    def __init__(self, p: CacheProblem, device_id: int, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                 rotary_cos, rotary_sin, num_splits: int, rotary_interleaved: bool = True):
         a = p.attn
         self.problem = p
-        self.rotary_interleaved = rotary_interleaved
         self.device_id = device_id
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if _needs_copy(cache):
                 raise ValueError(f"{name} must have a contiguous last axis and strides of whole elements: the "
                                  f"kernels read and write the cache in place, got strides {cache.strides}")
         plan = _plan.kvcache(p, device_props(device_id), num_splits)
-        self.splits = plan.splits
-        self.copy_q = _needs_copy(q) and not p.rotary_dim  # a rotated q is a new contiguous array
+        self.splits, self.row_groups = plan.splits, plan.row_groups
+        self.copy_q = _needs_copy(q)
+        self.copy_new = k is not None and (_needs_copy(k) or _needs_copy(v))
+        self.copy_tables = rotary_cos is not None and not (rotary_cos.flags.c_contiguous and
+                                                           rotary_sin.flags.c_contiguous)
         self.copy_lengths = cache_seqlens is not None and hasattr(cache_seqlens, "dtype") and \
             not cache_seqlens.flags.c_contiguous
         self.copy_table = block_table is not None and block_table.strides[1] != block_table.itemsize
+        table_stride = 0 if block_table is None else block_table.shape[1] if self.copy_table else \
+            block_table.strides[0] // block_table.itemsize
+        cache_strides = [_strides_of(k_cache, False), _strides_of(v_cache, False)]
         with cupy.cuda.Device(device_id):
             self.kernel = get_kernel(plan.forward.spec, device_id)
-            self.merge = None if plan.merge is None else _Launch(plan.merge, device_id)
+            self.append = None
+            if plan.append is not None:
+                new_strides = [(0, 0, 0)] * 2 if k is None else [_strides_of(x, self.copy_new) for x in (k, v)]
+                strides = [_strides_of(q, self.copy_q), *new_strides, *cache_strides]
+                tail = tuple(_by_value(s, np.int64) for triple in strides for s in triple) + (
+                    _by_value(table_stride, np.int64),) + tuple(_int32(n) for n in (
+                        a.batch, a.seqlen_q, a.heads, p.seqlen_new, a.heads_kv, a.head_dim, p.rotary_dim,
+                        p.page_size, bool(rotary_interleaved), a.masked,
+                        rotary_cos is not None and rotary_cos.dtype == np.float32,
+                        rotary_sin is not None and rotary_sin.dtype == np.float32))
+                self.append = _Launch(plan.append, device_id, tail)
         self.grid, self.block = plan.forward.grid, (plan.forward.spec.threads,)
         self.smem = plan.forward.spec.smem_bytes
         self.out_shape, self.dtype = tuple(q.shape), q.dtype
         self.lse_shape = (a.batch, a.heads, a.seqlen_q)
         self.partial_shapes = ((plan.splits, *q.shape), (plan.splits, *self.lse_shape))
-        strides = [_contiguous_strides(q.shape) if p.rotary_dim else _strides_of(q, self.copy_q),
-                   _strides_of(k_cache, False), _strides_of(v_cache, False), _contiguous_strides(q.shape)]
+        strides = [_contiguous_strides(q.shape) if p.rotary_dim else _strides_of(q, self.copy_q), *cache_strides,
+                   _contiguous_strides(q.shape)]
         self.strides_vector_ok = _strides_vector_ok(a.head_dim, q.dtype.itemsize, *strides)
-        table_stride = 0 if block_table is None else block_table.shape[1] if self.copy_table else \
-            block_table.strides[0] // block_table.itemsize
         fixed = kvcache_fixed_fields(p, plan, strides, table_stride)
         self.arguments = _params.Arguments(_params.forward_fields(), fixed, KVCACHE_PER_CALL, _by_value)
-        if self.merge is not None:
-            self.merge_args = _merge_args(self.out_shape, plan.splits)
 
     def run(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin,
             with_lse: bool):
@@ -476,29 +503,39 @@ class KVCachePlan:
     def _launch(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos,
                 rotary_sin, with_lse):
         p = self.problem
-        q = _kvcache.rotate_and_append(cupy, q, k, v, k_cache, v_cache, cache_seqlens, block_table, rotary_cos,
-                                       rotary_sin, self.rotary_interleaved, p.attn.masked)
         if p.lengths == "int":
             seqlen_k, lengths = cache_seqlens + p.seqlen_new, _NULL
         else:
             seqlen_k = p.attn.seqlen_k
             lengths = _int32_vector(cache_seqlens, self.copy_lengths) if p.lengths == "array" else _NULL
+        table = _int32_vector(block_table, self.copy_table)
         if self.copy_q:
             q = cupy.ascontiguousarray(q)
+        if self.append is not None:
+            q_out = cupy.ndarray(self.out_shape, self.dtype) if p.rotary_dim else None
+            if self.copy_new:
+                k, v = cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)
+            if self.copy_tables:
+                rotary_cos, rotary_sin = cupy.ascontiguousarray(rotary_cos), cupy.ascontiguousarray(rotary_sin)
+            self.append((q, _NULL if q_out is None else q_out, _NULL if k is None else k, _NULL if v is None else v,
+                         k_cache, v_cache, _NULL if rotary_cos is None else rotary_cos,
+                         _NULL if rotary_sin is None else rotary_sin, lengths, table,
+                         _int32(cache_seqlens if p.lengths == "int" else 0)))
+            if q_out is not None:
+                q = q_out
         out = cupy.ndarray(self.out_shape, self.dtype)
         lse = cupy.ndarray(self.lse_shape, np.float32) if with_lse else None
-        if self.merge is None:
-            out_partial = lse_partial = _NULL
+        if self.splits == 1:
+            out_partial = lse_partial = counters = _NULL
         else:
             out_partial = cupy.ndarray(self.partial_shapes[0], np.float32)
             lse_partial = cupy.ndarray(self.partial_shapes[1], np.float32)
+            counters = split_counters(self.device_id, self.row_groups)
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k_cache.data.ptr | v_cache.data.ptr) & 15
         self.kernel(self.grid, self.block, self.arguments(
             (q, k_cache, v_cache, out, _NULL if lse is None else lse, _vector(alibi_slopes), _vector(sinks), lengths,
-             _int32_vector(block_table, self.copy_table), out_partial, lse_partial, _int32(seqlen_k),
+             table, out_partial, lse_partial, counters, _int32(seqlen_k),
              _VECTOR_OK[vector_ok])), shared_mem=self.smem)
-        if self.merge is not None:
-            self.merge((out_partial, lse_partial, out, _NULL if lse is None else lse, _vector(sinks)) + self.merge_args)
         return out, lse
 
 

@@ -133,19 +133,23 @@ def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
 
 @dataclasses.dataclass(frozen=True)
 class CacheLaunches:
-    """The launches of one attention_with_kvcache call: the KV-cache forward (fwd_mma with KVCACHE, its query
-    heads packed ``pack`` to a row group, its keys in ``splits`` splits), then, where splits > 1,
-    ``merge`` (merge_parts) combining the splits' float32 partials."""
+    """The launches of one attention_with_kvcache call: ``append`` (append_rotary: the new keys and values
+    into the cache, rotated with the queries where rotary tables are given; None where neither), then the
+    KV-cache forward (fwd_mma with KVCACHE, its query heads packed ``pack`` to a row, its keys in ``splits``
+    splits). Where splits > 1 the blocks of each of the ``row_groups`` row groups (CacheBlock in
+    kernels/common.cuh) write float32 partials and the last of them merges them, counting in one int32 per
+    row group."""
 
+    append: Launch | None
     forward: Launch
     pack: int
     splits: int
-    merge: Launch | None
+    row_groups: int
 
 
 def kvcache(p: CacheProblem, device: _config.DeviceProps, num_splits: int = 0,
             spec: _config.KernelSpec | None = None) -> CacheLaunches:
-    """The KV-cache forward's launches. The query heads of a kv head share its blocks (pack = the GQA group),
+    """The KV-cache call's launches. The query heads of a kv head share its blocks (pack = the GQA group),
     except under ALiBi, whose slope the kernel takes per block (pack 1). ``num_splits`` 0 lets
     ``_config.kvcache_splits`` choose from the cache's capacity; otherwise that many, at most one per key
     tile. ``spec`` overrides the forward's (tuning tools). The forward's tail is QueryBlock's order (unread
@@ -154,15 +158,27 @@ def kvcache(p: CacheProblem, device: _config.DeviceProps, num_splits: int = 0,
     pack = 1 if a.alibi_shape is not None else a.group
     rows = a.seqlen_q * pack
     if spec is None:
-        spec = _config.kvcache_forward_spec(a.head_dim, a.dtype, a.mask_kind, device, a.mods, p.page_size)
+        row_groups = -(-rows // _config.MMA_ROWS_PER_WARP) * (a.heads // pack) * a.batch   # its blocks per split
+        spec = _config.kvcache_forward_spec(a.head_dim, a.dtype, a.mask_kind, device, a.mods, p.page_size,
+                                            row_groups)
     blocks = -(-rows // spec.block_m) * (a.heads // pack) * a.batch
     key_tiles = max(1, -(-a.seqlen_k // spec.block_n))
     if num_splits == 0:
         splits = _config.kvcache_splits(blocks, key_tiles, _config.resident_blocks(spec, device), device.sm_count)
     else:
         splits = min(num_splits, key_tiles)
-    merge_launch = merge(a.batch, a.seqlen_q, a.heads, a.dtype) if splits > 1 else None
-    return CacheLaunches(Launch(spec, grid(blocks * splits), (0,)), pack, splits, merge_launch)
+    return CacheLaunches(append_rotary(p), Launch(spec, grid(blocks * splits), (0,)), pack, splits, blocks)
+
+
+def append_rotary(p: CacheProblem) -> Launch | None:
+    """append_rotary (kernels/cache.cu), one warp per row: the rotated queries' rows (with rotary tables),
+    then the appended keys' and values' (batch x seqlen_new x heads_kv); None where there are neither."""
+    a = p.attn
+    rows = (a.batch * a.seqlen_q * a.heads if p.rotary_dim else 0) + a.batch * p.seqlen_new * a.heads_kv
+    if rows == 0:
+        return None
+    spec = _config.KernelSpec("append_rotary", a.dtype, threads=_config.APPEND_WARPS * 32)
+    return Launch(spec, grid(-(-rows // _config.APPEND_WARPS)))
 
 
 def merge(batch: int, seqlen_q: int, heads: int, dtype) -> Launch:

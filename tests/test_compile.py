@@ -57,6 +57,7 @@ def test_every_specialization_compiles(reports):
     assert packed["bwd_dq_convert"] == head_dims and "bwd_preprocess" not in packed
     assert kernels["fwd_mma"] == 2 * masks * head_dims + 2 * 2 * head_dims + kvcache + packed["fwd_mma"]
     assert kernels["merge_parts"] == len(_config.SUPPORTED_DTYPES)
+    assert kernels["append_rotary"] == len(_config.KVCACHE_DTYPES)
     # the Hopper forward (sm_90a) on sm_90 only: 4 head dims (64-column blocks) per plain (dtype, mask), the
     # modifiers without dropout (bfloat16, 2 masks), packed (bfloat16, 2 per head dim); its fallback is counted above
     assert kernels["fwd_wgmma"] == (2 * masks * 4 + 2 * 4 + 2 * 4 if device.tensor_maps else 0)

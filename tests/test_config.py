@@ -232,7 +232,7 @@ def test_all_specs_are_distinct_and_cover_the_table():
     # kernel's two parts plus the atomic dK-only part past it; float32's three kernels.
     modified = 2 * 2 * ((2 * len(_config.HEAD_DIMS) + fused + 3 * split) + 3 * len(_config.HEAD_DIMS))
     # the KV-cache forward: contiguous and on 64-key pages (a narrower tile up to head_dim 128), plain and windowed
-    # with its modifiers, per head dim; merge_parts per dtype
+    # with its modifiers, per head dim; merge_parts per dtype, append_rotary per dtype the KV-cache forward takes
     kvcache = 2 * (fused + len(_config.HEAD_DIMS))
     assert sum(s.kvcache for s in specs) == kvcache
     # the packed-batch kernels: each the packed form of a kernel the set holds, on its tiles
@@ -249,7 +249,8 @@ def test_all_specs_are_distinct_and_cover_the_table():
     assert sum(not s.varlen for s in hopper_dkdv) == 3 * (2 * masks + 2)
     assert sum(s.varlen for s in hopper_dkdv) == 3 * 2
     assert len(specs) == (2 * half + single + modified + kvcache + len(packed) + len(_config.SUPPORTED_DTYPES)
-                          + sum(not s.varlen for s in hopper) + sum(not s.varlen for s in hopper_dkdv))
+                          + len(_config.KVCACHE_DTYPES) + sum(not s.varlen for s in hopper)
+                          + sum(not s.varlen for s in hopper_dkdv))
     no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT
     assert {s.mods for s in specs} == {0, _config.ALL_MODS, _config.ALL_MODS & ~_config.MOD_SINKS, no_dropout,
                                        no_dropout & ~_config.MOD_SINKS}
@@ -379,3 +380,17 @@ def test_kvcache_tiles_fit_the_pages_and_the_gpu():
     assert _config.kvcache_forward_spec(128, BFLOAT16, 0, _config.H100, 0, page_size=192).block_n == 64
     with pytest.raises(TypeError, match="float16 and bfloat16"):
         _config.kvcache_forward_spec(64, np.float32, 0, _config.H100, 0)
+
+
+def test_kvcache_tiles_halve_where_the_blocks_fill_the_gpu():
+    # one 128-key block per SM at head_dim 128 (132 SMs): 131 row groups leave room for key splits, 132 fill
+    # every slot by themselves and take 64-key tiles, three to an SM
+    def block_n(d, row_groups, page_size=0):
+        return _config.kvcache_forward_spec(d, BFLOAT16, 0, _config.H100, 0, page_size, row_groups).block_n
+
+    wide = _config.kvcache_forward_spec(128, BFLOAT16, 0, _config.H100, 0)
+    assert _config.resident_blocks(wide, _config.H100) * _config.H100.sm_count == 132
+    assert block_n(128, 131) == 128 and block_n(128, 132) == 64 and block_n(128, 512, page_size=256) == 64
+    assert block_n(96, 10**4) == 128  # two 128-key blocks fit an SM at head_dim 96
+    assert block_n(64, 10**4) == 128  # three 128-key blocks fit an SM at head_dim 64
+    assert block_n(256, 10**4) == 64  # past head_dim 128 the tile is 64 keys either way

@@ -159,7 +159,7 @@ def test_sequences_without_keys(xp, rng, sinks):
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 72])
 @pytest.mark.parametrize("feature", ["plain", "window", "softcap-sinks"])
 def test_every_split_count_agrees_with_one(rng, head_dim, feature):
-    """num_splits 2..n (the merge kernel) against 1 (no merge) within the tolerance rule, and the plan's own
+    """num_splits 2..n (the in-kernel merge) against 1 (no merge) within the tolerance rule, and the plan's own
     choice; paged equals contiguous bit for bit (the same tiles in the same order)."""
     import cupy as xp
 
@@ -180,6 +180,39 @@ def test_every_split_count_agrees_with_one(rng, head_dim, feature):
                                                num_splits=num_splits, return_lse=True, **options)
         for got, want in zip(paged, runs[num_splits]):
             np.testing.assert_array_equal(to_numpy(got), to_numpy(want))
+
+
+@requires_gpu
+def test_split_counters_are_left_zero_between_calls(rng):
+    """The last block of each row group to finish merges the group's splits and resets its counter: the same
+    call repeated after calls of other shapes and splits gives the same result bit for bit (a counter left
+    non-zero would leave its rows unmerged: NaN from the poisoned pool), a call on another stream counts in
+    its own buffer, and every counter is zero afterwards."""
+    import cupy as xp
+
+    from cuflash import _cupy_path
+
+    def call(batch, heads, num_splits):
+        q = draw(xp, np.random.default_rng(batch), (batch, 1, heads, 128), BF16)
+        caches = [draw(xp, np.random.default_rng(batch + i), (batch, 1000, 4, 128), BF16) for i in (1, 2)]
+        return cuflash.attention_with_kvcache(q, *caches, cache_seqlens=900, num_splits=num_splits, return_lse=True)
+
+    first = [to_numpy(x) for x in call(2, 16, 5)]
+    assert np.isfinite(first[0].astype(np.float32)).all()
+    for other in ((3, 8, 3), (1, 16, 8), (2, 16, 2)):
+        call(*other)
+        poison_pool(xp)
+        for got, want in zip(call(2, 16, 5), first):
+            np.testing.assert_array_equal(to_numpy(got), want)
+    stream = xp.cuda.Stream(non_blocking=True)
+    with stream:
+        on_stream = call(2, 16, 5)
+        stream.synchronize()
+    for got, want in zip(on_stream, first):
+        np.testing.assert_array_equal(to_numpy(got), want)
+    assert len(_cupy_path._SPLIT_COUNTERS) >= 2
+    for counters in _cupy_path._SPLIT_COUNTERS.values():
+        assert not counters.any()
 
 
 @st.composite
@@ -342,6 +375,55 @@ def test_rotary_matches_the_reference(xp, rng, interleaved, causal, lengths_kind
         scale = np.abs(rotated[b]).max()
         np.testing.assert_allclose(written.astype(np.float64), rotated[b], rtol=0,
                                    atol=2 * float(ml_dtypes.finfo(dtype).eps) * scale)
+
+
+@requires_gpu
+@pytest.mark.parametrize("table_dtype", ["float32", "q"])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(40, 16), (128, 128), (72, 64)])
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
+def test_fused_append_matches_the_array_steps(rng, table_dtype, head_dim, rotary_dim, interleaved):
+    """The GPU's one append_rotary launch writes the caches as the NumPy path's array operations do (within
+    one rounding of the float32 rotation), on strided q, k and v views (every other head of larger arrays),
+    tables of either dtype, rotary_dim below head_dim, several queries at advancing positions, pages of 64
+    keys; every row it does not write stays as it was, and the output is the reference's."""
+    import cupy as xp
+
+    batch, seqlen_q, seqlen_new, heads, heads_kv, capacity = 3, 3, 5, 4, 2, 200
+    dtype = BF16
+    cos, sin = rotary_tables(np, capacity, rotary_dim, np.float32 if table_dtype == "float32" else dtype)
+    q_host = rng.standard_normal((batch, seqlen_q, 2 * heads, head_dim)).astype(dtype)[:, :, ::2]
+    k_host, v_host = (rng.standard_normal((batch, seqlen_new, 2 * heads_kv, head_dim)).astype(dtype)[:, :, ::2]
+                      for _ in range(2))
+    caches = [rng.standard_normal((batch, capacity, heads_kv, head_dim)).astype(dtype) for _ in range(2)]
+    lengths = np.array([0, 61, 195], np.int32)
+    pools, table = paged_copies(np, rng, caches, 64)
+    results = {}
+    for path in (np, xp):
+        arrays = [q_host, k_host, v_host]
+        if path is xp:  # the same strided views, on the device: every other head of a larger array
+            arrays = [xp.asarray(np.repeat(x, 2, axis=2))[:, :, ::2] for x in arrays]
+            assert not arrays[0].flags.c_contiguous
+        run_pools = [path.array(pool) for pool in pools]
+        out = cuflash.attention_with_kvcache(arrays[0], *run_pools, arrays[1], arrays[2],
+                                             cache_seqlens=path.asarray(lengths), block_table=path.asarray(table),
+                                             rotary_cos=path.asarray(cos), rotary_sin=path.asarray(sin),
+                                             rotary_interleaved=interleaved, causal=True)
+        results[path] = [to_numpy(x) for x in (out, *run_pools)]
+    eps = float(ml_dtypes.finfo(dtype).eps)
+    for got, want in zip(results[xp][1:], results[np][1:]):
+        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=eps, atol=eps)
+    written = np.zeros(pools[0].shape[:2], bool)
+    for b in range(batch):
+        for n in range(lengths[b], lengths[b] + seqlen_new):
+            written[table[b, n // 64], n % 64] = True
+    for got, before in zip(results[xp][1:], pools):
+        np.testing.assert_array_equal(got[~written], before[~written])
+    check_against_reference(*cuflash.attention_with_kvcache(
+        xp.asarray(q_host), *(xp.asarray(c) for c in caches), xp.asarray(k_host), xp.asarray(v_host),
+        cache_seqlens=xp.asarray(lengths), rotary_cos=xp.asarray(cos), rotary_sin=xp.asarray(sin),
+        rotary_interleaved=interleaved, causal=True, return_lse=True),
+        xp.asarray(q_host), *(xp.asarray(c) for c in caches), k_host, v_host, dtype, cache_seqlens=lengths,
+        rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved, causal=True)
 
 
 def test_rotary_refusals(xp, rng):

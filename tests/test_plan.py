@@ -181,16 +181,16 @@ def test_kvcache_packs_the_query_heads_of_a_kv_head():
     assert plan.pack == 1 and plan.forward.grid == (32 * plan.splits,)
 
 
-def test_kvcache_splits_fill_the_gpu_and_merge():
-    # one sequence of 4096 keys: 8 blocks would leave most SMs idle, so the keys are split and merged
+def test_kvcache_splits_fill_the_gpu_and_count_per_row_group():
+    # one sequence of 4096 keys: 8 blocks would leave most SMs idle, so the keys are split; the splits of
+    # each of the 8 row groups count in one counter, and the last merges them in the same launch
     small = _plan.kvcache(cache_problem(), H100)
-    assert small.splits == 8 and small.merge is not None and small.merge.spec.kernel == "merge_parts"
-    assert small.merge.grid == (-(-32 // _config.MERGE_WARPS),)
+    assert small.splits == 8 and small.row_groups == 8 and small.forward.grid == (8 * 8,)
     # a batch that fills the GPU by itself takes no splits
     big = _plan.kvcache(cache_problem(batch=64, capacity=1024), H100)
-    assert big.splits == 1 and big.merge is None
+    assert big.splits == 1 and big.row_groups == 64 * 8
     # the caller's count, at most one split per key tile
-    assert _plan.kvcache(cache_problem(), H100, num_splits=1).merge is None
+    assert _plan.kvcache(cache_problem(), H100, num_splits=1).splits == 1
     assert _plan.kvcache(cache_problem(capacity=300), H100, num_splits=64).splits == 3  # 128-key tiles
 
 

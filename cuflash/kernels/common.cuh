@@ -384,13 +384,16 @@ template <bool VARLEN> struct Sequence {
 // key split, head group, batch), query blocks fastest: the blocks that read one cache run side by side.
 struct CacheBlock {
     int b, h, m0, split;   // h: the group's first query head; m0: the block's first row
+    int row_group;         // the block's rows, counted over (batch, head group, row block): its splits share it
     __device__ __forceinline__ CacheBlock(int block_m, int rows, int head_groups, int pack, int num_splits) {
         const int num_m_blocks = (rows + block_m - 1) / block_m;
         int rest = static_cast<int>(blockIdx.x);
-        m0 = rest % num_m_blocks * block_m;
+        const int m_block = rest % num_m_blocks;
+        m0 = m_block * block_m;
         rest /= num_m_blocks;
         split = rest % num_splits;
         rest /= num_splits;
+        row_group = rest * num_m_blocks + m_block;
         h = rest % head_groups * pack;
         b = rest / head_groups;
     }
@@ -491,9 +494,10 @@ struct DqAccum {
 // corner (diagonal = keys - seqlen_q); block_table (int32, block_table_stride per batch; null: contiguous)
 // maps key n of batch b to row n % page_size of page block_table[b][n / page_size], k_sb and v_sb then
 // the page strides; pack query heads share each group of rows (CacheBlock); where num_splits > 1 the
-// blocks write float32 partials for merge_parts (kernels/merge.cu): out_partial (num_splits, batch,
-// seqlen_q, heads, head_dim) normalized over a split's keys, lse_partial (num_splits, batch, heads,
-// seqlen_q), without the sinks, which the merge adds. cu_seqlens_q and cu_seqlens_k (int32 (batch + 1,)) are
+// blocks write float32 partials: out_partial (num_splits, batch, seqlen_q, heads, head_dim) normalized
+// over a split's keys, lse_partial (num_splits, batch, heads, seqlen_q), without the sinks, and count
+// themselves in split_counters[row_group] (int32, one per CacheBlock row group, zero before the launch and
+// left zero after it): the row group's last block to count merges its parts (merge_row, merge.cuh). cu_seqlens_q and cu_seqlens_k (int32 (batch + 1,)) are
 // a packed batch's prefix sums (Sequence; null in a dense batch).
 #define CUFLASH_FWD_FIELDS(PTR, VAL, LAST)                                                            \
     PTR(const T, q) PTR(const T, k) PTR(const T, v) PTR(T, out) PTR(float, lse)                       \
@@ -506,8 +510,8 @@ struct DqAccum {
     VAL(int, window_right) VAL(int, alibi_batch_stride) VAL(float, softcap_in) VAL(float, softcap_out) \
     VAL(unsigned, dropout_threshold) VAL(float, dropout_scale) VAL(float, scale_log2)                  \
     PTR(const int, cache_seqlens) PTR(const int, block_table) PTR(float, out_partial)                 \
-    PTR(float, lse_partial) PTR(const int, cu_seqlens_q) PTR(const int, cu_seqlens_k)                \
-    VAL(long long, block_table_stride) VAL(int, seqlen_k_new) VAL(int, pack)  \
+    PTR(float, lse_partial) PTR(int, split_counters) PTR(const int, cu_seqlens_q)                   \
+    PTR(const int, cu_seqlens_k) VAL(long long, block_table_stride) VAL(int, seqlen_k_new) VAL(int, pack)  \
     VAL(int, num_splits) VAL(int, page_size) VAL(int, vec_ok) LAST(int, query_blocks_fastest)
 
 // The backward's (bwd_dkdv_mma, bwd_dkdv_rows_mma, bwd_dq_mma, bwd_dkdv_simt, bwd_dq_simt;

@@ -16,12 +16,14 @@
 // KVCACHE: the decoding forward of attention_with_kvcache. The block's 16 rows are query heads packed with
 // their positions (CacheBlock), its keys one split of a cache of per-sequence length, contiguous or paged,
 // its 4 warps each scoring a quarter of every key tile (kKeyWarps), their states merged at the end; with
-// key splits it writes float32 partials that merge_parts (merge.cu) combines.
+// key splits it writes float32 partials, and the last block of each row group to finish merges them
+// (merge_row, merge.cuh): one launch per call.
 //
 // Scores are kept in base 2: x = (q . k) * scale * log2(e), so p = exp2(x - m_i). The stored lse is
 // converted back to natural log: lse = (m_i + log2(l_i)) * ln(2); a null lse stores none (a caller that
 // does not return it allocates none). Under dropout (kModDropout) l_i sums every P, P.V takes the kept
 // ones (Dropout::drop_pairs on the packed P), and the epilogue scales by 1 / (1 - p).
+#include "merge.cuh"
 #include "mma.cuh"
 
 namespace cuflash {
@@ -104,10 +106,10 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     // under KVCACHE rows m0.. of the packed query heads h.. (CacheBlock), of split `split` of the keys. `rows`
     // counts a head's (or head group's) rows and position(row) is a row's query position; `keys` counts
     // batch b's keys, whose diagonal is `diag` (a KV cache's own length, aligned bottom-right).
-    int b, h, h_kv, m0, bh, split = 0;
+    int b, h, h_kv, m0, bh, split = 0, row_group = 0;
     if constexpr (KVCACHE) {
         const CacheBlock blk(BLOCK_M, seqlen_q * pack, heads / pack, pack, num_splits);
-        b = blk.b, h = blk.h, m0 = blk.m0, split = blk.split;
+        b = blk.b, h = blk.h, m0 = blk.m0, split = blk.split, row_group = blk.row_group;
         h_kv = h / group;
         bh = b * heads + h;
     } else {
@@ -429,6 +431,36 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     // lse = -inf (with a sink: output 0, lse = the sink).
     cp_async_wait<0>();
     __syncthreads();
+    // With key splits (KVCACHE) every thread of the block comes here once warp 0 has stored the block's
+    // partials. The blocks of a row group count themselves in split_counters[row_group]; the last to count
+    // resets it for the next call and merges the group's num_splits parts, a warp per row (merge_row reads
+    // them through L2). The fences order each thread's partial stores before the count and the merge's
+    // loads after it. A named barrier: the warps arrive from two places (warp 0 after the epilogue).
+    const bool partial = KVCACHE && num_splits > 1;
+    auto merge_splits_if_last = [&] {
+        constexpr int kSplitsBarrier = 1;   // 0 is __syncthreads'; KVCACHE has no warp pairs (KEY_SPLIT 1)
+        int* const last_flag = reinterpret_cast<int*>(q_s);   // the Q tile's memory, read no more
+        __threadfence();
+        named_barrier_sync(kSplitsBarrier, kThreads);
+        if (tid == 0) {
+            const bool last = atomicAdd(split_counters + row_group, 1) == num_splits - 1;
+            if (last) atomicExch(split_counters + row_group, 0);
+            *last_flag = last;
+        }
+        named_barrier_sync(kSplitsBarrier, kThreads);
+        if (*last_flag == 0) return;
+        __threadfence();
+        const long long part_rows = static_cast<long long>(batch) * heads * seqlen_q;   // rows per part
+        for (int r = warp; r < BLOCK_M && m0 + r < rows; r += WARPS) {
+            const int row = m0 + r, head = h + row % pack, at = position(row);
+            const long long slot = (static_cast<long long>(b) * heads + head) * seqlen_q + at;   // lse's layout
+            const float sink = (MODS & kModSinks) != 0 ? sinks[head] : -CUFLASH_INF;
+            merge_row(out_partial + ((static_cast<long long>(b) * seqlen_q + at) * heads + head) * head_dim,
+                      part_rows * head_dim, lse_partial + slot, part_rows, num_splits, sink,
+                      out + b * o_sb + at * o_ss + head * o_sh, lse == nullptr ? nullptr : lse + slot, head_dim,
+                      lane);
+        }
+    };
     if constexpr (kKeyWarps > KEY_SPLIT) {
         // The KV-cache warps' states over their keys merged into warp 0's, through the key tiles' memory (no
         // longer read): each warp's m_i per row, then its l_i and acc rescaled to the largest m_i, summed by
@@ -456,7 +488,10 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_slots[((warp * kDTiles + db) * 4 + e) * 32 + lane] = acc[0][db][e] * factor[e / 2];
         __syncthreads();
-        if (warp != 0) return;
+        if (warp != 0) {   // warp 0 alone runs the epilogue
+            if (partial) merge_splits_if_last();
+            return;
+        }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float l = 0.f;
@@ -499,8 +534,7 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
                                                      : static_cast<long long>(bh) * seqlen_q);
     const float sink2 = (MODS & kModSinks) != 0 && !KVCACHE ? sinks[h] * kLog2e : 0.f;   // this head's sink, base 2
     // With key splits each block writes its split's result as float32 partials, straight from registers,
-    // without the sinks (merge_parts adds them); a KV-cache row's head is h + row % pack.
-    const bool partial = KVCACHE && num_splits > 1;
+    // without the sinks (the merge adds them); a KV-cache row's head is h + row % pack.
 #pragma unroll
     for (int ma = 0; ma < kMAtoms; ++ma) {
 #pragma unroll
@@ -545,6 +579,10 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
                     pack2<T>(acc[ma][db][2 * r] * inv_l, acc[ma][db][2 * r + 1] * inv_l);
         }
     }
+    if (partial) {
+        merge_splits_if_last();
+        return;
+    }
     constexpr int kStoreRows = kRowsPerWarp / KEY_SPLIT;
     static_assert(kStoreRows % 8 == 0, "a warp's first stored row starts the swizzle's 8-row period");
     if constexpr (KEY_SPLIT > 1)
@@ -553,11 +591,10 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
         __syncwarp();
     const int store_row0 = warp_row0 + share * kStoreRows;
     if constexpr (KVCACHE) {
-        if (!partial)
-            store_rows_to<T, kStoreRows, HEAD_DIM, 32, Row>([&](int r) -> T* {
-                const int row = m0 + store_row0 + r;
-                return row < out_rows ? out + b * o_sb + position(row) * o_ss + (h + row % pack) * o_sh : nullptr;
-            }, head_dim, q_s + store_row0 * kRow, lane);
+        store_rows_to<T, kStoreRows, HEAD_DIM, 32, Row>([&](int r) -> T* {
+            const int row = m0 + store_row0 + r;
+            return row < out_rows ? out + b * o_sb + position(row) * o_ss + (h + row % pack) * o_sh : nullptr;
+        }, head_dim, q_s + store_row0 * kRow, lane);
     } else {
         store_rows<T, kStoreRows, HEAD_DIM, 32, Row>(out + b * o_sb + out_seq.q_start * o_ss + h * o_sh, o_ss,
                                                      m0 + store_row0, out_rows, head_dim, q_s + store_row0 * kRow,
