@@ -34,6 +34,9 @@ CASES = {
     "simt-float32-40": dict(shape=(1, 50, 70, 2, 1, 40), dtype="float32", backward=True),
     "varlen-128-causal": dict(shape=(0, 0, 0, 4, 2, 128), varlen=([17, 0, 40, 33], [23, 11, 40, 70]), causal=True),
     "kvcache-paged-128": dict(shape=(3, 1, 0, 8, 2, 128), kvcache=(500, 256)),
+    # a contiguous cache: 3 keys appended per sequence, rotated (half-split) with the queries, 5 key splits
+    "kvcache-append-rotary-72": dict(shape=(3, 2, 0, 6, 3, 72), kvcache=(300, 0), causal=True, append=3, rotary=32,
+                                     num_splits=5),
 }
 
 
@@ -66,14 +69,25 @@ def run_case(xp, rng, spec: dict) -> list:
         out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **options)
         return [out, lse, *cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **options)]
     if "kvcache" in spec:
-        keys, page_size = spec["kvcache"]
-        pages = -(-keys // page_size)
+        keys, page_size = spec["kvcache"]  # page_size 0: a contiguous cache
+        appended = spec.get("append", 0)
         q = draw(batch, seqlen_q, heads, head_dim)
-        k_cache, v_cache = (draw(batch * pages + 1, page_size, heads_kv, head_dim) for _ in range(2))
-        table = xp.asarray(rng.permutation(batch * pages + 1)[:batch * pages].reshape(batch, pages).astype(np.int32))
+        new = dict(k=draw(batch, appended, heads_kv, head_dim), v=draw(batch, appended, heads_kv, head_dim)) \
+            if appended else {}
+        if "rotary" in spec:
+            angles = np.arange(keys + appended)[:, None] * 0.01 * np.arange(1, spec["rotary"] // 2 + 1)[None, :]
+            new.update(rotary_cos=xp.asarray(np.cos(angles).astype(np.float32)),
+                       rotary_sin=xp.asarray(np.sin(angles).astype(np.float32)), rotary_interleaved=False)
         lengths = xp.asarray(np.array([keys, 1, keys // 2], np.int32)[:batch])
-        return list(cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table,
-                                                   return_lse=True, **options))
+        if page_size:
+            pages = -(-(keys + appended) // page_size)
+            k_cache, v_cache = (draw(batch * pages + 1, page_size, heads_kv, head_dim) for _ in range(2))
+            new["block_table"] = xp.asarray(
+                rng.permutation(batch * pages + 1)[:batch * pages].reshape(batch, pages).astype(np.int32))
+        else:
+            k_cache, v_cache = (draw(batch, keys + appended, heads_kv, head_dim) for _ in range(2))
+        return list(cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, return_lse=True,
+                                                   num_splits=spec.get("num_splits", 0), **new, **options))
     q, dout = draw(batch, seqlen_q, heads, head_dim), draw(batch, seqlen_q, heads, head_dim)
     k, v = draw(batch, seqlen_k, heads_kv, head_dim), draw(batch, seqlen_k, heads_kv, head_dim)
     if spec.get("dropout"):
