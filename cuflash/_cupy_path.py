@@ -412,8 +412,12 @@ KVCACHE_PER_CALL = ("q", "k", "v", "out", "lse", "alibi_slopes", "sinks", "cache
 
 #: The KV-cache forward's split counters per (device, stream): int32, one per row group, zero between calls
 #: (the last block of each row group resets its own), so a call launches no memset. Calls on one stream run
-#: in order and calls on different streams count in different buffers.
+#: in order and calls on different streams count in different buffers. A buffer dropped (grown, or all of
+#: them past MAX_COUNTER_STREAMS, as a program that makes a stream per request would otherwise collect one
+#: per stream) goes back to CuPy's pool, which hands it out again only on its own stream, after the kernels
+#: already queued there.
 _SPLIT_COUNTERS: dict[tuple[int, int], cupy.ndarray] = {}
+MAX_COUNTER_STREAMS = 64
 
 
 def split_counters(device_id: int, count: int):
@@ -422,6 +426,8 @@ def split_counters(device_id: int, count: int):
     key = (device_id, cupy.cuda.get_current_stream().ptr)
     counters = _SPLIT_COUNTERS.get(key)
     if counters is None or counters.size < count:
+        if counters is None and len(_SPLIT_COUNTERS) >= MAX_COUNTER_STREAMS:
+            _SPLIT_COUNTERS.clear()
         counters = _SPLIT_COUNTERS[key] = cupy.zeros(count, np.int32)
     return counters
 
