@@ -359,8 +359,12 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         at the bottom-right corner (query ``i`` is position ``cache_seqlens[b] + seqlen_new - seqlen_q + i``).
     num_splits : int
         Key splits per sequence (Flash-Decoding: each split is a block of its own, the splits merged by their
-        logsumexp, :func:`merge_states`' rule). 0 (default) lets the plan choose from the shape and the GPU;
-        1 disables splitting. Ignored on the NumPy path.
+        logsumexp, :func:`merge_states`' rule, by the last block of each group to finish, in the same launch).
+        0 (default) lets the plan choose from the shape and the GPU; 1 disables splitting. Ignored on the
+        NumPy path. With splits the blocks count themselves in a small int32 buffer that cuflash keeps per
+        device and stream (zero between calls, no memset per call): calls that may run at the same time need
+        different streams, and so does a CUDA graph of this call replayed while calls run on the stream it was
+        captured on.
     return_lse : bool
         Also return the logsumexp, float32 (batch, heads, seqlen_q).
     check_indices : bool
