@@ -215,6 +215,33 @@ def test_split_counters_are_left_zero_between_calls(rng):
         assert not counters.any()
 
 
+def test_split_counters_are_kept_per_stream_and_bounded(monkeypatch):
+    """The split counters' bookkeeping (no GPU: CuPy stood in for by NumPy and a stream pointer): one zeroed
+    buffer per (device, stream), the same one while it is large enough, a larger one when a call needs it,
+    and all of them dropped once more than MAX_COUNTER_STREAMS streams have asked, so a program that makes
+    a stream per call keeps a bounded set."""
+    import types
+
+    from cuflash import _cupy_path
+
+    stream = types.SimpleNamespace(ptr=0)
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: stream), zeros=np.zeros)
+    monkeypatch.setattr(_cupy_path, "cupy", fake)
+    monkeypatch.setattr(_cupy_path, "_SPLIT_COUNTERS", {})
+    first = _cupy_path.split_counters(0, 8)
+    assert first.size == 8 and first.dtype == np.int32 and not first.any()
+    assert _cupy_path.split_counters(0, 4) is first
+    grown = _cupy_path.split_counters(0, 16)
+    assert grown is not first and grown.size == 16 and not grown.any()
+    assert _cupy_path.split_counters(1, 4) is not grown  # another device
+    seen = []
+    for ptr in range(1, 2 * _cupy_path.MAX_COUNTER_STREAMS):
+        stream.ptr = ptr
+        seen.append(len(_cupy_path._SPLIT_COUNTERS))
+        assert _cupy_path.split_counters(0, 4) is _cupy_path.split_counters(0, 4)
+    assert max(seen) == _cupy_path.MAX_COUNTER_STREAMS and len(_cupy_path._SPLIT_COUNTERS) < max(seen)
+
+
 @st.composite
 def decode_problems(draw_from):
     """Shapes, lengths and options of a decoding call: packed query heads, odd head dims, lengths from empty
