@@ -1,5 +1,7 @@
-"""The KV cache's side of attention_with_kvcache, on either array module: rotary embeddings of the new queries
-and keys, appending keys and values, and reading a sequence's keys back (the NumPy path and the reference).
+"""The KV cache's side of attention_with_kvcache as array operations: rotary embeddings of the new queries and
+keys, appending keys and values, and reading a sequence's keys back, for the NumPy path and the reference (and
+on CuPy only for a call with no query rows (batch, seqlen_q or heads 0), which may still append); other CuPy calls
+run the same steps in one kernel (append_rotary, kernels/cache.cu).
 
 A contiguous cache is (batch, seqlen_cache, heads_kv, head_dim); a paged one (num_blocks, page_size,
 heads_kv, head_dim) with ``block_table`` (batch, max_blocks_per_sequence): key ``n`` of sequence ``b`` is
