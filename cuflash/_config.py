@@ -500,19 +500,22 @@ def wgmma_forward_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mod
     return wgmma_spec(dtype, d, mask, block_m, block_n, mods, device)
 
 
-#: fwd_wgmma runs on a persistent grid (a block per SM, taking work items from a counter) up to this many keys
-WGMMA_PERSISTENT_MAX_SEQLEN_K = 2048
+#: fwd_wgmma runs on a persistent grid (a block per SM, taking work items from a counter) where a query block
+#: visits at most this many keys
+WGMMA_PERSISTENT_MAX_KEYS = 2048
 
 
-def wgmma_forward_persistent(seqlen_k: int) -> bool:
-    """Does fwd_wgmma run on a persistent grid? Where items are short: the next item's loads then overlap this
-    one's last products and epilogue. TFLOP/s on the H200, bfloat16, FlashAttention's grid, one block per item
-    / persistent, at seqlen 512 / 1k / 4k / 16k (bench/NOTES.md h4):
+def wgmma_forward_persistent(item_keys: int) -> bool:
+    """Does fwd_wgmma run on a persistent grid, its query blocks visiting at most ``item_keys`` keys each
+    (``_plan.keys_per_query_block``: seqlen_k, or fewer under a window bounded on both sides)? Where items are
+    short: the next item's loads then overlap this one's last products and epilogue. TFLOP/s on the H200,
+    bfloat16, FlashAttention's grid, one block per item / persistent, at seqlen 512 / 1k / 4k / 16k
+    (bench/NOTES.md h4):
       head_dim 64:  255 / 324, 330 / 379, 477 / 453, 506 / 514;  causal 147 / 188, 220 / 270, 418 / 443, 489 / 501
       head_dim 128: 414 / 485, 541 / 594, 687 / 682, 665 / 659;  causal 238 / 259, 334 / 361, 559 / 577, 635 / 628
       head_dim 256: 405 / 438, 543 / 573, 731 / 734, 772 / 751;  causal 234 / 229, 333 / 329, 641 / 662, 800 / 741
     """
-    return seqlen_k <= WGMMA_PERSISTENT_MAX_SEQLEN_K
+    return item_keys <= WGMMA_PERSISTENT_MAX_KEYS
 
 
 def wgmma_spec(dtype, head_dim: int, mask: int, block_m: int, block_n: int, mods: int = 0,

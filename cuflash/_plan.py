@@ -56,6 +56,14 @@ def banded_grid(tiles_per_head: int, pairs: int, sm_count: int) -> tuple[int, in
     return grid(tiles_per_head * band)[0], pairs // band
 
 
+def keys_per_query_block(p: Problem, block_m: int) -> int:
+    """The most keys one query block of ``block_m`` rows visits: seqlen_k, or under a window bounded on both
+    sides its span, left + block_m + right keys (rounded out to the key tiles by the kernel)."""
+    if p.window_left < 0 or p.window_right < 0:
+        return p.seqlen_k
+    return min(p.seqlen_k, p.window_left + block_m + p.window_right)
+
+
 def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | None = None,
             packed: bool = False, tensor_maps: bool = True, persistent: bool | None = None) -> Launch:
     """The forward's one launch; ``spec`` overrides the tile table's (for tuning tools). Its tail is
@@ -72,7 +80,7 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
     if spec.kernel != "fwd_wgmma":
         return Launch(spec, grid(items), (int(order),))
     if persistent is None:
-        persistent = _config.wgmma_forward_persistent(p.seqlen_k)
+        persistent = _config.wgmma_forward_persistent(keys_per_query_block(p, spec.block_m))
     return Launch(spec, grid(min(items, device.sm_count) if persistent else items), (int(order),), persistent)
 
 

@@ -35,9 +35,9 @@ def test_forward_launch_covers_every_query_block_of_every_head():
 
 
 def test_the_hopper_forward_runs_on_a_persistent_grid_where_keys_are_few():
-    # up to WGMMA_PERSISTENT_MAX_SEQLEN_K keys, a block per SM (or per item, where fewer) taking work items from a
-    # counter; past it a block per item; the mma.sync forward never
-    limit = _config.WGMMA_PERSISTENT_MAX_SEQLEN_K
+    # where a query block visits up to WGMMA_PERSISTENT_MAX_KEYS keys, a block per SM (or per item, where fewer)
+    # taking work items from a counter; past it a block per item; the mma.sync forward never
+    limit = _config.WGMMA_PERSISTENT_MAX_KEYS
     short = _plan.forward(problem(batch=8, seqlen_q=limit, seqlen_k=limit), H100)
     assert short.spec.kernel == "fwd_wgmma" and short.work_counter and short.grid == (H100.sm_count,)
     long = problem(batch=8, seqlen_q=limit, seqlen_k=limit + 1)
@@ -47,6 +47,15 @@ def test_the_hopper_forward_runs_on_a_persistent_grid_where_keys_are_few():
     few = _plan.forward(problem(batch=1, seqlen_q=100, seqlen_k=100, heads=2, heads_kv=2), H100)
     assert few.work_counter and few.grid == (2,)
     assert not _plan.forward(problem(), _config.A100).work_counter
+    # a window bounded on both sides keeps the items short at any length: left + block_m + right keys
+    block_m = launch.spec.block_m
+    windowed = dataclasses.replace(long, seqlen_q=8 * limit, seqlen_k=8 * limit, window_left=limit - block_m)
+    assert _plan.keys_per_query_block(windowed, block_m) == limit
+    assert _plan.forward(windowed, H100).work_counter
+    wider = dataclasses.replace(windowed, window_left=limit - block_m + 1)
+    assert not _plan.forward(wider, H100).work_counter
+    # one side unbounded: a block may see every key
+    assert _plan.keys_per_query_block(dataclasses.replace(windowed, window_right=-1), block_m) == 8 * limit
 
 
 def test_the_hopper_forward_falls_back_where_no_tensor_map_serves():
