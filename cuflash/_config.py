@@ -487,13 +487,13 @@ def _wgmma_forward_tiles(head_dim: int, mods: int = 0) -> tuple[int, int]:
 
 def wgmma_forward_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: int = 0) -> KernelSpec | None:
     """The Hopper forward (fwd_wgmma) for one problem, or None where it does not serve: a GPU other than
-    compute capability 9.0 or no tensor maps (DeviceProps.tensor_maps), float32, dropout, a head dim of 32 or
+    compute capability 9.0 or no tensor maps (DeviceProps.tensor_maps), float32, a head dim of 32 or
     less (fwd_mma's 128 x 64 tiles waste no columns there; the 64-column TMA boxes would waste half) or not a
     multiple of 8 (TMA's rows are multiples of 16 bytes). Its head dim is the user's rounded up to a multiple
     of 64: the missing columns read as zeros (TMA) and are never stored."""
     dtype = np.dtype(dtype)
-    if (device.compute_capability != 90 or not device.tensor_maps or dtype == np.float32 or mods & MOD_DROPOUT
-            or head_dim <= 32 or head_dim % 8):
+    if (device.compute_capability != 90 or not device.tensor_maps or dtype == np.float32 or head_dim <= 32
+            or head_dim % 8):
         return None
     d = -(-head_dim // SWIZZLE_ELEMS) * SWIZZLE_ELEMS
     block_m, block_n = _wgmma_forward_tiles(d, mods)
@@ -547,11 +547,10 @@ def wgmma_dkdv_smem_bytes(head_dim: int, itemsize: int = 2) -> int:
 def wgmma_dkdv_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: int = 0) -> KernelSpec | None:
     """The Hopper dK/dV kernel with atomic dQ (bwd_dkdv_wgmma), or None where it does not serve: as the Hopper
     forward (wgmma_forward_spec), and only at the padded head dims 64, 128 and 256 (33..64, 97..128 and 225..256,
-    multiples of 8), without dropout. The deterministic backward's split grid takes it too
-    (split_grid_kernel)."""
+    multiples of 8). The deterministic backward's split grid takes it too (split_grid_kernel)."""
     dtype = np.dtype(dtype)
     d = padded_head_dim(head_dim)
-    if (device.compute_capability != 90 or not device.tensor_maps or dtype == np.float32 or mods & MOD_DROPOUT
+    if (device.compute_capability != 90 or not device.tensor_maps or dtype == np.float32
             or d not in WGMMA_DKDV_HEAD_DIMS or head_dim % 8):
         return None
     smem = wgmma_dkdv_smem_bytes(d, dtype.itemsize)
@@ -875,7 +874,7 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
                 spec = kvcache_forward_spec(d, BFLOAT16, mask, device, mods, page_size)
                 specs[spec.cache_key] = spec
     # the packed-batch kernels, plain and under a window with every modifier, with and without dropout (which
-    # the Hopper kernels leave to the mma.sync ones): bfloat16 at every head dim, float32 at the smallest and largest
+    # changes the mma.sync forward's tiles): bfloat16 at every head dim, float32 at the smallest and largest
     for dtype, dims in ((BFLOAT16, HEAD_DIMS), (np.dtype(np.float32), (HEAD_DIMS[0], MAX_HEAD_DIM))):
         for d in dims:
             for mask, mods in ((MASK_NONE, 0), (MASK_WINDOW, ALL_MODS & ~MOD_DROPOUT), (MASK_WINDOW, ALL_MODS)):

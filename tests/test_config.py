@@ -104,13 +104,14 @@ def test_smem_bytes_of_the_mma_forward():
 
 @pytest.mark.parametrize("device", DEVICES.values(), ids=DEVICES.keys())
 def test_the_hopper_forward_serves_where_it_can(device):
-    # compute capability 9.0 with tensor maps, float16/bfloat16, no dropout, head dims past 32 in whole 16-byte
-    # rows, rounded up to 64-column blocks; everywhere else the mma.sync (or float32 SIMT) forward
+    # compute capability 9.0 with tensor maps, float16/bfloat16, head dims past 32 in whole 16-byte rows (every
+    # modifier, dropout included), rounded up to 64-column blocks; everywhere else the mma.sync (or float32 SIMT)
+    # forward
     for head_dim, expected in ((40, 64), (64, 64), (96, 128), (128, 128), (136, 192), (192, 192), (200, 256),
                                (256, 256), (32, None), (100, None), (129, None)):
         for dtype in (np.float16, BFLOAT16, np.float32):
             for mods in (0, _config.SCORE_MODS | _config.MOD_SINKS, _config.MOD_DROPOUT):
-                serves = device.tensor_maps and dtype != np.float32 and not mods & _config.MOD_DROPOUT
+                serves = device.tensor_maps and dtype != np.float32
                 fwd = choose_config(head_dim, dtype, _config.MASK_WINDOW, device, mods).forward
                 assert (fwd.kernel == "fwd_wgmma") == (serves and expected is not None), (head_dim, dtype, mods)
                 if fwd.kernel == "fwd_wgmma":
@@ -193,10 +194,13 @@ def test_spec_names_are_template_instances():
     mods = choose_config(64, np.float16, _config.MASK_WINDOW, H100_MMA, _config.SCORE_MODS | _config.MOD_SINKS)
     assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 7, 128, 64, 4, 1, false, false>"
     assert mods.bwd_dq.name == "cuflash::bwd_dq_mma<__half, 64, 2, 3, 128, 32, 4, false>"
-    # dropout (bit 8) shares the plain forward tiles on sm_90; on sm_8x it takes 32-key tiles at head_dim 64
-    # (registers)
-    mods = choose_config(64, np.float16, _config.MASK_WINDOW, _config.H100, _config.ALL_MODS)
+    # dropout (bit 8) shares the plain forward tiles on sm_90 (the mma.sync ones where no tensor map serves); on
+    # sm_8x it takes 32-key tiles at head_dim 64 (registers)
+    mods = choose_config(64, np.float16, _config.MASK_WINDOW, H100_MMA, _config.ALL_MODS)
     assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 15, 128, 64, 4, 1, false, false>"
+    hopper = choose_config(64, np.float16, _config.MASK_WINDOW, _config.H100, _config.ALL_MODS)
+    assert hopper.forward.name == "cuflash::fwd_wgmma<__half, 64, 2, 15, 128, 128, false>"
+    assert hopper.bwd_dkdv_wgmma.name == "cuflash::bwd_dkdv_wgmma<__half, 64, 2, 11, 64, 128, false>"
     assert mods.bwd_dq.name == "cuflash::bwd_dq_mma<__half, 64, 2, 11, 128, 32, 4, false>"
     mods = choose_config(64, np.float16, _config.MASK_WINDOW, _config.A100, _config.ALL_MODS)
     assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 15, 128, 32, 4, 1, false, false>"
@@ -239,15 +243,16 @@ def test_all_specs_are_distinct_and_cover_the_table():
     packed = [s for s in specs if s.varlen]
     assert packed and {dataclasses.replace(s, varlen=False).cache_key for s in packed} <= {s.cache_key for s in specs}
     # the Hopper forward beside its fallback: 4 head dims (64-column blocks) for each plain (dtype, mask), the
-    # covering set's modifiers without dropout (bfloat16, 2 masks), and the packed batches' (2 per head dim)
+    # covering set's modifiers with and without dropout (bfloat16, 2 masks), and the packed batches' (3 per head
+    # dim: plain, and windowed with every modifier with and without dropout)
     hopper = [s for s in specs if s.kernel == "fwd_wgmma"]
-    assert sum(not s.varlen for s in hopper) == 2 * masks * 4 + 2 * 4 and sum(s.varlen for s in hopper) == 2 * 4
+    assert sum(not s.varlen for s in hopper) == 2 * masks * 4 + 2 * 2 * 4 and sum(s.varlen for s in hopper) == 3 * 4
     # and the Hopper dK/dV kernel at head dims 64, 128 and 256: each dtype and mask, the covering set's modifiers
-    # without dropout (bfloat16, 2 masks); packed: bfloat16, plain and windowed with the modifiers
+    # with and without dropout (bfloat16, 2 masks); packed: bfloat16, as the forward
     hopper_dkdv = [s for s in specs if s.kernel == "bwd_dkdv_wgmma"]
     assert {s.head_dim for s in hopper_dkdv} == {64, 128, 256}
-    assert sum(not s.varlen for s in hopper_dkdv) == 3 * (2 * masks + 2)
-    assert sum(s.varlen for s in hopper_dkdv) == 3 * 2
+    assert sum(not s.varlen for s in hopper_dkdv) == 3 * (2 * masks + 2 * 2)
+    assert sum(s.varlen for s in hopper_dkdv) == 3 * 3
     assert len(specs) == (2 * half + single + modified + kvcache + len(packed) + len(_config.SUPPORTED_DTYPES)
                           + len(_config.KVCACHE_DTYPES) + sum(not s.varlen for s in hopper)
                           + sum(not s.varlen for s in hopper_dkdv))

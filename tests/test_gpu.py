@@ -215,24 +215,30 @@ def _hopper_inputs(cp, rng, shape, alibi: bool, sinks: bool):
 
 def test_the_hopper_forward_matches_its_fallback(cp, rng):
     # fwd_wgmma (TMA, wgmma) against the mma.sync forward it falls back to, on awkward shapes with every feature
-    # it takes; and an array no tensor map can describe runs the fallback
+    # it takes (dropout draws the same mask in both); and an array no tensor map can describe runs the fallback
     from cuflash import _validate
 
     _, fallback_device = _hopper_devices()
-    cases = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim), causal, window, softcap, ALiBi, sinks
-        ((2, 77, 300, 4, 2, 72), True, (-1, -1), 0.0, False, False),
-        ((1, 300, 129, 6, 1, 136), False, (40, 7), 20.0, True, True),
-        ((3, 129, 129, 2, 2, 256), True, (-1, -1), 0.0, True, False),
-        ((1, 513, 700, 2, 1, 64), False, (-1, -1), 0.0, False, True),
+    cases = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim), causal, window, softcap, ALiBi, sinks, dropout
+        ((2, 77, 300, 4, 2, 72), True, (-1, -1), 0.0, False, False, 0.0),
+        ((1, 300, 129, 6, 1, 136), False, (40, 7), 20.0, True, True, 0.0),
+        ((3, 129, 129, 2, 2, 256), True, (-1, -1), 0.0, True, False, 0.0),
+        ((1, 513, 700, 2, 1, 64), False, (-1, -1), 0.0, False, True, 0.0),
+        ((2, 130, 333, 4, 2, 64), True, (-1, -1), 0.0, False, False, 0.2),
+        ((1, 300, 129, 6, 1, 128), False, (40, 7), 20.0, True, True, 0.5),
+        ((2, 129, 200, 2, 1, 192), True, (-1, -1), 0.0, False, False, 0.1),
+        ((1, 257, 300, 2, 2, 256), False, (70, 30), 10.0, True, True, 0.3),
     ]
-    for shape, causal, window, softcap, alibi, sinks in cases:
+    for shape, causal, window, softcap, alibi, sinks, dropout_p in cases:
         q, k, v, slopes, sink = _hopper_inputs(cp, rng, shape, alibi, sinks)
-        p = _validate.check_forward(q, k, v, causal, None, window, softcap, slopes, sink)
+        p = _validate.check_forward(q, k, v, causal, None, window, softcap, slopes, sink, dropout_p)
         hopper = _cupy_path.ForwardPlan(p, 0, q, k, v)
         assert hopper.maps is not None, shape
         fallback = _config.choose_config(p.head_dim, q.dtype, p.mask_kind, fallback_device, p.mods).forward
-        out, lse = hopper.run(q, k, v, slopes, sink)
-        want, want_lse = _cupy_path.ForwardPlan(p, 0, q, k, v, spec=fallback).run(q, k, v, slopes, sink)
+        seed, offset = int(rng.integers(2**63)), int(rng.integers(2**31))
+        out, lse = hopper.run(q, k, v, slopes, sink, seed, offset)
+        want, want_lse = _cupy_path.ForwardPlan(p, 0, q, k, v, spec=fallback).run(q, k, v, slopes, sink, seed,
+                                                                                   offset)
         out, want = to_numpy(out).astype(np.float32), to_numpy(want).astype(np.float32)
         assert np.abs(out - want).max() <= 2e-2 * np.abs(want).max(), shape
         assert np.allclose(to_numpy(lse), to_numpy(want_lse), atol=1e-3, equal_nan=False), shape
@@ -249,36 +255,41 @@ def test_the_hopper_forward_matches_its_fallback(cp, rng):
 def test_the_hopper_backward_matches_its_fallback(cp, rng):
     # bwd_dkdv_wgmma (the default backward's dK/dV and atomic dQ on sm_90) against the mma.sync kernels it falls
     # back to, on awkward shapes at the head dims it serves (33..64, 97..128 and 225..256), with the score
-    # modifiers and sinks
+    # modifiers, sinks and dropout (the same mask drawn in both)
     from cuflash import _validate
 
     _, fallback_device = _hopper_devices()
-    cases = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim), causal, window, softcap, ALiBi, sinks
-        ((2, 77, 300, 4, 2, 128), True, (-1, -1), 0.0, False, False),
-        ((1, 300, 129, 6, 1, 104), False, (40, 7), 0.0, False, False),
-        ((3, 129, 129, 2, 2, 128), False, (-1, -1), 0.0, False, False),
-        ((1, 513, 700, 2, 1, 120), True, (-1, -1), 0.0, False, False),
-        ((2, 200, 333, 4, 4, 64), True, (-1, -1), 0.0, False, False),
-        ((1, 129, 70, 6, 2, 40), False, (-1, -1), 0.0, False, False),
-        ((2, 150, 260, 4, 2, 64), False, (50, 20), 30.0, True, True),
-        ((1, 257, 190, 2, 1, 128), True, (-1, -1), 15.0, False, False),
-        ((1, 300, 300, 4, 1, 112), False, (-1, -1), 0.0, True, False),
-        ((2, 77, 300, 4, 2, 256), True, (-1, -1), 0.0, False, False),
-        ((1, 300, 129, 6, 1, 232), False, (40, 7), 0.0, False, False),
-        ((1, 150, 260, 4, 2, 256), False, (50, 20), 30.0, True, True),
-        ((2, 64, 64, 2, 2, 248), False, (-1, -1), 0.0, False, False),
+    cases = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim), causal, window, softcap, ALiBi, sinks, dropout
+        ((2, 77, 300, 4, 2, 128), True, (-1, -1), 0.0, False, False, 0.0),
+        ((1, 300, 129, 6, 1, 104), False, (40, 7), 0.0, False, False, 0.0),
+        ((3, 129, 129, 2, 2, 128), False, (-1, -1), 0.0, False, False, 0.0),
+        ((1, 513, 700, 2, 1, 120), True, (-1, -1), 0.0, False, False, 0.0),
+        ((2, 200, 333, 4, 4, 64), True, (-1, -1), 0.0, False, False, 0.0),
+        ((1, 129, 70, 6, 2, 40), False, (-1, -1), 0.0, False, False, 0.0),
+        ((2, 150, 260, 4, 2, 64), False, (50, 20), 30.0, True, True, 0.0),
+        ((1, 257, 190, 2, 1, 128), True, (-1, -1), 15.0, False, False, 0.0),
+        ((1, 300, 300, 4, 1, 112), False, (-1, -1), 0.0, True, False, 0.0),
+        ((2, 77, 300, 4, 2, 256), True, (-1, -1), 0.0, False, False, 0.0),
+        ((1, 300, 129, 6, 1, 232), False, (40, 7), 0.0, False, False, 0.0),
+        ((1, 150, 260, 4, 2, 256), False, (50, 20), 30.0, True, True, 0.0),
+        ((2, 64, 64, 2, 2, 248), False, (-1, -1), 0.0, False, False, 0.0),
+        ((2, 130, 333, 4, 2, 64), True, (-1, -1), 0.0, False, False, 0.2),
+        ((1, 300, 129, 6, 1, 128), False, (40, 7), 20.0, True, True, 0.5),
+        ((1, 150, 260, 4, 2, 256), True, (-1, -1), 0.0, False, False, 0.1),
+        ((2, 129, 200, 2, 1, 232), False, (50, 20), 30.0, True, True, 0.3),
     ]
-    for shape, causal, window, softcap, alibi, sinks in cases:
+    for shape, causal, window, softcap, alibi, sinks, dropout_p in cases:
         q, k, v, slopes, sink = _hopper_inputs(cp, rng, shape, alibi, sinks)
+        seed, offset = int(rng.integers(2**63)), int(rng.integers(2**31))
         out, lse = cuflash.attention(q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes,
-                                     sinks=sink, return_lse=True)
+                                     sinks=sink, dropout_p=dropout_p, seed=seed, offset=offset, return_lse=True)
         dout = cp.asarray(rng.standard_normal(out.shape, dtype=np.float32).astype(BF16))
-        p = _validate.check_backward(dout, q, k, v, out, lse, causal, None, window, softcap, slopes, sink)
+        p = _validate.check_backward(dout, q, k, v, out, lse, causal, None, window, softcap, slopes, sink, dropout_p)
         hopper = _cupy_path.BackwardPlan(p, 0, False, dout, q, k, v, out, lse)
         assert hopper.dkdv[0].maps is not None, shape
         mma_cfg = _config.choose_config(p.head_dim, q.dtype, p.mask_kind, fallback_device, p.mods)
         fallback = _cupy_path.BackwardPlan(p, 0, False, dout, q, k, v, out, lse, mma_cfg)
-        args = (dout, q, k, v, out, lse, slopes, sink)
+        args = (dout, q, k, v, out, lse, slopes, sink, seed, offset)
         for got, want in zip(hopper.run(*args), fallback.run(*args)):
             got, want = to_numpy(got).astype(np.float32), to_numpy(want).astype(np.float32)
             assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max() + 1e-3, shape

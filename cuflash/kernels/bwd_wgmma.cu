@@ -1,6 +1,6 @@
 // The backward's dK/dV (and atomic dQ) on Hopper (sm_90a): wgmma, TMA, warp specialization. The algorithm is
 // bwd_dkdv_mma's (bwd_mma.cu) with dQ added into the float32 buffer (DqAccum) and bwd_dq_convert after it;
-// head_dim 64, 128 and 256, float16/bfloat16, every mask and score modifier, no dropout (the plan runs the
+// head_dim 64, 128 and 256, float16/bfloat16, every mask, score modifier and dropout (the plan runs the
 // mma.sync kernels for the rest). deterministic=True runs it on the split grid (KeyBlock).
 //
 // One thread block owns BLOCK_N keys of one (batch, kv head) (KeyBlock's banded grid) and walks the query tiles
@@ -18,6 +18,9 @@
 //     P^T = exp2(score(S^T) - lse2), dS^T = P^T (dP^T - delta) score'   (per element: lse, delta per query;
 //     score and its derivative from ScoreMod: scale, softcap, ALiBi)
 //     dV += P^T dO, dK += dS^T Q          (wgmma rs: P^T, dS^T packed into A fragments; dO, Q MN-major)
+//     Under dropout (Dropout draws the forward's mask Z again) dV takes the kept P^T (dV is scaled by
+//     dropout_scale at the end) and dS^T = P^T (Z dP^T dropout_scale - delta) score': a dropped element's
+//     dP does not reach it.
 //     dS^T into shared memory, then dQ = dS K (wgmma ss, both MN-major: dS^T's rows are keys, K's are keys),
 //     added into dq_accum with vector reductions (the accumulator layout is DqAccum's 16 x 8 tile order).
 //     At head_dim 128 the consumers meet (named barrier) and each takes 64 of the columns over all 128 keys;
@@ -56,7 +59,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     static_assert(sizeof(T) == 2 && (HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256) && BLOCK_M == 64 &&
                       BLOCK_N == (kKeySplit ? 128 : 64),
                   "head_dim 64 or 128 with two consumers of 64 keys, 256 with two of 128 columns; 64-row query tiles");
-    static_assert(!(MODS & kModDropout), "no dropout (the mma.sync kernels run it)");
+    constexpr bool kDropout = (MODS & kModDropout) != 0;
     using Smem = BwdWgmmaSmem<HEAD_DIM, BLOCK_M, BLOCK_N>;
     constexpr int kConsumers = 2;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -185,6 +188,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         const float* lse_tile = stats_s + stage * 2 * BLOCK_M;
         const float* delta_tile = lse_tile + BLOCK_M;
         const ScoreMod<MODS> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
+        const Dropout<kDropout> dropout(dropout_seed, dropout_offset, dropout_threshold, b * heads + h);
         mbarrier_wait(q_full(stage), (s / kBwdWgmmaStages) & 1);
 
         // S^T = K Q^T and dP^T = V dO^T for this consumer's 64 keys, one group
@@ -200,13 +204,20 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         pin_registers(dpt);
 
         // P^T and dS^T, element by element into A fragments (k16 step kk: n8 tiles 2 kk, 2 kk + 1, as the
-        // forward packs P), and dS^T into shared memory for dQ
+        // forward packs P), and dS^T into shared memory for dQ. Dropout in the transposed tile (as
+        // bwd_dkdv_tiled_mma): the thread's elements of a 16-query block lie in two Philox calls, those of its
+        // queries 2 t (+ 8) and 2 t + 1 (+ 9); keep[e & 1] holds the bits of element (nb, e)'s call.
         const bool need_mask = m0 + BLOCK_M > seq.seqlen_q || key_wg0 + 64 > seq.seqlen_k ||
                                !window.covers(m0, m0 + BLOCK_M, key_wg0, key_wg0 + 64);
         unsigned p_frag[kPSteps][4], ds_frag[kPSteps][4];
         const unsigned ds_stage = ds_s + (s % 2) * Smem::kDsStage;
+        unsigned keep[2];
 #pragma unroll
         for (int nb = 0; nb < kSq / 4; ++nb) {
+            if (kDropout && nb % 2 == 0) {
+#pragma unroll
+                for (int odd = 0; odd < 2; ++odd) keep[odd] = dropout.bits(m0 + 8 * nb + 2 * t + odd, key0);
+            }
             float p[4], ds[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -215,7 +226,11 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                 p[e] = exp2f(mod.score(st[4 * nb + e], m0 + query, key, seq.diagonal, grad) - lse_tile[query] * kLog2e);
                 if (need_mask && !window.sees(m0 + query, key, seq.seqlen_k)) p[e] = 0.f;
                 if (need_mask && m0 + query >= seq.seqlen_q) p[e] = 0.f;
-                ds[e] = p[e] * (dpt[4 * nb + e] - delta_tile[query]) * grad;
+                const bool kept =
+                    !kDropout || ((keep[e & 1] >> Dropout<kDropout>::keep_bit(nb & 1, e >> 1, g & 1)) & 1u);
+                const float dp = kDropout ? (kept ? dpt[4 * nb + e] * dropout_scale : 0.f) : dpt[4 * nb + e];
+                ds[e] = p[e] * (dp - delta_tile[query]) * grad;
+                if (!kept) p[e] = 0.f;   // dV takes the kept P
             }
             p_frag[nb / 2][(nb % 2) * 2 + 0] = pack2<T>(p[0], p[1]);
             p_frag[nb / 2][(nb % 2) * 2 + 1] = pack2<T>(p[2], p[3]);
@@ -290,7 +305,9 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         if (ordered_adds && cw == 0) named_barrier_arrive(kAddedBarrier + s % 2, 2 * 128);   // once per step
     }
 
-    // Epilogue: dK times the softmax scale, dV; keys past seqlen_k are not stored
+    // Epilogue: dK times the softmax scale, dV (times dropout_scale under dropout); keys past seqlen_k are not
+    // stored
+    const float dv_scale = kDropout ? dropout_scale : 1.f;
     const Sequence<VARLEN> out_seq =
         VARLEN ? Sequence<VARLEN>::reread(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal) : seq;
 #pragma unroll
@@ -305,7 +322,8 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
             if (col >= head_dim) continue;
             *reinterpret_cast<unsigned*>(dk_row + col) =
                 pack2<T>(dk_acc[4 * nb + 2 * half] * scale, dk_acc[4 * nb + 2 * half + 1] * scale);
-            *reinterpret_cast<unsigned*>(dv_row + col) = pack2<T>(dv_acc[4 * nb + 2 * half], dv_acc[4 * nb + 2 * half + 1]);
+            *reinterpret_cast<unsigned*>(dv_row + col) =
+                pack2<T>(dv_acc[4 * nb + 2 * half] * dv_scale, dv_acc[4 * nb + 2 * half + 1] * dv_scale);
         }
     }
 }

@@ -21,7 +21,9 @@
 // are, boxes of [rows][64 columns]; columns past head_dim and rows past the end read as zeros. In a packed
 // batch (VARLEN) the maps span the packed rows (batch extent 1) and a block reads from its sequence's first
 // row: rows of the next sequence that a tile overruns are masked (keys) or never stored (queries).
-// No dropout and no KV cache (the plan runs fwd_mma for those).
+// Dropout (kModDropout) zeroes the dropped probabilities in P's A fragments after the row sums took them, one
+// Philox call per 16 x 16 block as fwd_mma (Dropout::drop_pairs: the fragments' layouts are the same).
+// No KV cache (the plan runs fwd_mma for it).
 #include "hopper.cuh"
 
 namespace cuflash {
@@ -31,13 +33,20 @@ constexpr int kWgmmaStages = 2;     // K and V stages each
 // consumers); at 192 and 256, where P V is long beside the softmax, it cost 4-11% from 4k (bench/NOTES.md, h2).
 template <int HEAD_DIM> constexpr bool kPingPong = HEAD_DIM <= 128;
 
-// The warpgroups of a block of BLOCK_M rows: a producer and BLOCK_M / 64 consumers, and their setmaxnreg budgets
-// (one block per SM, 65536 registers, multiples of 8): the producer's thread decodes work items and picks the
-// next, which spilled at 24 registers; 40 beside two consumers of 232, 32 beside three of 160.
+// The warpgroups of a block of BLOCK_M rows: a producer and BLOCK_M / 64 consumers, and their setmaxnreg budgets.
+// setmaxnreg moves registers within what the block was given at launch: one block per SM of kThreads threads gets
+// kLaunchRegisters each (65536 / kThreads in multiples of 8: 168 for 384 threads, 128 for 512), and the budgets
+// (multiples of 8) must not exceed that pool, or setmaxnreg.inc waits for ever. The producer's thread decodes work
+// items and picks the next, which spilled at 24 registers: 40 beside two consumers of 232 (at 32 it spills 4 bytes
+// under some masks, and the consumers would still get 232), 32 beside three of 160.
 template <int BLOCK_M> struct WgmmaRoles {
     static constexpr int kConsumers = BLOCK_M / 64, kThreads = 128 * (1 + kConsumers);
+    static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
     static constexpr int kProducerRegisters = kConsumers == 2 ? 40 : 32;
-    static constexpr int kConsumerRegisters = (65536 - 128 * kProducerRegisters) / (128 * kConsumers) / 8 * 8;
+    static constexpr int kConsumerRegisters =
+        (kLaunchRegisters * kThreads - 128 * kProducerRegisters) / (128 * kConsumers) / 8 * 8;
+    static_assert(128 * (kProducerRegisters + kConsumers * kConsumerRegisters) <= kLaunchRegisters * kThreads,
+                  "the setmaxnreg budgets fit in the block's registers");
 };
 
 // fwd_wgmma's shared memory, bytes: Q [HEAD_DIM / 64][BLOCK_M rows][64], then K stages and V stages, each
@@ -65,7 +74,6 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     static_assert(BLOCK_M % 64 == 0 && Roles::kConsumers >= 2 && Roles::kConsumers <= 3,
                   "two or three consumer warpgroups of 64 rows");
     static_assert(HEAD_DIM % kSwizzleElems == 0 && BLOCK_N % 16 == 0, "whole 64-column blocks, k16 steps of keys");
-    static_assert((MODS & kModDropout) == 0, "no dropout (fwd_mma runs it)");
     using Smem = WgmmaFwdSmem<HEAD_DIM, BLOCK_M, BLOCK_N>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];   // the swizzle's 1024-byte atoms
     const unsigned q_s = smem_addr(smem_raw), k_s = q_s + Smem::kK, v_s = q_s + Smem::kV;
@@ -170,6 +178,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     constexpr int kS = BLOCK_N / 2, kO = HEAD_DIM / 2, kPSteps = BLOCK_N / 16;
     using Mod = ScoreMod<MODS>;
     const float score_factor = Mod::kAny ? 1.f : scale_log2;   // as fwd_mma
+    constexpr bool kDropout = (MODS & kModDropout) != 0;
 
     float o[kO], s[kS];
     unsigned p[kPSteps][4];
@@ -204,13 +213,18 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         pin_registers(o);
         pin_registers(p);
     };
-    // P (s, exponentiated) into A fragments: k16 step kk holds n8 tiles 2 kk and 2 kk + 1
-    auto pack_p = [&] {
+    // P (s, exponentiated) of the keys n0.. into A fragments: k16 step kk holds n8 tiles 2 kk and 2 kk + 1;
+    // dropout then zeroes the dropped ones (row: the thread's row g of its warp's 16; the generator's key and
+    // threshold read from the parameters here, not held in registers across the loop)
+    auto pack_p = [&](int bh, int row, int n0) {
+        const Dropout<kDropout> dropout(dropout_seed, dropout_offset, dropout_threshold, bh);
 #pragma unroll
         for (int nb = 0; nb < kS / 4; ++nb) {
             p[nb / 2][(nb % 2) * 2 + 0] = pack2<T>(s[4 * nb + 0], s[4 * nb + 1]);
             p[nb / 2][(nb % 2) * 2 + 1] = pack2<T>(s[4 * nb + 2], s[4 * nb + 3]);
         }
+#pragma unroll
+        for (int kk = 0; kk < kPSteps; ++kk) dropout.drop_pairs(p[kk], row, n0 + 16 * kk + 2 * t);
     };
     auto rescale_o = [&] {
 #pragma unroll
@@ -315,7 +329,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             wgmma_wait<0>();
             s_done(0);
             softmax(w.tile_key(0));   // O is zero: nothing to rescale
-            pack_p();
+            pack_p(w.blk.bh, row0, w.tile_key(0));
 #pragma unroll 1
             for (int j = 1; j < w.n_tiles; ++j) {
                 mbarrier_wait(k_full(stage_of(j)), phase_of(j));
@@ -331,7 +345,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
                 pin_registers(o);
                 release(v_empty(stage_of(j - 1)));
                 if (rescale) rescale_o();
-                pack_p();
+                pack_p(w.blk.bh, row0, w.tile_key(j));
             }
             const int last = w.n_tiles - 1;
             mbarrier_wait(v_full(stage_of(last)), phase_of(last));
@@ -345,8 +359,9 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             kv_uses += w.n_tiles;
         }
 
-        // Epilogue: normalize (the sink joins the denominator, as fwd_mma) and store each thread's pairs of
-        // columns; a row that saw no key has l = 0: output 0, lse -inf (with a sink: output 0, lse the sink).
+        // Epilogue: normalize (the sink joins the denominator, as fwd_mma; kept probabilities scaled by
+        // dropout_scale) and store each thread's pairs of columns; a row that saw no key has l = 0: output 0,
+        // lse -inf (with a sink: output 0, lse the sink).
         float* lse_head = lse == nullptr ? nullptr : lse + w.seq.stats(b, heads, h);
         T* out_head = out + b * o_sb + w.seq.q_start * o_ss + h * o_sh;
 #pragma unroll
@@ -361,7 +376,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
                 m = m_new;
             }
             if (row >= w.seq.seqlen_q) continue;
-            const float inv_l = l == 0.f ? 0.f : o_factor / l;
+            const float inv_l = l == 0.f ? 0.f : (kDropout ? o_factor * dropout_scale : o_factor) / l;
             if (lse_head != nullptr && t == 0) lse_head[row] = l == 0.f ? -CUFLASH_INF : (m + log2f(l)) * kLn2;
             T* dst = out_head + row * o_ss;
 #pragma unroll
