@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Nsight Compute on one bench cell per (impl, pass) pair: the sections that say where a kernel's time
 # goes (speed of light, pipes, shared-memory wavefronts and conflicts, warp stalls, issue slots).
-#   bash tools/ncu_compare.sh HEAD_DIM SEQLEN [--causal] -- IMPL:PASS ...
+#   bash tools/ncu_compare.sh HEAD_DIM SEQLEN [--causal] [--feature NAME] -- IMPL:PASS ...
 # e.g. bash tools/ncu_compare.sh 128 4096 -- cuflash:fwd torch-flash:fwd cuflash:bwd torch-flash:bwd
-# Writes $CUFLASH_OUT/ncu-<impl>-<pass>-d<head_dim>-<seqlen>[-causal].txt (default ./ncu-out). The clocks
+#      bash tools/ncu_compare.sh 128 8192 --feature dropout0.1 -- cuflash:fwd   (a features-suite column, causal)
+# Writes $CUFLASH_OUT/ncu-<impl>-<pass>-d<head_dim>-<seqlen>[-<options>].txt (default ./ncu-out). The clocks
 # are left as the GPU runs them (--clock-control none), as the benchmark measures them.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${CUFLASH_OUT:-ncu-out}
@@ -19,7 +20,8 @@ l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,\
 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
 for job in "$@"; do
   impl=${job%%:*} pass=${job##*:}
-  name="ncu-${impl}-${pass//+/_}-d${dim}-${seqlen}${extra:+-causal}.txt"
+  options="${extra[*]}"; options="${options//--/}"
+  name="ncu-${impl}-${pass//+/_}-d${dim}-${seqlen}${options:+-${options// /-}}.txt"
   ncu --clock-control none --profile-from-start off --target-processes all \
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
       --section SchedulerStats --section WarpStateStats --section InstructionStats --section Occupancy \

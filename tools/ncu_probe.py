@@ -2,10 +2,12 @@
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \\
         python3 tools/ncu_probe.py --impl cuflash --pass fwd --head-dim 128 --seqlen 4096 [--causal]
+        [--feature dropout0.1]
 
 Shapes follow FlashAttention's grid (batch * seqlen = 16k tokens, heads * head_dim = 2048), as in
-``python -m bench``. The profiled range holds exactly one call of the implementation, so ncu reports its
-kernels and nothing of the warm-up or the input generation.
+``python -m bench``. ``--feature`` takes a column of the features suite (``bench.features.FEATURES``: a
+window, softcap, ALiBi, sinks or dropout; every feature is causal). The profiled range holds exactly one call
+of the implementation, so ncu reports its kernels and nothing of the warm-up or the input generation.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 
 import cupy
 
+from bench.features import BY_NAME
 from bench.impls import make_impls, make_inputs
 from bench.records import Shape
 
@@ -28,14 +31,16 @@ def main():
     parser.add_argument("--seqlen", type=int, default=4096)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--feature", choices=sorted(BY_NAME), help="a features-suite column (causal)")
     args = parser.parse_args()
+    feature = BY_NAME[args.feature] if args.feature else None
 
     heads = WIDTH // args.head_dim
     shape = Shape.square(TOKENS // args.seqlen, args.seqlen, heads, args.head_dim)
     impl, = make_impls([args.impl])
     inputs = make_inputs(shape, args.dtype)
     with impl.context():
-        call = impl.make_call(args.pass_, inputs, args.causal)
+        call = impl.make_call(args.pass_, inputs, args.causal or feature is not None, feature)
         for _ in range(3):
             call()
         cupy.cuda.runtime.deviceSynchronize()
