@@ -57,22 +57,20 @@ def _plan_forward(q, k, v, causal, softmax_scale, window_size, softcap, alibi_sl
     xp = array_module(q=q, k=k, v=v, **_optional_arrays(alibi_slopes=alibi_slopes, sinks=sinks))
     problem = check_forward(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p,
                             alignment)
-    if problem.is_empty or problem.seqlen_k == 0:
-        return lambda q, k, v, alibi_slopes, sinks, seed, offset, with_lse: _no_keys(
-            xp, q, (problem.batch, problem.heads, problem.seqlen_q), sinks)
-    if xp is np:
-        return _numpy_forward(problem)
+    if xp is np or problem.is_empty or problem.seqlen_k == 0:
+        return _array_forward(xp, problem)
     from . import _cupy_path
 
     return _cupy_path.ForwardPlan(problem, q.data.device_id, q, k, v).run
 
 
-def _numpy_forward(problem, batch_index: int = 0):
-    """The NumPy path's forward of a validated problem, as _plan_forward returns it; ``batch_index`` picks the
-    dropout streams (a packed sequence's, computed on its own: _numpy_path.forward)."""
+def _array_forward(xp, problem, batch_index: int = 0):
+    """The forward of a validated problem that runs no kernel, as _plan_forward returns it: a problem in which
+    no row sees a key (on either array module), else the NumPy path; ``batch_index`` picks the dropout streams
+    (a packed sequence's, computed on its own: _numpy_path.forward)."""
     if problem.is_empty or problem.seqlen_k == 0:
         return lambda q, k, v, alibi_slopes, sinks, seed, offset, with_lse: _no_keys(
-            np, q, (problem.batch, problem.heads, problem.seqlen_q), sinks)
+            xp, q, (problem.batch, problem.heads, problem.seqlen_q), sinks)
     return lambda q, k, v, alibi_slopes, sinks, seed, offset, with_lse: _numpy_path.forward(
         q, k, v, problem, alibi_slopes, sinks, seed, offset, batch_index=batch_index)
 
@@ -86,21 +84,19 @@ def _plan_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic
     problem = check_backward(dout, q, k, v, out, lse, causal, softmax_scale, window_size, softcap, alibi_slopes,
                              sinks, dropout_p, alignment)
     check_flag("deterministic", deterministic)
-    if problem.is_empty or problem.seqlen_k == 0:
-        return lambda dout, q, k, v, out, lse, alibi_slopes, sinks, seed, offset: _zero_gradients(
-            xp, q, k, v, sinks)
-    if xp is np:
-        return _numpy_backward(problem)
+    if xp is np or problem.is_empty or problem.seqlen_k == 0:
+        return _array_backward(xp, problem)
     from . import _cupy_path
 
     return _cupy_path.BackwardPlan(problem, q.data.device_id, bool(deterministic), dout, q, k, v, out, lse).run
 
 
-def _numpy_backward(problem, batch_index: int = 0):
-    """The NumPy path's backward of a validated problem, as _plan_backward returns it; ``batch_index`` as in
-    _numpy_forward."""
+def _array_backward(xp, problem, batch_index: int = 0):
+    """The backward of a validated problem that runs no kernel, as _plan_backward returns it: zero gradients
+    where no row sees a key (on either array module), else the NumPy path; ``batch_index`` as in
+    _array_forward."""
     if problem.is_empty or problem.seqlen_k == 0:
-        return lambda dout, q, k, v, out, lse, alibi_slopes, sinks, seed, offset: _zero_gradients(np, q, k, v, sinks)
+        return lambda dout, q, k, v, out, lse, alibi_slopes, sinks, seed, offset: _zero_gradients(xp, q, k, v, sinks)
     return lambda dout, q, k, v, out, lse, alibi_slopes, sinks, seed, offset: _numpy_path.backward(
         dout, q, k, v, out, lse, problem, alibi_slopes, sinks, seed, offset, batch_index=batch_index)
 
@@ -443,7 +439,7 @@ def _plan_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         def per_sequence(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seed, offset, with_lse):
             def attend(b, q_b, k_b, v_b, slopes_b):
                 p = check_forward(q_b, k_b, v_b, alibi_slopes=slopes_b, sinks=sinks, **options)
-                return _numpy_forward(p, b)(q_b, k_b, v_b, slopes_b, sinks, seed, offset, True)
+                return _array_forward(np, p, b)(q_b, k_b, v_b, slopes_b, sinks, seed, offset, True)
             return _varlen.per_sequence_forward(np, attend, packed.packing, q, k, v, alibi_slopes)
         return per_sequence
     if q.shape[0] == 0 or problem.heads == 0 or problem.seqlen_k == 0:
@@ -482,7 +478,7 @@ def _plan_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
         def per_sequence(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, seed, offset):
             def attend_backward(b, dout_b, q_b, k_b, v_b, out_b, lse_b, slopes_b):
                 p = check_backward(dout_b, q_b, k_b, v_b, out_b, lse_b, alibi_slopes=slopes_b, sinks=sinks, **options)
-                return _numpy_backward(p, b)(dout_b, q_b, k_b, v_b, out_b, lse_b, slopes_b, sinks, seed, offset)
+                return _array_backward(np, p, b)(dout_b, q_b, k_b, v_b, out_b, lse_b, slopes_b, sinks, seed, offset)
             return _varlen.per_sequence_backward(np, attend_backward, packed.packing, dout, q, k, v, out, lse,
                                                  alibi_slopes, sinks)
         return per_sequence
