@@ -74,6 +74,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     static_assert(BLOCK_M % 64 == 0 && Roles::kConsumers >= 2 && Roles::kConsumers <= 3,
                   "two or three consumer warpgroups of 64 rows");
     static_assert(HEAD_DIM % kSwizzleElems == 0 && BLOCK_N % 16 == 0, "whole 64-column blocks, k16 steps of keys");
+    constexpr bool kDropout = (MODS & kModDropout) != 0;
     using Smem = WgmmaFwdSmem<HEAD_DIM, BLOCK_M, BLOCK_N>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];   // the swizzle's 1024-byte atoms
     const unsigned q_s = smem_addr(smem_raw), k_s = q_s + Smem::kK, v_s = q_s + Smem::kV;
@@ -177,8 +178,9 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     const int cw = warpgroup - 1, warp = tid_wg / 32, lane = tid_wg % 32, g = lane / 4, t = lane % 4;
     constexpr int kS = BLOCK_N / 2, kO = HEAD_DIM / 2, kPSteps = BLOCK_N / 16;
     using Mod = ScoreMod<MODS>;
-    const float score_factor = Mod::kAny ? 1.f : scale_log2;   // as fwd_mma
-    constexpr bool kDropout = (MODS & kModDropout) != 0;
+    // The factor the exponent's FMA applies to a score as softmax leaves it: the plain product's scale and the
+    // softcap's output factor are positive, so the row max may be taken before them
+    const float score_factor = Mod::kAlibi ? 1.f : Mod::kSoftcap ? softcap_out : scale_log2;
 
     float o[kO], s[kS];
     unsigned p[kPSteps][4];
@@ -258,6 +260,18 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         const int b = w.blk.b, h = w.blk.h;
         const int wg_row0 = w.blk.m0 + 64 * cw, row0 = wg_row0 + 16 * warp + g;   // row0: elements 0, 1's row
         const Mod mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
+        // ALiBi's bias slope_log2 * |row + diagonal - key| is, for a key at or left of the row's diagonal key,
+        // row_bias (slope_log2 * (row - wg_row0)) plus the key's slope_log2 * (wg_row0 + diagonal - key). In the
+        // split form the scores m_i and l_i describe are less row_bias (a constant per row leaves the softmax
+        // unchanged; the epilogue adds it to lse and takes it from the sink; row_bias is recomputed where used,
+        // holding no registers), and the tiles left of the diagonal add the key's part alone. The packed
+        // kernels, and the dense ones with dropout at head_dim 256, spill with it (12-64 bytes, NVRTC 13.0) and
+        // add the whole bias to every score.
+        constexpr bool kSplitAlibi = Mod::kAlibi && !VARLEN && !(kDropout && HEAD_DIM == 256);
+        auto row_bias = [&](int r) { return mod.slope_log2 * static_cast<float>(16 * warp + g + 8 * r); };
+        // a base-2 value of the thread's row r into the split form's shifted scores and back
+        auto shifted = [&](float x, int r) { return kSplitAlibi ? x - row_bias(r) : x; };
+        auto unshifted = [&](float x, int r) { return kSplitAlibi ? x + row_bias(r) : x; };
         // The scores of S (the tile of keys n0..) through the modifiers and the mask, their row maxima, and the
         // moved references: returns whether O must be rescaled by `alpha` (only when some row's max grew past
         // its reference by kRescaleSlack, as fwd_mma), leaves exp2(score - m_i) in s and adds it to l_i.
@@ -265,13 +279,31 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             const bool need_mask =
                 n0 + BLOCK_N > w.seq.seqlen_k || !w.window.covers(wg_row0, wg_row0 + 64, n0, n0 + BLOCK_N);
             const int key0 = n0 + 2 * t;   // the key of element 0 of n8 tile 0
-            if constexpr (Mod::kAny) {
+            if constexpr (Mod::kAlibi) {
+                if (kSplitAlibi && n0 + BLOCK_N - 1 <= wg_row0 + w.seq.diagonal) {
+                    // every key at or left of every row's diagonal: a key's bias is shared by the thread's rows
+                    // and steps by -slope_log2 per key
+                    const float key0_bias = mod.slope_log2 * static_cast<float>(wg_row0 + w.seq.diagonal - key0);
 #pragma unroll
-                for (int nb = 0; nb < kS / 4; ++nb)
+                    for (int nb = 0; nb < kS / 4; ++nb)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        s[4 * nb + e] = mod.score(s[4 * nb + e], row0 + 8 * (e / 2), key0 + 8 * nb + (e & 1),
-                                                  w.seq.diagonal);
+                        for (int odd = 0; odd < 2; ++odd) {
+                            const float key_bias = fmaf(-mod.slope_log2, static_cast<float>(8 * nb + odd), key0_bias);
+#pragma unroll
+                            for (int r = 0; r < 2; ++r)
+                                s[4 * nb + 2 * r + odd] = mod.unbiased(s[4 * nb + 2 * r + odd]) + key_bias;
+                        }
+                } else {
+#pragma unroll
+                    for (int nb = 0; nb < kS / 4; ++nb)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            s[4 * nb + e] = shifted(mod.score(s[4 * nb + e], row0 + 8 * (e / 2),
+                                                              key0 + 8 * nb + (e & 1), w.seq.diagonal), e / 2);
+                }
+            } else if constexpr (Mod::kSoftcap) {
+#pragma unroll
+                for (int i = 0; i < kS; ++i) s[i] = mod.tanh(s[i] * softcap_in);   // score_factor: softcap_out
             }
             if (need_mask) {
 #pragma unroll
@@ -369,7 +401,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             const int row = row0 + 8 * r;
             float l = quad_sum(l_i[r]), m = m_i[r], o_factor = 1.f;
             if constexpr ((MODS & kModSinks) != 0) {
-                const float sink2 = sinks[h] * kLog2e;
+                const float sink2 = shifted(sinks[h] * kLog2e, r);
                 const float m_new = safe_max(fmaxf(m, sink2));
                 o_factor = exp2f(m - m_new);
                 l = l * o_factor + exp2f(sink2 - m_new);
@@ -377,7 +409,8 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             }
             if (row >= w.seq.seqlen_q) continue;
             const float inv_l = l == 0.f ? 0.f : (kDropout ? o_factor * dropout_scale : o_factor) / l;
-            if (lse_head != nullptr && t == 0) lse_head[row] = l == 0.f ? -CUFLASH_INF : (m + log2f(l)) * kLn2;
+            if (lse_head != nullptr && t == 0)
+                lse_head[row] = l == 0.f ? -CUFLASH_INF : unshifted(m + log2f(l), r) * kLn2;
             T* dst = out_head + row * o_ss;
 #pragma unroll
             for (int nb = 0; nb < kO / 4; ++nb) {
