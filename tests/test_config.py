@@ -244,9 +244,13 @@ def test_all_specs_are_distinct_and_cover_the_table():
     assert packed and {dataclasses.replace(s, varlen=False).cache_key for s in packed} <= {s.cache_key for s in specs}
     # the Hopper forward beside its fallback: 4 head dims (64-column blocks) for each plain (dtype, mask), the
     # covering set's modifiers with and without dropout (bfloat16, 2 masks), and the packed batches' (3 per head
-    # dim: plain, and windowed with every modifier with and without dropout)
+    # dim: plain, and windowed with every modifier with and without dropout); its head_dim 64 tile for the
+    # modifiers that fit three consumers (no mask and a window, and packed under a window)
     hopper = [s for s in specs if s.kernel == "fwd_wgmma"]
-    assert sum(not s.varlen for s in hopper) == 2 * masks * 4 + 2 * 2 * 4 and sum(s.varlen for s in hopper) == 3 * 4
+    assert sum(not s.varlen for s in hopper) == 2 * masks * 4 + 2 * 2 * 4 + 2
+    assert sum(s.varlen for s in hopper) == 3 * 4 + 1
+    fitting = _config.ALL_MODS & ~_config.WGMMA_SPILLING_MODS
+    assert {s.block_m for s in hopper if s.head_dim == 64 and s.mods == fitting} == {192}
     # and the Hopper dK/dV kernel at head dims 64, 128 and 256: each dtype and mask, the covering set's modifiers
     # with and without dropout (bfloat16, 2 masks); packed: bfloat16, as the forward
     hopper_dkdv = [s for s in specs if s.kernel == "bwd_dkdv_wgmma"]
@@ -258,7 +262,7 @@ def test_all_specs_are_distinct_and_cover_the_table():
                           + sum(not s.varlen for s in hopper_dkdv))
     no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT
     assert {s.mods for s in specs} == {0, _config.ALL_MODS, _config.ALL_MODS & ~_config.MOD_SINKS, no_dropout,
-                                       no_dropout & ~_config.MOD_SINKS}
+                                       no_dropout & ~_config.MOD_SINKS, fitting}
 
 
 @given(tiles_per_head=st.integers(1, 4096), pairs=st.integers(1, 20_000), sm_count=st.sampled_from([108, 128, 132]))
