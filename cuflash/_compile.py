@@ -19,7 +19,12 @@ KERNEL_DIR = pathlib.Path(__file__).parent / "kernels"
 _LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
 
 #: NVRTC options shared by the GPU path and the offline check; CuPy adds the architecture itself.
-COMMON_OPTIONS = ("-std=c++17",)
+#: ``-ftz=true`` flushes float32 subnormals to zero, as FlashAttention's ``--use_fast_math`` builds do: an
+#: exponential is then one MUFU instruction, where ``ex2.approx.f32`` without it takes a compare and two
+#: rescaling multiplies around it for a subnormal result (exp2 below -126, a probability under 1e-38 that no
+#: sum can see). The offline check compiles with exactly these options, so its register and spill report
+#: describes the kernels the GPU runs.
+COMMON_OPTIONS = ("-std=c++17", "-ftz=true")
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,9 +116,9 @@ def nvrtc_version() -> tuple[int, int]:
     return major, minor
 
 
-def _nvrtc_compile(source: str, arch: str, name_expressions: list[str]) -> tuple[str, dict[str, str]]:
-    """Compile ``source`` for ``arch`` with NVRTC (no GPU): (the log with ptxas's report, the lowered name of
-    each name expression). RuntimeError with the log on failure."""
+def _nvrtc_compile(source: str, arch: str, name_expressions: list[str]) -> tuple[str, dict[str, str], str]:
+    """Compile ``source`` for ``arch`` with NVRTC (no GPU) and the GPU path's options: (the log with ptxas's
+    report, the lowered name of each name expression, the PTX). RuntimeError with the log on failure."""
     from cuda.bindings import nvrtc
 
     def check(result):
@@ -127,7 +132,7 @@ def _nvrtc_compile(source: str, arch: str, name_expressions: list[str]) -> tuple
         for name in name_expressions:
             check(nvrtc.nvrtcAddNameExpression(program, name.encode()))
         options = [o.encode() for o in COMMON_OPTIONS] + [
-            f"--gpu-architecture={arch}".encode(), b"-ftz=true", b"--ptxas-options=-v",
+            f"--gpu-architecture={arch}".encode(), b"--ptxas-options=-v",
             f"-I{_cuda_include_dir()}".encode()]
         err, = nvrtc.nvrtcCompileProgram(program, len(options), options)
         log_size = check(nvrtc.nvrtcGetProgramLogSize(program))
@@ -138,9 +143,11 @@ def _nvrtc_compile(source: str, arch: str, name_expressions: list[str]) -> tuple
             raise RuntimeError(f"NVRTC failed for {arch}:\n{log[:6000]}")
         lowered = {name: check(nvrtc.nvrtcGetLoweredName(program, name.encode())).decode()
                    for name in name_expressions}
+        ptx = b" " * check(nvrtc.nvrtcGetPTXSize(program))
+        check(nvrtc.nvrtcGetPTX(program, ptx))
     finally:
         nvrtc.nvrtcDestroyProgram(program)
-    return log, lowered
+    return log, lowered, ptx.decode(errors="replace").rstrip("\x00")
 
 
 def compile_offline(specs: list[KernelSpec], arch: str) -> list[CompileReport]:
@@ -153,7 +160,7 @@ def compile_offline(specs: list[KernelSpec], arch: str) -> list[CompileReport]:
         raise ValueError(f"compile_offline takes specs of one source file, got {sorted(files)}")
     # the Hopper kernels' source compiles for the architecture-specific target (sm_90a); reported as `arch`
     target = f"{arch}a" if any(spec.arch_specific for spec in specs) else arch
-    log, lowered = _nvrtc_compile(kernel_source(files.pop()), target, [spec.name for spec in specs])
+    log, lowered, _ = _nvrtc_compile(kernel_source(files.pop()), target, [spec.name for spec in specs])
     return [_report(spec, arch, lowered[spec.name], log) for spec in specs]
 
 

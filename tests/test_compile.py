@@ -188,6 +188,21 @@ def test_a_wrong_mirror_fails_to_compile():
         _nvrtc_compile(kernel_source("bwd_mma.cu") + "\n" + off + "\n", "sm_90", [])
 
 
+@pytest.mark.parametrize("kernel", ["fwd_wgmma", "fwd_mma", "bwd_dkdv_wgmma", "bwd_dkdv_mma"])
+def test_the_softmax_exponential_is_one_instruction(kernel):
+    # The kernels compile with subnormals flushed (COMMON_OPTIONS, the GPU path's and this check's): each
+    # exp2 of the softmax is ex2.approx.ftz, one MUFU instruction, not ex2.approx's four (compare and two
+    # multiplies for a subnormal result): three instructions more per score element without the flag.
+    from cuflash._compile import _nvrtc_compile, kernel_source
+
+    spec = next(s for s in _config.all_specs(_config.H100)
+                if s.kernel == kernel and s.dtype == np.float16 and s.mask == _config.MASK_CAUSAL and not s.mods)
+    _, _, ptx = _nvrtc_compile(kernel_source(spec.source_file), "sm_90a" if spec.arch_specific else "sm_90",
+                               [spec.name])
+    assert "ex2.approx.ftz.f32" in ptx
+    assert "ex2.approx.f32" not in ptx
+
+
 def test_the_wgmma_wrappers_are_the_generators_output():
     # kernels/wgmma_ops.cuh is written by tools/gen_wgmma.py: an edit by hand (or a stale header) fails here
     import pathlib

@@ -42,7 +42,7 @@ from cuda.bindings import nvrtc
 from cuflash import _compile
 err, prog = nvrtc.nvrtcCreateProgram(_compile.kernel_source(sys.argv[3]).encode(), b"x.cu", 0, [], [])
 nvrtc.nvrtcAddNameExpression(prog, sys.argv[2].encode())
-opts = [o.encode() for o in _compile.COMMON_OPTIONS] + [f"--gpu-architecture={sys.argv[4]}".encode(), b"-ftz=true",
+opts = [o.encode() for o in _compile.COMMON_OPTIONS] + [f"--gpu-architecture={sys.argv[4]}".encode(),
         f"-I{_compile._cuda_include_dir()}".encode()]
 err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
 if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
