@@ -228,8 +228,8 @@ def test_the_hopper_forward_matches_its_fallback(cp, rng):
         ((1, 300, 129, 6, 1, 128), False, (40, 7), 20.0, True, True, 0.5),
         ((2, 129, 200, 2, 1, 192), True, (-1, -1), 0.0, False, False, 0.1),
         ((1, 257, 300, 2, 2, 256), False, (70, 30), 10.0, True, True, 0.3),
-        # ALiBi's split form on the tiles left of the diagonal, on the 192-row tile at head_dim 64 (with sinks,
-        # the diagonal 500 keys in; and without a mask, tiles on both sides), and the softcap alone
+        # ALiBi on the 192-row tile at head_dim 64 (with sinks, the diagonal 500 keys in; and without a mask,
+        # keys on both sides of the diagonal), and the softcap alone (its factor taken after the row max)
         ((2, 400, 900, 4, 2, 64), True, (-1, -1), 0.0, True, True, 0.0),
         ((1, 700, 500, 2, 1, 48), False, (-1, -1), 0.0, True, False, 0.0),
         ((1, 300, 520, 2, 2, 64), True, (-1, -1), 30.0, False, False, 0.0),

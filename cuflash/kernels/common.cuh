@@ -157,12 +157,8 @@ template <int MODS, bool EXACT = false> struct ScoreMod {
         return kAlibi ? slope_log2 * fabsf(static_cast<float>(row + diagonal - key)) : 0.f;
     }
     __device__ __forceinline__ float tanh(float x) const { return EXACT ? tanhf(x) : tanh_approx(x); }
-    // The score before ALiBi's bias: scale * s through the softcap, in base 2.
-    __device__ __forceinline__ float unbiased(float s) const {
-        return kSoftcap ? softcap_out * tanh(s * softcap_in) : s * scale_log2;
-    }
     __device__ __forceinline__ float score(float s, int row, int key, int diagonal) const {
-        const float x = unbiased(s);
+        const float x = kSoftcap ? softcap_out * tanh(s * softcap_in) : s * scale_log2;
         return kAlibi ? x + alibi(row, key, diagonal) : x;
     }
     // The score, and in `grad` d score / d (scale q.k): 1 - tanh^2 under the softcap, else 1.

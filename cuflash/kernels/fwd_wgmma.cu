@@ -260,18 +260,6 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         const int b = w.blk.b, h = w.blk.h;
         const int wg_row0 = w.blk.m0 + 64 * cw, row0 = wg_row0 + 16 * warp + g;   // row0: elements 0, 1's row
         const Mod mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
-        // ALiBi's bias slope_log2 * |row + diagonal - key| is, for a key at or left of the row's diagonal key,
-        // row_bias (slope_log2 * (row - wg_row0)) plus the key's slope_log2 * (wg_row0 + diagonal - key). In the
-        // split form the scores m_i and l_i describe are less row_bias (a constant per row leaves the softmax
-        // unchanged; the epilogue adds it to lse and takes it from the sink; row_bias is recomputed where used,
-        // holding no registers), and the tiles left of the diagonal add the key's part alone. The packed
-        // kernels and head_dim 256 spill with it (12-64 bytes with NVRTC 13.0; at 256 without dropout 16-40 with
-        // NVRTC 12.9) and add the whole bias to every score.
-        constexpr bool kSplitAlibi = Mod::kAlibi && !VARLEN && HEAD_DIM < 256;
-        auto row_bias = [&](int r) { return mod.slope_log2 * static_cast<float>(16 * warp + g + 8 * r); };
-        // a base-2 value of the thread's row r into the split form's shifted scores and back
-        auto shifted = [&](float x, int r) { return kSplitAlibi ? x - row_bias(r) : x; };
-        auto unshifted = [&](float x, int r) { return kSplitAlibi ? x + row_bias(r) : x; };
         // The scores of S (the tile of keys n0..) through the modifiers and the mask, their row maxima, and the
         // moved references: returns whether O must be rescaled by `alpha` (only when some row's max grew past
         // its reference by kRescaleSlack, as fwd_mma), leaves exp2(score - m_i) in s and adds it to l_i.
@@ -280,27 +268,12 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
                 n0 + BLOCK_N > w.seq.seqlen_k || !w.window.covers(wg_row0, wg_row0 + 64, n0, n0 + BLOCK_N);
             const int key0 = n0 + 2 * t;   // the key of element 0 of n8 tile 0
             if constexpr (Mod::kAlibi) {
-                if (kSplitAlibi && n0 + BLOCK_N - 1 <= wg_row0 + w.seq.diagonal) {
-                    // every key at or left of every row's diagonal: a key's bias is shared by the thread's rows
-                    // and steps by -slope_log2 per key
-                    const float key0_bias = mod.slope_log2 * static_cast<float>(wg_row0 + w.seq.diagonal - key0);
 #pragma unroll
-                    for (int nb = 0; nb < kS / 4; ++nb)
+                for (int nb = 0; nb < kS / 4; ++nb)
 #pragma unroll
-                        for (int odd = 0; odd < 2; ++odd) {
-                            const float key_bias = fmaf(-mod.slope_log2, static_cast<float>(8 * nb + odd), key0_bias);
-#pragma unroll
-                            for (int r = 0; r < 2; ++r)
-                                s[4 * nb + 2 * r + odd] = mod.unbiased(s[4 * nb + 2 * r + odd]) + key_bias;
-                        }
-                } else {
-#pragma unroll
-                    for (int nb = 0; nb < kS / 4; ++nb)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            s[4 * nb + e] = shifted(mod.score(s[4 * nb + e], row0 + 8 * (e / 2),
-                                                              key0 + 8 * nb + (e & 1), w.seq.diagonal), e / 2);
-                }
+                    for (int e = 0; e < 4; ++e)
+                        s[4 * nb + e] = mod.score(s[4 * nb + e], row0 + 8 * (e / 2), key0 + 8 * nb + (e & 1),
+                                                  w.seq.diagonal);
             } else if constexpr (Mod::kSoftcap) {
 #pragma unroll
                 for (int i = 0; i < kS; ++i) s[i] = mod.tanh(s[i] * softcap_in);   // score_factor: softcap_out
@@ -401,7 +374,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             const int row = row0 + 8 * r;
             float l = quad_sum(l_i[r]), m = m_i[r], o_factor = 1.f;
             if constexpr ((MODS & kModSinks) != 0) {
-                const float sink2 = shifted(sinks[h] * kLog2e, r);
+                const float sink2 = sinks[h] * kLog2e;
                 const float m_new = safe_max(fmaxf(m, sink2));
                 o_factor = exp2f(m - m_new);
                 l = l * o_factor + exp2f(sink2 - m_new);
@@ -409,8 +382,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             }
             if (row >= w.seq.seqlen_q) continue;
             const float inv_l = l == 0.f ? 0.f : (kDropout ? o_factor * dropout_scale : o_factor) / l;
-            if (lse_head != nullptr && t == 0)
-                lse_head[row] = l == 0.f ? -CUFLASH_INF : unshifted(m + log2f(l), r) * kLn2;
+            if (lse_head != nullptr && t == 0) lse_head[row] = l == 0.f ? -CUFLASH_INF : (m + log2f(l)) * kLn2;
             T* dst = out_head + row * o_ss;
 #pragma unroll
             for (int nb = 0; nb < kO / 4; ++nb) {
