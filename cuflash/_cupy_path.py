@@ -198,8 +198,8 @@ class ForwardPlan:
     """The forward of one problem on one device: one kernel launch. ``packed``: q, k and v are a packed batch
     (attention_varlen; ``p`` its batch of the longest lengths), whose prefix sums each call passes. The Hopper
     kernel (fwd_wgmma) reads q, k and v through tensor maps made per call (_tma, cached), and on a persistent
-    grid (``_plan.Launch.work_counter``; ``persistent`` overrides the table) its work items from a zeroed
-    int32 per call."""
+    grid (``_plan.Launch.work_counter``; ``persistent`` overrides the table) its work items from counters kept
+    per stream (split_counters), which the kernel leaves zeroed."""
 
     def __init__(self, p: Problem, device_id: int, q, k, v, spec: _config.KernelSpec | None = None,
                  packed: bool = False, persistent: bool | None = None):
@@ -252,8 +252,8 @@ class ForwardPlan:
         lse = cupy.ndarray(self.lse_shape, np.float32) if with_lse else None
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k.data.ptr | v.data.ptr) & 15
         maps, copies = _tensor_maps((q, k, v), self.maps) if self.maps else ((), ())
-        if self.maps:   # fwd_wgmma's work counter follows its maps: a zeroed int per call on a persistent grid
-            maps += (cupy.zeros(1, np.int32) if self.work_counter else _NULL,)
+        if self.maps:   # fwd_wgmma's work counter follows its maps: the stream's two zeroed ints on a persistent grid
+            maps += (split_counters(self.device_id, WORK_COUNTER_INTS) if self.work_counter else _NULL,)
         self.kernel(self.grid, self.block,
                     maps + self.arguments((q, k, v, out, _NULL if lse is None else lse, _vector(alibi_slopes),
                                            _vector(sinks)) + dropout + (_VECTOR_OK[vector_ok],) + cu_seqlens),
@@ -410,14 +410,17 @@ def backward(dout, q, k, v, out, lse, p: Problem, deterministic: bool = False,
 KVCACHE_PER_CALL = ("q", "k", "v", "out", "lse", "alibi_slopes", "sinks", "cache_seqlens", "block_table",
                     "out_partial", "lse_partial", "split_counters", "seqlen_k", "vec_ok")
 
-#: The KV-cache forward's split counters per (device, stream): int32, one per row group, zero between calls
-#: (the last block of each row group resets its own), so a call launches no memset. Calls on one stream run
+#: The counters of the KV-cache forward's key splits and of fwd_wgmma's persistent grid per (device, stream):
+#: int32, one per row group of the KV-cache forward, WORK_COUNTER_INTS for fwd_wgmma; zero between calls (the
+#: last block of each row group resets its own; fwd_wgmma's last block both), so a call launches no memset. Calls on one stream run
 #: in order and calls on different streams count in different buffers. A buffer dropped (grown, or all of
 #: them past MAX_COUNTER_STREAMS, as a program that makes a stream per request would otherwise collect one
 #: per stream) goes back to CuPy's pool, which hands it out again only on its own stream, after the kernels
 #: already queued there.
 _SPLIT_COUNTERS: dict[tuple[int, int], cupy.ndarray] = {}
 MAX_COUNTER_STREAMS = 64
+#: fwd_wgmma's work counter: the next item to take, and the blocks done taking
+WORK_COUNTER_INTS = 2
 
 
 def split_counters(device_id: int, count: int):

@@ -24,7 +24,7 @@ class Launch:
     spec: _config.KernelSpec
     grid: tuple[int, ...]
     tail: tuple[int, ...] = ()
-    work_counter: bool = False   # a persistent grid: the kernel takes its work items from a zeroed int32 per call
+    work_counter: bool = False   # a persistent grid: the kernel takes its work items from the stream's counters
 
 
 @dataclasses.dataclass(frozen=True)

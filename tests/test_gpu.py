@@ -258,6 +258,31 @@ def test_the_hopper_forward_matches_its_fallback(cp, rng):
                   .astype(cp.float32)).max() <= 2e-2
 
 
+def test_the_persistent_grid_leaves_its_counters_zeroed(cp, rng):
+    # fwd_wgmma's persistent grid takes its items from the stream's counters and leaves them zero: calls of
+    # other grid sizes after it, on that stream and another, take every item again (a counter left past zero
+    # would skip items and leave rows of `out` unwritten). An item's result does not depend on the block that
+    # takes it, so the persistent grid's output is the one-block-per-item grid's, bit for bit.
+    from cuflash import _validate
+
+    _hopper_devices()
+    shapes = [(1, 100, 100, 2, 1, 64), (2, 1000, 1000, 8, 2, 128), (1, 64, 64, 1, 1, 64), (3, 700, 900, 4, 4, 64)]
+    other = cp.cuda.Stream(non_blocking=True)
+    for index, shape in enumerate(shapes):
+        q, k, v, _, _ = _hopper_inputs(cp, rng, shape, False, False)
+        p = _validate.check_forward(q, k, v, index % 2 == 0, None)
+        want, want_lse = _cupy_path.ForwardPlan(p, 0, q, k, v, persistent=False).run(q, k, v)
+        persistent = _cupy_path.ForwardPlan(p, 0, q, k, v, persistent=True)
+        assert persistent.work_counter, shape
+        for stream in (cp.cuda.get_current_stream(), other, other):
+            with stream:
+                out, lse = persistent.run(q, k, v)
+                counters = _cupy_path.split_counters(0, _cupy_path.WORK_COUNTER_INTS)
+            stream.synchronize()
+            assert cp.array_equal(out, want) and cp.array_equal(lse, want_lse), (shape, stream)
+            assert not counters[:_cupy_path.WORK_COUNTER_INTS].any(), (shape, counters)
+
+
 def test_the_hopper_backward_matches_its_fallback(cp, rng):
     # bwd_dkdv_wgmma (the default backward's dK/dV and atomic dQ on sm_90) against the mma.sync kernels it falls
     # back to, on awkward shapes at the head dims it serves (33..64, 97..128 and 225..256), with the score

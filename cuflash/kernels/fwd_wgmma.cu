@@ -88,10 +88,12 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     auto item_empty = [&](int slot) { return bars + 8 * (4 + 4 * kWgmmaStages + slot); };
     volatile unsigned* const item_slots = reinterpret_cast<volatile unsigned*>(smem_raw + Smem::kItemSlots);
 
-    // The block walks work items of QueryBlock's order: blockIdx.x first, then, where work_counter is given (a
-    // zeroed int per launch: the persistent grid of a block per SM), the next one not yet taken
-    // (gridDim.x + atomicAdd(work_counter, 1): the longest items first, each SM taking one as it frees), else
-    // blockIdx.x + gridDim.x, ... The producer's thread 0 picks each item and hands its index to the consumers
+    // The block walks work items of QueryBlock's order: blockIdx.x first, then, where work_counter is given (the
+    // persistent grid of a block per SM), the next one not yet taken (gridDim.x + atomicAdd(work_counter, 1): the
+    // longest items first, each SM taking one as it frees), else blockIdx.x + gridDim.x, ... work_counter is two
+    // ints, zero at launch, and left zero (the stream's next launch reuses them, with no memset): [1] counts the
+    // blocks done taking items, and the last of them zeroes both. The producer's thread 0 picks each item and
+    // hands its index to the consumers
     // through two slots (item_full / item_empty); it loads the next item's Q and keys while the consumers
     // finish the last one's epilogue. The mbarriers' phases run on across items (counts of Q and key tiles).
     const unsigned items = static_cast<unsigned>((seqlen_q + BLOCK_M - 1) / BLOCK_M) * batch * heads;
@@ -166,6 +168,13 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
                     for (int c = 0; c < Smem::kColBlocks; ++c)
                         tma_load_4d(v_s + stage * Smem::kKVStage + c * Smem::kKVBlock, v_map, v_full(stage),
                                     c * kSwizzleElems, h_kv, row, batch_coord);
+                }
+            }
+            if (work_counter != nullptr) {
+                __threadfence();   // this block's last take of work_counter[0] comes before its count in [1]
+                if (atomicAdd(work_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+                    atomicExch(work_counter, 0);
+                    atomicExch(work_counter + 1, 0);
                 }
             }
         }
