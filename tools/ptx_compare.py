@@ -1,7 +1,8 @@
 """Do two cuflash trees compile a kernel to the same code? No GPU needed.
 
-``python tools/ptx_compare.py OLD_TREE NEW_TREE [--kernel fwd_mma] [--jobs N]`` compiles to PTX (compute_90,
-or compute_90a for the Hopper kernels) every spec of ``kernel`` in the compile check (``_config.all_specs`` of the A100 and H100 tables) in both
+``python tools/ptx_compare.py OLD_TREE NEW_TREE [--kernel fwd_mma] [--jobs N] [--mods BITS]`` compiles to PTX
+(compute_90, or compute_90a for the Hopper kernels) every spec of ``kernel`` (with one of the ``--mods`` bits,
+where given) in the compile check (``_config.all_specs`` of the A100 and H100 tables) in both
 trees, each tree a folder holding a ``cuflash`` package, and compares each spec's kernel body with
 parameter declarations and names, register numbers and labels normalized: a kernel whose parameter list
 grew but whose code did not compares equal. Specs are matched by their fields (a field the other tree's
@@ -77,9 +78,12 @@ def main(argv=None) -> int:
     parser.add_argument("new")
     parser.add_argument("--kernel", default="fwd_mma")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--mods", type=int, default=0,
+                        help="compare only the specs with one of these score-modifier bits (_config.MOD_*)")
     args = parser.parse_args(argv)
     old, new = specs(args.old, args.kernel), specs(args.new, args.kernel)
-    common = sorted(set(old) & set(new))
+    both = set(old) & set(new)
+    common = sorted(key for key in both if not args.mods or json.loads(key)["mods"] & args.mods)
 
     def same(key):
         return body(args.old, *old[key]) == body(args.new, *new[key])
@@ -89,8 +93,8 @@ def main(argv=None) -> int:
     differ = [new[key][0] for key, equal in zip(common, results) if not equal]
     for name in differ:
         print("differs:", name)
-    print(f"{args.kernel}: {len(common)} specs in both trees ({len(old) - len(common)} only in the old, "
-          f"{len(new) - len(common)} only in the new), {len(differ)} differ")
+    print(f"{args.kernel}: {len(both)} specs in both trees ({len(old) - len(both)} only in the old, "
+          f"{len(new) - len(both)} only in the new), {len(common)} compared, {len(differ)} differ")
     return 1 if differ else 0
 
 

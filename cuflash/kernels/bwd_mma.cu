@@ -524,19 +524,16 @@ __global__ void __launch_bounds__(BLOCK_N / 16 * 32, 1) bwd_dkdv_rows_mma(CUFLAS
                 p[mb][e] = x;
             }
         }
-        // Dropout in the transposed tile: the thread's elements of a 16-query block lie in two Philox calls,
-        // those of its queries 2t (+ 8) and 2t + 1 (+ 9); keep[mb / 2][e & 1] holds the bits of element
-        // (mb, e)'s call. dV takes the kept P, dS reaches a kept P through dropout_scale * dP.
+        // Dropout in the transposed tile (Dropout::transposed_bits): keep[mb / 2] holds the two calls of
+        // 16-query block mb / 2. dV takes the kept P, dS reaches a kept P through dropout_scale * dP.
         unsigned keep[kDropout ? BLOCK_M / 16 : 1][2];
         if constexpr (kDropout) {
 #pragma unroll
             for (int mb2 = 0; mb2 < BLOCK_M / 16; ++mb2)
-#pragma unroll
-                for (int odd = 0; odd < 2; ++odd) keep[mb2][odd] = dropout.bits(m0 + mb2 * 16 + 2 * t + odd, key_a);
+                dropout.transposed_bits(keep[mb2], m0 + mb2 * 16 + 2 * t, key_a);
         }
         auto kept = [&](int mb, int e) {
-            return !kDropout || ((keep[kDropout ? mb / 2 : 0][e & 1] >>
-                                  Dropout<kDropout>::keep_bit(mb & 1, e >> 1, g & 1)) & 1u);
+            return Dropout<kDropout>::transposed_keeps(keep[kDropout ? mb / 2 : 0], mb, e, g);
         };
         unsigned a[BLOCK_M / 16][4];
         if constexpr (kDv) {

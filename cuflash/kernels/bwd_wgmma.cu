@@ -204,9 +204,8 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         pin_registers(dpt);
 
         // P^T and dS^T, element by element into A fragments (k16 step kk: n8 tiles 2 kk, 2 kk + 1, as the
-        // forward packs P), and dS^T into shared memory for dQ. Dropout in the transposed tile (as
-        // bwd_dkdv_tiled_mma): the thread's elements of a 16-query block lie in two Philox calls, those of its
-        // queries 2 t (+ 8) and 2 t + 1 (+ 9); keep[e & 1] holds the bits of element (nb, e)'s call.
+        // forward packs P), and dS^T into shared memory for dQ. Dropout in the transposed tile
+        // (Dropout::transposed_bits): keep holds the two calls of the 16-query block of n8 tiles nb, nb + 1.
         const bool need_mask = m0 + BLOCK_M > seq.seqlen_q || key_wg0 + 64 > seq.seqlen_k ||
                                !window.covers(m0, m0 + BLOCK_M, key_wg0, key_wg0 + 64);
         unsigned p_frag[kPSteps][4], ds_frag[kPSteps][4];
@@ -214,10 +213,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         unsigned keep[2];
 #pragma unroll
         for (int nb = 0; nb < kSq / 4; ++nb) {
-            if (kDropout && nb % 2 == 0) {
-#pragma unroll
-                for (int odd = 0; odd < 2; ++odd) keep[odd] = dropout.bits(m0 + 8 * nb + 2 * t + odd, key0);
-            }
+            if (kDropout && nb % 2 == 0) dropout.transposed_bits(keep, m0 + 8 * nb + 2 * t, key0);
             float p[4], ds[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -226,8 +222,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                 p[e] = exp2f(mod.score(st[4 * nb + e], m0 + query, key, seq.diagonal, grad) - lse_tile[query] * kLog2e);
                 if (need_mask && !window.sees(m0 + query, key, seq.seqlen_k)) p[e] = 0.f;
                 if (need_mask && m0 + query >= seq.seqlen_q) p[e] = 0.f;
-                const bool kept =
-                    !kDropout || ((keep[e & 1] >> Dropout<kDropout>::keep_bit(nb & 1, e >> 1, g & 1)) & 1u);
+                const bool kept = Dropout<kDropout>::transposed_keeps(keep, nb, e, g);
                 const float dp = kDropout ? (kept ? dpt[4 * nb + e] * dropout_scale : 0.f) : dpt[4 * nb + e];
                 ds[e] = p[e] * (dp - delta_tile[query]) * grad;
                 if (!kept) p[e] = 0.f;   // dV takes the kept P

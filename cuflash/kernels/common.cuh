@@ -270,6 +270,19 @@ template <bool ENABLED> struct Dropout {
         const int block = atom * CALLS + nb / 2;
         return (words[block / 4] >> (8 * (block % 4) + keep_bit(e >> 1, nb & 1, e & 1))) & 1u;
     }
+    // The keep bits of a transposed tile (keys as rows, queries as columns: S^T in the dK/dV kernels): a
+    // thread's elements of a 16-query block lie in two calls, those of its queries `query` (the block's first
+    // plus 2 t) and query + 1 (and their + 8); calls[odd] gets bits() of query + odd at the thread's `key`.
+    __device__ __forceinline__ void transposed_bits(unsigned (&calls)[2], int query, int key) const {
+#pragma unroll
+        for (int odd = 0; odd < 2; ++odd) calls[odd] = bits(query + odd, key);
+    }
+    // Is element e of n8 tile nb of a transposed tile kept (query 8 nb + 2 t + (e & 1) of the 16-query block,
+    // key row g + 8 (e >> 1)), by its block's transposed_bits? (Always without dropout.)
+    __device__ static __forceinline__ bool transposed_keeps(const unsigned (&calls)[2], int nb, int e, int g) {
+        if constexpr (!ENABLED) return true;
+        return (calls[e & 1] >> keep_bit(nb & 1, e >> 1, g & 1)) & 1u;
+    }
     // Is element (row, key) kept? One call per element, for the kernels whose threads hold no mma tile.
     __device__ __forceinline__ bool keeps(int row, int key) const {
         if constexpr (!ENABLED) return true;
