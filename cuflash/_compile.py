@@ -80,6 +80,9 @@ class CompileReport:
     spill_load_bytes: int
     stack_frame_bytes: int
     log: str
+    #: ptxas serialized the kernel's wgmma (its C7514 "Potential Performance Loss": a non-wgmma instruction may
+    #: read an accumulator while a wgmma into it runs), which makes every product synchronous
+    serialized_wgmma: bool = False
 
 
 def _cuda_include_dir() -> str:
@@ -180,4 +183,11 @@ def _report(spec: KernelSpec, arch: str, mangled: str, log: str) -> CompileRepor
     return CompileReport(spec, arch, registers=number(r"Used (\d+) registers"),
                          spill_store_bytes=number(r"(\d+) bytes spill stores"),
                          spill_load_bytes=number(r"(\d+) bytes spill loads"),
-                         stack_frame_bytes=number(r"(\d+) bytes stack frame"), log=section)
+                         stack_frame_bytes=number(r"(\d+) bytes stack frame"), log=section,
+                         serialized_wgmma=_serialized_wgmma(log, mangled))
+
+
+def _serialized_wgmma(log: str, mangled: str) -> bool:
+    """Does ``log`` hold ptxas's warning that it serialized the wgmma of entry ``mangled``? (The warning names the
+    function and may come before its resource report.)"""
+    return any("wgmma" in line and "serialized" in line and f"'{mangled}'" in line for line in log.splitlines())
