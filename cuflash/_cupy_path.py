@@ -412,11 +412,11 @@ KVCACHE_PER_CALL = ("q", "k", "v", "out", "lse", "alibi_slopes", "sinks", "cache
 
 #: The counters of the KV-cache forward's key splits and of fwd_wgmma's persistent grid per (device, stream):
 #: int32, one per row group of the KV-cache forward, WORK_COUNTER_INTS for fwd_wgmma; zero between calls (the
-#: last block of each row group resets its own; fwd_wgmma's last block both), so a call launches no memset. Calls on one stream run
-#: in order and calls on different streams count in different buffers. A buffer dropped (grown, or all of
-#: them past MAX_COUNTER_STREAMS, as a program that makes a stream per request would otherwise collect one
-#: per stream) goes back to CuPy's pool, which hands it out again only on its own stream, after the kernels
-#: already queued there.
+#: last block of each row group resets its own; fwd_wgmma's last block both), so a call launches no memset.
+#: Calls on one stream run in order and calls on different streams count in different buffers. A buffer
+#: dropped (grown, or all of them past MAX_COUNTER_STREAMS, as a program that makes a stream per request would
+#: otherwise collect one per stream) goes back to CuPy's pool, which hands it out again only on its own
+#: stream, after the kernels already queued there.
 _SPLIT_COUNTERS: dict[tuple[int, int], cupy.ndarray] = {}
 MAX_COUNTER_STREAMS = 64
 #: fwd_wgmma's work counter: the next item to take, and the blocks done taking
