@@ -72,6 +72,8 @@ SM90A_KERNELS = frozenset({"fwd_wgmma", "bwd_dkdv_wgmma"})
 WGMMA_ROWS_PER_CONSUMER = 64
 #: its K and V stages (``kWgmmaStages`` in kernels/fwd_wgmma.cu)
 WGMMA_STAGES = 2
+#: int32 of its persistent grid's work counter (``kWorkCounterInts``): the items taken, the blocks done taking
+WGMMA_WORK_COUNTER_INTS = 2
 #: columns of a TMA box row: 128 bytes of 16-bit elements, the 128-byte swizzle's row (``kSwizzleElems``)
 SWIZZLE_ELEMS = 64
 #: bwd_dkdv_mma: 8 warps in 2 x 4 and 4 x 2 grids of warp tiles (``kDkdvTiledThreads`` in kernels/bwd_mma.cu)

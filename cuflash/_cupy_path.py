@@ -252,8 +252,9 @@ class ForwardPlan:
         lse = cupy.ndarray(self.lse_shape, np.float32) if with_lse else None
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k.data.ptr | v.data.ptr) & 15
         maps, copies = _tensor_maps((q, k, v), self.maps) if self.maps else ((), ())
-        if self.maps:   # fwd_wgmma's work counter follows its maps: the stream's two zeroed ints on a persistent grid
-            maps += (split_counters(self.device_id, WORK_COUNTER_INTS) if self.work_counter else _NULL,)
+        if self.maps:   # fwd_wgmma's work counter follows its maps: the stream's zeroed ints on a persistent grid
+            counter = split_counters(self.device_id, _config.WGMMA_WORK_COUNTER_INTS) if self.work_counter else _NULL
+            maps += (counter,)
         self.kernel(self.grid, self.block,
                     maps + self.arguments((q, k, v, out, _NULL if lse is None else lse, _vector(alibi_slopes),
                                            _vector(sinks)) + dropout + (_VECTOR_OK[vector_ok],) + cu_seqlens),
@@ -411,16 +412,14 @@ KVCACHE_PER_CALL = ("q", "k", "v", "out", "lse", "alibi_slopes", "sinks", "cache
                     "out_partial", "lse_partial", "split_counters", "seqlen_k", "vec_ok")
 
 #: The counters of the KV-cache forward's key splits and of fwd_wgmma's persistent grid per (device, stream):
-#: int32, one per row group of the KV-cache forward, WORK_COUNTER_INTS for fwd_wgmma; zero between calls (the
-#: last block of each row group resets its own; fwd_wgmma's last block both), so a call launches no memset.
-#: Calls on one stream run in order and calls on different streams count in different buffers. A buffer
-#: dropped (grown, or all of them past MAX_COUNTER_STREAMS, as a program that makes a stream per request would
-#: otherwise collect one per stream) goes back to CuPy's pool, which hands it out again only on its own
+#: int32, one per row group of the KV-cache forward, _config.WGMMA_WORK_COUNTER_INTS for fwd_wgmma; zero between
+#: calls (the last block of each row group resets its own; fwd_wgmma's last block all), so a call launches no
+#: memset. Calls on one stream run in order and calls on different streams count in different buffers. A
+#: buffer dropped (grown, or all of them past MAX_COUNTER_STREAMS, as a program that makes a stream per request
+#: would otherwise collect one per stream) goes back to CuPy's pool, which hands it out again only on its own
 #: stream, after the kernels already queued there.
 _SPLIT_COUNTERS: dict[tuple[int, int], cupy.ndarray] = {}
 MAX_COUNTER_STREAMS = 64
-#: fwd_wgmma's work counter: the next item to take, and the blocks done taking
-WORK_COUNTER_INTS = 2
 
 
 def split_counters(device_id: int, count: int):

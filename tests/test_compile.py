@@ -175,7 +175,8 @@ def test_python_mirrors_the_kernels_constants():
     hopper = [f"static_assert(cuflash::{name} == {value}, \"_config.{mirror}\");" for name, value, mirror in (
         ("WgmmaRoles<128>::kThreads", _config.wgmma_threads(128), "wgmma_threads"),
         ("WgmmaRoles<192>::kThreads", _config.wgmma_threads(192), "wgmma_threads"),
-        ("kWgmmaStages", _config.WGMMA_STAGES, "WGMMA_STAGES"), ("kSwizzleElems", _config.SWIZZLE_ELEMS, "SWIZZLE_ELEMS"))]
+        ("kWgmmaStages", _config.WGMMA_STAGES, "WGMMA_STAGES"), ("kSwizzleElems", _config.SWIZZLE_ELEMS, "SWIZZLE_ELEMS"),
+        ("kWorkCounterInts", _config.WGMMA_WORK_COUNTER_INTS, "WGMMA_WORK_COUNTER_INTS"))]
     assert len(smem_asserts("fwd_wgmma.cu")) > 4
     _nvrtc_compile(kernel_source("fwd_wgmma.cu") + "\n" + "\n".join(hopper + smem_asserts("fwd_wgmma.cu")) + "\n",
                    "sm_90a", [])

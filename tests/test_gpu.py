@@ -277,10 +277,10 @@ def test_the_persistent_grid_leaves_its_counters_zeroed(cp, rng):
         for stream in (cp.cuda.get_current_stream(), other, other):
             with stream:
                 out, lse = persistent.run(q, k, v)
-                counters = _cupy_path.split_counters(0, _cupy_path.WORK_COUNTER_INTS)
+                counters = _cupy_path.split_counters(0, _config.WGMMA_WORK_COUNTER_INTS)
             stream.synchronize()
             assert cp.array_equal(out, want) and cp.array_equal(lse, want_lse), (shape, stream)
-            assert not counters[:_cupy_path.WORK_COUNTER_INTS].any(), (shape, counters)
+            assert not counters[:_config.WGMMA_WORK_COUNTER_INTS].any(), (shape, counters)
 
 
 def test_the_hopper_backward_matches_its_fallback(cp, rng):

@@ -29,6 +29,9 @@
 namespace cuflash {
 
 constexpr int kWgmmaStages = 2;     // K and V stages each
+// The persistent grid's work counter, int32 (_config.WGMMA_WORK_COUNTER_INTS): the items taken, and the blocks
+// done taking them
+constexpr int kItemsTaken = 0, kBlocksDone = 1, kWorkCounterInts = 2;
 // Ping-pong up to head_dim 128: there it gained up to 8% at seqlen 1k and 1-13% at head_dim 64 (three
 // consumers); at 192 and 256, where P V is long beside the softmax, it cost 4-11% from 4k (bench/NOTES.md, h2).
 template <int HEAD_DIM> constexpr bool kPingPong = HEAD_DIM <= 128;
@@ -89,13 +92,12 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     volatile unsigned* const item_slots = reinterpret_cast<volatile unsigned*>(smem_raw + Smem::kItemSlots);
 
     // The block walks work items of QueryBlock's order: blockIdx.x first, then, where work_counter is given (the
-    // persistent grid of a block per SM), the next one not yet taken (gridDim.x + atomicAdd(work_counter, 1): the
-    // longest items first, each SM taking one as it frees), else blockIdx.x + gridDim.x, ... work_counter is two
-    // ints, zero at launch, and left zero (the stream's next launch reuses them, with no memset): [1] counts the
-    // blocks done taking items, and the last of them zeroes both. The producer's thread 0 picks each item and
-    // hands its index to the consumers
-    // through two slots (item_full / item_empty); it loads the next item's Q and keys while the consumers
-    // finish the last one's epilogue. The mbarriers' phases run on across items (counts of Q and key tiles).
+    // persistent grid of a block per SM), the next one not yet taken (gridDim.x + the count of items taken: the
+    // longest items first, each SM taking one as it frees), else blockIdx.x + gridDim.x, ... work_counter is zero
+    // at launch and left zero (the stream's next launch reuses it, with no memset): the last block done taking
+    // items zeroes it. The producer's thread 0 picks each item and hands its index to the consumers through two
+    // slots (item_full / item_empty); it loads the next item's Q and keys while the consumers finish the last
+    // one's epilogue. The mbarriers' phases run on across items (counts of Q and key tiles).
     const unsigned items = static_cast<unsigned>((seqlen_q + BLOCK_M - 1) / BLOCK_M) * batch * heads;
     struct Item {
         QueryBlock blk;
@@ -145,7 +147,8 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
                 mbarrier_arrive(item_full(slot));   // (release: the consumers see the slot)
                 if (index >= items) break;
                 const Item w = item(index);
-                index = work_counter != nullptr ? gridDim.x + atomicAdd(work_counter, 1) : index + gridDim.x;
+                index = work_counter != nullptr ? gridDim.x + atomicAdd(work_counter + kItemsTaken, 1)
+                                                : index + gridDim.x;
                 if (w.idle() || w.n_tiles <= 0) continue;
                 // the maps' coordinates: a packed batch's rows from its sequence's first, batch 0
                 const int batch_coord = VARLEN ? 0 : w.blk.b, q_row = static_cast<int>(w.seq.q_start) + w.blk.m0;
@@ -171,10 +174,10 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
                 }
             }
             if (work_counter != nullptr) {
-                __threadfence();   // this block's last take of work_counter[0] comes before its count in [1]
-                if (atomicAdd(work_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-                    atomicExch(work_counter, 0);
-                    atomicExch(work_counter + 1, 0);
+                __threadfence();   // this block's last take of an item comes before its count among the done
+                if (atomicAdd(work_counter + kBlocksDone, 1) == static_cast<int>(gridDim.x) - 1) {
+                    atomicExch(work_counter + kItemsTaken, 0);
+                    atomicExch(work_counter + kBlocksDone, 0);
                 }
             }
         }
