@@ -3,18 +3,19 @@ counter-based, so every element's bit is a pure function of (seed, offset, batch
 Seven rounds pass BigCrush in Salmon et al.'s tests; ten (cuRAND's) add a margin that cost 5-8% of the
 dropout forward's time on the H200.
 
-One Philox call gives four 32-bit words, read as eight 16-bit draws. The draws of a call go to the eight
-elements that one thread holds of a 16 x 16 block of an mma accumulator: rows ``r`` and ``r + 8``,
-columns ``2c``, ``2c + 1``, ``2c + 8`` and ``2c + 9``. Element (b, h, i, j) of a call with ``heads``
-query heads reads
+One Philox call gives four 32-bit words, read as sixteen 8-bit draws (FlashAttention-2 draws 8 bits too).
+The draws of a call go to the sixteen elements that one thread holds of a 16 x 32 block of an mma
+accumulator: rows ``r`` and ``r + 8``, columns ``2c``, ``2c + 1``, ``2c + 8``, ``2c + 9`` and each ``+ 16``.
+Element (b, h, i, j) of a call with ``heads`` query heads reads
 
-    counter = ((j >> 4) * 4 + ((j >> 1) & 3), (i >> 4) * 8 + (i & 7), b * heads + h, offset)
+    counter = ((j >> 5) * 4 + ((j >> 1) & 3), (i >> 4) * 8 + (i & 7), b * heads + h, offset)
     key     = (seed & 0xffffffff, seed >> 32)
-    word    = 2 * ((j >> 3) & 1) + ((i >> 3) & 1),  its low 16 bits for even j, the high ones for odd j
+    word    = 2 * ((j >> 3) & 1) + ((i >> 3) & 1),  its byte 2 * ((j >> 4) & 1) + (j & 1)
 
-and is kept when that draw is at least ``floor(dropout_p * 2**16)``. Sixteen bits keep the Philox work
-at one call per eight elements (32-bit draws would take one per four) while the kept share is within 2**-16 of
-``1 - dropout_p``. The CUDA kernels compute the same function (``Dropout`` in kernels/common.cuh), so the
+and is kept when that draw is at least ``keep_threshold(dropout_p)``, ``dropout_p * 2**8`` rounded (halves
+up, at most 255): the dropped share is ``dropout_p`` rounded to a multiple of 2**-8, within 2**-9 of it below
+255.5 / 256. Eight bits keep the Philox work at one call per sixteen elements, half of what 16-bit draws cost,
+in kernels whose dropout is bound by the generator. The CUDA kernels compute the same function (``Dropout`` in kernels/common.cuh), so the
 mask does not depend on tiles, launch order or the GPU, and the NumPy path draws it bit for bit.
 """
 
@@ -47,22 +48,23 @@ def philox4x32(counter: tuple, key: tuple[int, int], rounds: int = ROUNDS) -> tu
 
 
 #: bits of one draw
-DRAW_BITS = 16
+DRAW_BITS = 8
 
 
 def keep_threshold(dropout_p: float) -> int:
-    """The least 16-bit draw that keeps an element: floor(dropout_p * 2**16)."""
-    return int(dropout_p * 2.0**DRAW_BITS)
+    """The least 8-bit draw that keeps an element: round(dropout_p * 2**8), halves up, at most 255."""
+    return min(int(dropout_p * 2**DRAW_BITS + 0.5), 2**DRAW_BITS - 1)
 
 
 def keep(seed: int, offset: int, bh, rows, cols, dropout_p: float) -> np.ndarray:
     """Bool, broadcast of ``bh`` (b * heads + h), ``rows`` and ``cols``: True where the element is kept."""
     rows, cols = np.asarray(rows, np.int64), np.asarray(cols, np.int64)
-    counter = ((cols >> 4) * 4 + ((cols >> 1) & 3), (rows >> 4) * 8 + (rows & 7), np.asarray(bh, np.int64), offset)
+    counter = ((cols >> 5) * 4 + ((cols >> 1) & 3), (rows >> 4) * 8 + (rows & 7), np.asarray(bh, np.int64), offset)
     words = philox4x32(counter, (seed & 0xFFFFFFFF, seed >> 32))
     which = 2 * ((cols >> 3) & 1) + ((rows >> 3) & 1)
     word = np.choose(np.broadcast_to(which, np.broadcast_shapes(which.shape, words[0].shape)), words)
-    draw = (word >> (DRAW_BITS * (cols & 1)).astype(np.uint32)) & np.uint32(0xFFFF)
+    byte = 2 * ((cols >> 4) & 1) + (cols & 1)
+    draw = (word >> (DRAW_BITS * byte).astype(np.uint32)) & np.uint32(2**DRAW_BITS - 1)
     return draw >= np.uint32(keep_threshold(dropout_p))
 
 

@@ -199,25 +199,31 @@ def test_dropout_mask_keeps_its_share_and_depends_on_every_key_part():
 
 
 def test_dropout_mask_gives_each_thread_of_an_mma_tile_one_call():
-    # the eight elements a thread holds of a 16 x 16 accumulator block (rows g, g + 8; keys 2t, 2t + 1,
-    # 2t + 8, 2t + 9) share one Philox call, and no other element reads that call: the kernels draw once
-    # per eight elements
-    rows, cols = np.meshgrid(np.arange(16, 48), np.arange(32, 64), indexing="ij")
-    calls = ((cols >> 4) * 4 + ((cols >> 1) & 3)) * 2**20 + (rows >> 4) * 8 + (rows & 7)
+    # the sixteen elements a thread holds of a 16 x 32 accumulator block (rows g, g + 8; keys 2t, 2t + 1,
+    # 2t + 8, 2t + 9 and each + 16) share one Philox call, and no other element reads that call: the kernels
+    # draw once per sixteen elements
+    rows, cols = np.meshgrid(np.arange(16, 48), np.arange(32, 96), indexing="ij")
+    calls = ((cols >> 5) * 4 + ((cols >> 1) & 3)) * 2**20 + (rows >> 4) * 8 + (rows & 7)
     for g in range(8):
         for t in range(4):
             thread_rows = 16 + np.array([g, g + 8])[:, None]
-            thread_cols = 32 + np.array([2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9])[None, :]
+            thread_cols = 32 + (np.array([2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9])[:, None] + [0, 16]).ravel()[None, :]
             mine = calls[thread_rows - 16, thread_cols - 32]
-            assert len(np.unique(mine)) == 1 and (calls[:16, :16] == mine.flat[0]).sum() == 8
-    # and within the call each of the eight reads its own 16 bits: word 2 * (key bit 3) + (row bit 3), the
-    # low half for an even key; the element flips from kept to dropped between that draw and the next
-    words = _philox.philox4x32((1, 3, 7, 11), (1, 1))  # keys 2, 3, 10, 11 of rows 3, 11; bh 7, offset 11
+            assert len(np.unique(mine)) == 1 and (calls[:16, :32] == mine.flat[0]).sum() == 16
+    assert len(np.unique(calls)) == calls.size // 16
+    # and within the call each of the sixteen reads its own 8 bits: byte 2 * (key bit 4) + (key bit 0) of word
+    # 2 * (key bit 3) + (row bit 3); the element flips from kept to dropped between that draw and the next
+    words = _philox.philox4x32((1, 3, 7, 11), (1, 1))  # keys 2, 3, 10, 11, 18, 19, 26, 27 of rows 3, 11; bh 7, offset 11
     for i in (3, 11):
-        for j in (2, 3, 10, 11):
-            draw = int(words[2 * (j >> 3) + (i >> 3)]) >> (16 * (j & 1)) & 0xFFFF
-            assert _philox.keep(2**32 + 1, 11, 7, i, j, draw / 2**16)
-            assert not _philox.keep(2**32 + 1, 11, 7, i, j, (draw + 1) / 2**16)
+        for j in (2, 3, 10, 11, 18, 19, 26, 27):
+            draw = int(words[2 * ((j >> 3) & 1) + (i >> 3)]) >> (8 * (2 * ((j >> 4) & 1) + (j & 1))) & 0xFF
+            assert _philox.keep(2**32 + 1, 11, 7, i, j, draw / 2**8)
+            assert draw == 255 or not _philox.keep(2**32 + 1, 11, 7, i, j, (draw + 1) / 2**8)
+
+
+def test_dropout_threshold_is_dropout_p_in_256ths():
+    # the dropped share is dropout_p rounded to the nearest 1/256 (halves up), never all: a draw of 255 is kept
+    assert [_philox.keep_threshold(p) for p in (0.0, 0.1, 0.5, 1.5 / 256, 1.49 / 256, 0.999)] == [0, 26, 128, 2, 1, 255]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])

@@ -741,7 +741,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_PARAMS(CUFLA
             }
         }
         // dS = P * (dP - delta), dP = dO V^T; packed into A fragments of dS K. Under dropout dP reaches a
-        // kept P scaled by dropout_scale and a dropped one not at all (one Philox call per 16 keys).
+        // kept P scaled by dropout_scale and a dropped one not at all (one Philox call per 32 keys of a row,
+        // per 16 past head_dim 128).
         unsigned ds_frag[kMAtoms][BLOCK_N / 16][4];
         {
             float dp[kMAtoms][kNTiles][4];
@@ -758,11 +759,19 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_PARAMS(CUFLA
 #pragma unroll
                 for (int nb = 0; nb < kNTiles; ++nb) {
                     if constexpr (kDropout) {
-                        if (nb % 2 == 0) keep = dropout.bits(m0 + warp_row0 + ma * 16 + g, n0 + nb * 8 + 2 * t);
+                        // a call's two 16 x 16 blocks where the tile holds both (n0 a multiple of BLOCK_N), but
+                        // past head_dim 128, where holding both blocks' bits made ptxas spill 12-136 bytes
+                        constexpr int kCallTiles = BLOCK_N % 32 == 0 && HEAD_DIM <= 128 ? 4 : 2;
+                        if (nb % kCallTiles == 0) {
+                            const int row = m0 + warp_row0 + ma * 16 + g, key = n0 + nb * 8 + 2 * t;
+                            keep = kCallTiles == 4 ? dropout.bits2(row, key) : dropout.bits(row, key);
+                        }
+                        const int block_bit = kCallTiles == 4 ? 8 * ((nb >> 1) & 1) : 0;
 #pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            dp[ma][nb][e] = (keep >> Dropout<kDropout>::keep_bit(e >> 1, nb & 1, e & 1)) & 1u
-                                                ? dp[ma][nb][e] * dropout_scale : 0.f;
+                        for (int e = 0; e < 4; ++e) {
+                            const int bit = block_bit + Dropout<kDropout>::keep_bit(e >> 1, nb & 1, e & 1);
+                            dp[ma][nb][e] = (keep >> bit) & 1u ? dp[ma][nb][e] * dropout_scale : 0.f;
+                        }
                     }
 #pragma unroll
                     for (int e = 0; e < 4; ++e) dp[ma][nb][e] = p[ma][nb][e] * (dp[ma][nb][e] - dlt[ma][e / 2]);

@@ -203,42 +203,62 @@ __device__ __forceinline__ uint4 philox4x32(uint4 c, unsigned k0, unsigned k1) {
     return c;
 }
 
-// Dropout's keep mask (kModDropout), the function of _philox.keep: one Philox call draws the 8 elements
-// a thread holds of a 16 x 16 block of an mma accumulator (rows r, r + 8; keys 2c, 2c + 1, 2c + 8, 2c + 9),
-// 16 bits each; an element is kept where its draw is at least `threshold` = floor(dropout_p * 2^16).
-// Kept probabilities are scaled by 1 / (1 - dropout_p) where the kernels apply their output factors.
+// Dropout's keep mask (kModDropout), the function of _philox.keep. One Philox call draws the 16 elements a
+// thread holds of a 16 x 32 block of an mma accumulator (rows r, r + 8; keys 2c, 2c + 1, 2c + 8, 2c + 9 and
+// each + 16), 8 bits each: word 2 * kh + rh of the call holds those of row half rh (row bit 3) and key half kh
+// (key bit 3), in byte 2 * (key bit 4) + (key bit 0). An element is kept where its draw is at least
+// `threshold` = _philox.keep_threshold(dropout_p) (dropout_p * 2^8 rounded, at most 255). A call's two
+// 16 x 16 blocks go to the same thread in the kernels that hold keys as columns (bits2, drop_pairs), so they
+// draw once per 16 elements; a transposed tile's thread uses 4 elements of each of its calls, and two lanes
+// share the drawing (transposed_bits). Kept probabilities are scaled by 1 / (1 - dropout_p) where the kernels
+// apply their output factors.
 template <bool ENABLED> struct Dropout {
     unsigned key0, key1, bh, offset, threshold;
-    unsigned threshold_high;   // threshold << 16: a word's high draw is kept where the word is at least this
     __device__ __forceinline__ Dropout(unsigned long long seed, unsigned offset_, unsigned threshold_, int bh_)
         : key0(static_cast<unsigned>(seed)), key1(static_cast<unsigned>(seed >> 32)), bh(bh_), offset(offset_),
-          threshold(threshold_), threshold_high(threshold_ << 16) {}
-    // The keep bits of the call that holds element (row, key), any one of its eight: its element in row
-    // half rh, key half kh and key parity odd has bit keep_bit(rh, kh, odd). ~0 (keep all) without dropout.
-    __device__ __forceinline__ unsigned bits(int row, int key) const {
-        if constexpr (!ENABLED) return ~0u;
-        const uint4 w = draws(row, key);
-        return keep2(w.x) | keep2(w.y) << 2 | keep2(w.z) << 4 | keep2(w.w) << 6;
-    }
-    // The call's four words as drawn: word 2 * kh + rh holds the draws of row half rh and key half kh,
-    // the even key's in its low 16 bits.
-    __device__ __forceinline__ uint4 draws(int row, int key) const {
-        return philox4x32(make_uint4(((key >> 4) << 2) | ((key >> 1) & 3), ((row >> 4) << 3) | (row & 7), bh, offset),
+          threshold(threshold_) {}
+    // The call of the 16 x 32 block that holds element (row, key), any one of its sixteen of the thread's.
+    __device__ __forceinline__ uint4 call(int row, int key) const {
+        return philox4x32(make_uint4(((key >> 5) << 2) | ((key >> 1) & 3), ((row >> 4) << 3) | (row & 7), bh, offset),
                           key0, key1);
     }
-    // Dropout on an A fragment of P (pairs[i]: two packed 16-bit values, the even key's in the low half, of
-    // row half i % 2 and key half i / 2 of the 16 x 16 block), in place: the call of the block whose
-    // element (row, key) this thread holds zeroes the dropped halves. Word i of the call holds exactly the
-    // draws of pairs[i], so each pair takes two compares and at most two ANDs, with no keep bits to
-    // extract.
-    __device__ __forceinline__ void drop_pairs(unsigned (&pairs)[4], int row, int key) const {
+    // The keep bits of the 16 x 16 block that holds element (row, key), any one of its eight of the thread's:
+    // its element in row half rh, key half kh and key parity odd has bit keep_bit(rh, kh, odd). ~0 (keep all)
+    // without dropout.
+    __device__ __forceinline__ unsigned bits(int row, int key) const {
+        if constexpr (!ENABLED) return ~0u;
+        return block_bits(call(row, key), (key >> 4) & 1);
+    }
+    // The keep bits of both 16 x 16 blocks of the call of (row, key): bits() of its first block (key bit 4
+    // clear) in bits 0-7, of its second in bits 8-15. ~0 without dropout.
+    __device__ __forceinline__ unsigned bits2(int row, int key) const {
+        if constexpr (!ENABLED) return ~0u;
+        const uint4 w = call(row, key);
+        return block_bits(w, 0) | block_bits(w, 1) << 8;
+    }
+    // Dropout on the A fragments of P of BLOCKS 16 x 16 blocks of keys key, key + 16, ... (key: the first
+    // block's first key plus 2 t; where BLOCKS is even the first block starts a call, its key a multiple of
+    // 32 plus 2 t), in place: pairs[b][i] holds two packed 16-bit values, the even key's in the low half, of
+    // row half i % 2 and key half i / 2 of block b. Word i of a call holds the draws of pairs[b][i] in bytes
+    // 2 (b % 2) and 2 (b % 2) + 1, so each pair takes two compares and at most two ANDs.
+    template <int BLOCKS>
+    __device__ __forceinline__ void drop_pairs(unsigned (&pairs)[BLOCKS][4], int row, int key) const {
         if constexpr (!ENABLED) return;
-        const uint4 w = draws(row, key);
-        const unsigned words[4] = {w.x, w.y, w.z, w.w};
+        constexpr int kPerCall = BLOCKS % 2 == 0 ? 2 : 1;   // 16 x 16 blocks per call
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            if ((words[i] & 0xffffu) < threshold) pairs[i] &= 0xffff0000u;
-            if (words[i] < threshold_high) pairs[i] &= 0x0000ffffu;
+        for (int first = 0; first < BLOCKS; first += kPerCall) {
+            const uint4 w = call(row, key + 16 * first);
+            const unsigned words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+            for (int b = first; b < first + kPerCall; ++b) {
+                const int shift = 16 * (kPerCall == 2 ? b % 2 : (key >> 4) & 1);   // the block's byte pair
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const unsigned draws = words[i] >> shift;
+                    if ((draws & 0xffu) < threshold) pairs[b][i] &= 0xffff0000u;
+                    if ((draws & 0xff00u) < threshold << 8) pairs[b][i] &= 0x0000ffffu;
+                }
+            }
         }
     }
     // The bit of bits() for the element in row half rh (row bit 3), key half kh (key bit 3) and key parity
@@ -246,19 +266,22 @@ template <bool ENABLED> struct Dropout {
     __device__ static constexpr int keep_bit(int rh, int kh, int odd) { return 4 * kh + 2 * rh + odd; }
     // The bits of a warp tile's 16 x 16 blocks, in accumulator layout: ATOMS 16-row atoms from the one of
     // `row` (the thread's row g of the first atom) times CALLS 16-key blocks from `key` (its key 2t of the
-    // first), block b = atom * CALLS + call at bits 8 * (b % 4) of words[b / 4]. UNROLL calls of a word are
-    // in flight at once: a call is ten dependent rounds, so one at a time leaves the warp waiting on its
-    // latency, but unrolled beside a kernel's tiles the rounds can make ptxas spill (the kernels choose).
+    // first, which starts a call where CALLS is even), block b = atom * CALLS + call at bits 8 * (b % 4) of
+    // words[b / 4]. UNROLL calls of a word are in flight at once: a call is kPhiloxRounds dependent rounds,
+    // so one at a time leaves the warp waiting on its latency, but unrolled beside a kernel's tiles the
+    // rounds can make ptxas spill (the kernels choose).
     template <int ATOMS, int CALLS> static constexpr int kTileWords = (ATOMS * CALLS + 3) / 4;
     template <int ATOMS, int CALLS, int UNROLL>
     __device__ __forceinline__ void tile_bits(unsigned (&words)[kTileWords<ATOMS, CALLS>], int row, int key) const {
+        constexpr int kPerCall = CALLS % 2 == 0 ? 2 : 1;   // 16 x 16 blocks per call
 #pragma unroll
         for (int w = 0; w < kTileWords<ATOMS, CALLS>; ++w) {
             unsigned word = 0;
 #pragma unroll UNROLL
-            for (int i = 0; i < 4 && 4 * w + i < ATOMS * CALLS; ++i) {
-                const int block = 4 * w + i;
-                word |= bits(row + 16 * (block / CALLS), key + 16 * (block % CALLS)) << (8 * i);
+            for (int i = 0; i < 4 && 4 * w + i < ATOMS * CALLS; i += kPerCall) {
+                const int block = 4 * w + i, block_row = row + 16 * (block / CALLS);
+                const int block_key = key + 16 * (block % CALLS);
+                word |= (kPerCall == 2 ? bits2(block_row, block_key) : bits(block_row, block_key)) << (8 * i);
             }
             words[w] = word;
         }
@@ -272,10 +295,15 @@ template <bool ENABLED> struct Dropout {
     }
     // The keep bits of a transposed tile (keys as rows, queries as columns: S^T in the dK/dV kernels): a
     // thread's elements of a 16-query block lie in two calls, those of its queries `query` (the block's first
-    // plus 2 t) and query + 1 (and their + 8); calls[odd] gets bits() of query + odd at the thread's `key`.
+    // plus 2 t) and query + 1 (and their + 8); calls[odd] gets bits() of query + odd at the thread's `key`
+    // (its key row g of a 16-key block: key parity = g parity). Lanes g and g ^ 1 (lane ^ 4) need the same two
+    // calls: each draws the one of its key parity and they swap through a shuffle, so the warp draws each call
+    // once. The whole warp must call it.
     __device__ __forceinline__ void transposed_bits(unsigned (&calls)[2], int query, int key) const {
-#pragma unroll
-        for (int odd = 0; odd < 2; ++odd) calls[odd] = bits(query + odd, key);
+        const bool odd = key & 1;
+        const unsigned mine = bits(query + odd, key), theirs = __shfl_xor_sync(0xffffffffu, mine, 4);
+        calls[0] = odd ? theirs : mine;
+        calls[1] = odd ? mine : theirs;
     }
     // Is element e of n8 tile nb of a transposed tile kept (query 8 nb + 2 t + (e & 1) of the 16-query block,
     // key row g + 8 (e >> 1)), by its block's transposed_bits? (Always without dropout.)
@@ -290,9 +318,18 @@ template <bool ENABLED> struct Dropout {
     }
 
   private:
-    // Two draws of a word: bit 0 keeps its low half (the even key), bit 1 its high half (the odd key).
-    __device__ __forceinline__ unsigned keep2(unsigned word) const {
-        return static_cast<unsigned>((word & 0xffffu) >= threshold) | static_cast<unsigned>(word >= threshold_high) << 1;
+    // The keep bits of the call's 16 x 16 block `half` (key bit 4), as bits() returns them: of word i's byte
+    // pair 2 half, 2 half + 1 (the even key, the odd one), bits 2 i and 2 i + 1.
+    __device__ __forceinline__ unsigned block_bits(uint4 w, int half) const {
+        const unsigned words[4] = {w.x, w.y, w.z, w.w};
+        unsigned bits = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const unsigned draws = words[i] >> (16 * half);
+            bits |= (static_cast<unsigned>((draws & 0xffu) >= threshold) |
+                     static_cast<unsigned>((draws & 0xff00u) >= threshold << 8) << 1) << (2 * i);
+        }
+        return bits;
     }
 };
 

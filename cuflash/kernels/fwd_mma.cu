@@ -53,7 +53,7 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int KEY
 // its shared memory) spilled 12 bytes at 168 registers without a minimum; with one they fit.
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int WARPS, int KEY_SPLIT,
           bool KVCACHE, bool VARLEN>
-__global__ void __launch_bounds__(WARPS * 32, WARPS >= 8 || KVCACHE ? 1 : BLOCK_M / WARPS == 16 ? 2 : 0)
+__global__ void __launch_bounds__(WARPS * 32, WARPS >= 8 || KVCACHE || (MODS & kModDropout) ? 1 : BLOCK_M / WARPS == 16 ? 2 : 0)
 fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     constexpr int kThreads = WARPS * 32;
     // KEY_SPLIT warps share each group of query rows (a pair where KEY_SPLIT = 2): each computes S for its
@@ -346,7 +346,7 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
                 }
                 // P = exp2(S * score_factor - m_i), packed straight into A fragments of P.V (no trip through
                 // shared memory). The row sums take every P; dropout zeroes the dropped ones in the fragments
-                // only, one Philox call per fragment (Dropout::drop_pairs).
+                // only, one Philox call per two fragments (Dropout::drop_pairs).
                 const float neg_base[2] = {-safe_max(m_i[ma][0]), -safe_max(m_i[ma][1])};
 #pragma unroll
                 for (int nb = 0; nb < kNTiles; ++nb) {
@@ -358,10 +358,7 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
                     p_frag[ma][nb / 2][(nb % 2) * 2 + 0] = pack2<T>(pv[0], pv[1]);
                     p_frag[ma][nb / 2][(nb % 2) * 2 + 1] = pack2<T>(pv[2], pv[3]);
                 }
-#pragma unroll
-                for (int kk = 0; kk < kWarpKSteps; ++kk)
-                    dropout.drop_pairs(p_frag[ma][kk], m0 + warp_row0 + ma * 16 + g,
-                                       n0 + share * kWarpKeys + kk * 16 + 2 * t);
+                dropout.drop_pairs(p_frag[ma], m0 + warp_row0 + ma * 16 + g, n0 + share * kWarpKeys + 2 * t);
             };
             if constexpr (KEY_SPLIT == 1) {
 #pragma unroll

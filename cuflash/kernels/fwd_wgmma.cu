@@ -22,7 +22,7 @@
 // batch (VARLEN) the maps span the packed rows (batch extent 1) and a block reads from its sequence's first
 // row: rows of the next sequence that a tile overruns are masked (keys) or never stored (queries).
 // Dropout (kModDropout) zeroes the dropped probabilities in P's A fragments after the row sums took them, one
-// Philox call per 16 x 16 block as fwd_mma (Dropout::drop_pairs: the fragments' layouts are the same).
+// Philox call per two 16 x 16 blocks as fwd_mma (Dropout::drop_pairs: the fragments' layouts are the same).
 // No KV cache (the plan runs fwd_mma for it).
 #include "hopper.cuh"
 
@@ -237,8 +237,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             p[nb / 2][(nb % 2) * 2 + 0] = pack2<T>(s[4 * nb + 0], s[4 * nb + 1]);
             p[nb / 2][(nb % 2) * 2 + 1] = pack2<T>(s[4 * nb + 2], s[4 * nb + 3]);
         }
-#pragma unroll
-        for (int kk = 0; kk < kPSteps; ++kk) dropout.drop_pairs(p[kk], row, n0 + 16 * kk + 2 * t);
+        dropout.drop_pairs(p, row, n0 + 2 * t);   // n0 is a multiple of 32: BLOCK_N
     };
     auto rescale_o = [&] {
 #pragma unroll
