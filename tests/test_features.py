@@ -224,6 +224,10 @@ def test_dropout_mask_gives_each_thread_of_an_mma_tile_one_call():
 def test_dropout_threshold_is_dropout_p_in_256ths():
     # the dropped share is dropout_p rounded to the nearest 1/256 (halves up), never all: a draw of 255 is kept
     assert [_philox.keep_threshold(p) for p in (0.0, 0.1, 0.5, 1.5 / 256, 1.49 / 256, 0.999)] == [0, 26, 128, 2, 1, 255]
+    # and the mask drops that share: 64.49 / 256 drops 64 / 256 = 0.25 of the elements, not 0.2519 (4M draws:
+    # the two are 7.6 standard deviations apart)
+    dropped = ~cuflash.dropout_mask(1, 1, 2048, 2048, dropout_p=64.49 / 256, seed=3)
+    assert abs(dropped.mean() - 0.25) < 5 * np.sqrt(0.25 * 0.75 / dropped.size)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
