@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One pass over a GPU machine: warm the kernel cache, run the whole test suite, then the given benchmark
 # command. Logs and the benchmark's results (results.tgz) land in $CUFLASH_OUT (default ./gpu-run-out).
-# The suite runs as four pytest processes side by side (the three largest files, then the rest; about 290 s
-# on an H200 machine of 16 cores against 600 s and more in one process: the float64 reference checks are
+# The suite runs as seven pytest processes side by side, each under SUITE_TIMEOUT seconds (default 300): the
+# dropout and the other cases of test_features, test_attention, test_backward, test_kvcache, test_gpu with
+# test_varlen, then the rest (about 220 s on an H200 machine of 16 cores; the float64 reference checks are
 # CPU-bound). The compile check is left out: it needs no GPU, and CI runs it.
 # PYTEST_ARGS adds pytest options; SKIP_TESTS=1 skips the tests. Run from the repository's root:
 #   bash tools/gpu_run.sh [bench args...]      e.g. bash tools/gpu_run.sh grid memory
@@ -17,17 +18,28 @@ tail -n 1 "$OUT/warmup.log"
 echo "warmup: $((SECONDS - start)) s"
 if [ -z "$SKIP_TESTS" ]; then
   start=$SECONDS
-  big="tests/test_features.py tests/test_attention.py tests/test_backward.py"
+  files="tests/test_features.py tests/test_attention.py tests/test_backward.py tests/test_kvcache.py"
+  files="$files tests/test_gpu.py tests/test_varlen.py"
   rest="--ignore=tests/test_compile.py"
-  for f in $big; do rest="$rest --ignore=$f"; done
+  for f in $files; do rest="$rest --ignore=$f"; done
   status=0
   pids=()
-  i=0
-  for group in $big "tests $rest"; do
-    python3 -m pytest $group -q -p no:cacheprovider -rfE ${PYTEST_ARGS} > "$OUT/pytest.$i.log" 2>&1 &
+  group() {   # group INDEX PYTEST_ARGS...: one pytest process in the background, its pid in pids
+    local index=$1
+    shift
+    # shellcheck disable=SC2086  # PYTEST_ARGS may be several words
+    timeout "${SUITE_TIMEOUT:-300}" python3 -m pytest "$@" -q -p no:cacheprovider -rfE ${PYTEST_ARGS} \
+      > "$OUT/pytest.$index.log" 2>&1 &
     pids+=($!)
-    i=$((i + 1))
-  done
+  }
+  group 0 tests/test_features.py -k dropout
+  group 1 tests/test_features.py -k "not dropout"
+  group 2 tests/test_attention.py
+  group 3 tests/test_backward.py
+  group 4 tests/test_kvcache.py
+  group 5 tests/test_gpu.py tests/test_varlen.py
+  # shellcheck disable=SC2086  # rest is several words
+  group 6 tests $rest
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
   for log in "$OUT"/pytest.*.log; do
     echo "$log: $(tail -n 1 "$log")"
