@@ -1,0 +1,120 @@
+"""A/B of a feature's cost in two cuflash trees, in one process: causal bfloat16 attention on FlashAttention's
+grid (16k tokens, model width 2048), forward and forward + backward.
+
+``python tools/feature_ab.py BASE_TREE [--new .] [--cases 64:8192,128:2048] [--options dropout_p=0.1,seed=5,offset=1]
+[--portable] [--rounds 3] [--out OUT.json]``
+
+Per case it times the new tree without the options (plain causal, the baseline), then the base tree and the new
+tree with them; with ``--portable`` also both trees with the Hopper kernels off (the ``mma.sync`` kernels an
+A100 runs). Every round runs the variants in a rotated order, each as ``bench.timing.EventTimer`` does (L2
+flushed before each repeat). Prints the medians, in ms and in TFLOP/s on the visible score entries, and writes
+them with every round's time as JSON. A tree is a directory holding a ``cuflash`` package (``git archive REV
+cuflash | tar -x -C DIR``). Options are keyword arguments of ``attention`` and ``attention_backward`` with
+number values (``window_size=1024:0`` for a pair); array options (ALiBi slopes, sinks) are not taken. Run from
+the repository root with ``PYTHONPATH=.`` on a GPU machine. The numbers that count come from ``python -m
+bench``; this answers "which tree is faster" with the least drift between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import sys
+
+import cupy as cp
+import ml_dtypes
+import numpy as np
+
+from ab_probe import TOKENS, WIDTH, load_tree
+from bench.timing import EventTimer
+
+#: forward plus backward over the forward, in FLOPs (the backward's five products over the forward's two)
+FWD_BWD_FLOPS = 3.5
+
+
+#: the keywords that take integers (the others take floats, or ``a:b`` pairs of integers)
+INTEGER_OPTIONS = ("seed", "offset")
+
+
+def parse_options(text: str) -> dict:
+    """``key=value,...`` into keyword arguments."""
+    options = {}
+    for item in filter(None, text.split(",")):
+        key, value = item.split("=")
+        if ":" in value:
+            options[key] = tuple(int(x) for x in value.split(":"))
+        else:
+            options[key] = int(value) if key in INTEGER_OPTIONS else float(value)
+    return options
+
+
+def without_hopper_kernels(module_name: str) -> None:
+    """Make the tree imported as ``module_name`` plan as on a GPU without tensor maps (the mma.sync kernels)."""
+    cupy_path = importlib.import_module(f"{module_name}._cupy_path")
+    props = cupy_path.device_props
+    cupy_path.device_props = lambda device_id: dataclasses.replace(props(device_id), tensor_maps=False)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("base", help="the base tree: a directory holding a cuflash package")
+    parser.add_argument("--new", default=".", help="the new tree (default: this checkout)")
+    parser.add_argument("--cases", default="64:8192,128:2048,128:8192,256:8192", help="head_dim:seqlen,...")
+    parser.add_argument("--options", default="dropout_p=0.1,seed=5,offset=1", help="the feature's keywords")
+    parser.add_argument("--portable", action="store_true", help="also time both trees without the Hopper kernels")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=None, help="write the times here as JSON")
+    args = parser.parse_args()
+    options = parse_options(args.options)
+    trees = {"base": load_tree("ab_base", args.base), "new": load_tree("ab_new", args.new)}
+    if args.portable:
+        for name, path in (("base", args.base), ("new", args.new)):
+            trees[f"{name}-portable"] = load_tree(f"ab_{name}_portable", path)
+            without_hopper_kernels(f"ab_{name}_portable")
+    variants = [("new", "plain", {})] + [(tree, "feature", options) for tree in trees]
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    timer = EventTimer(2, 10)
+    rows = {}
+    for case in args.cases.split(","):
+        head_dim, seqlen = (int(x) for x in case.split(":"))
+        batch, heads = TOKENS // seqlen, WIDTH // head_dim
+        rng = np.random.default_rng(0)
+        q, k, v, dout = (cp.asarray(rng.standard_normal((batch, seqlen, heads, head_dim), np.float32).astype(bf16))
+                         for _ in range(4))
+
+        def forward(cf, opts):
+            return lambda: cf.attention(q, k, v, causal=True, **opts)
+
+        def forward_backward(cf, opts):
+            def run():
+                out, lse = cf.attention(q, k, v, causal=True, return_lse=True, **opts)
+                return cf.attention_backward(dout, q, k, v, out, lse, causal=True, **opts)
+            return run
+
+        fns = {}
+        for tree, variant, opts in variants:
+            fns[(tree, variant, "fwd")] = forward(trees[tree], opts)
+            fns[(tree, variant, "fwd+bwd")] = forward_backward(trees[tree], opts)
+        times = {key: [] for key in fns}
+        keys = list(fns)
+        for round_ in range(args.rounds):
+            shift = round_ % len(keys)
+            for key in keys[shift:] + keys[:shift]:
+                times[key].append(float(np.median(timer(fns[key]))))
+        visible = seqlen * (seqlen + 1) / 2 * batch * heads
+        for (tree, variant, pass_), rounds in times.items():
+            ms = float(np.median(rounds))
+            flops = 4 * visible * head_dim * (1.0 if pass_ == "fwd" else FWD_BWD_FLOPS)
+            tflops = flops / (ms * 1e-3) / 1e12
+            rows[f"d{head_dim} s{seqlen} {tree} {variant} {pass_}"] = dict(ms=ms, tflops=tflops, rounds=rounds)
+            print(f"d{head_dim} s{seqlen} {tree:14s} {variant:8s} {pass_:8s} {ms:8.3f} ms {tflops:6.1f} TFLOP/s",
+                  flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(options=args.options, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
