@@ -15,8 +15,9 @@ Element (b, h, i, j) of a call with ``heads`` query heads reads
 and is kept when that draw is at least ``keep_threshold(dropout_p)``, ``dropout_p * 2**8`` rounded (halves
 up, at most 255): the dropped share is ``dropout_p`` rounded to a multiple of 2**-8, within 2**-9 of it below
 255.5 / 256. Eight bits keep the Philox work at one call per sixteen elements, half of what 16-bit draws cost,
-in kernels whose dropout is bound by the generator. The CUDA kernels compute the same function (``Dropout`` in kernels/common.cuh), so the
-mask does not depend on tiles, launch order or the GPU, and the NumPy path draws it bit for bit.
+in kernels whose dropout is bound by the generator. The CUDA kernels compute the same function (``Dropout``
+in kernels/common.cuh), so the mask does not depend on tiles, launch order or the GPU, and the NumPy path draws
+it bit for bit.
 """
 
 from __future__ import annotations

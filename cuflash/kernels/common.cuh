@@ -251,12 +251,11 @@ template <bool ENABLED> struct Dropout {
             const unsigned words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
             for (int b = first; b < first + kPerCall; ++b) {
-                const int shift = 16 * (kPerCall == 2 ? b % 2 : (key >> 4) & 1);   // the block's byte pair
+                const int half = kPerCall == 2 ? b % 2 : (key >> 4) & 1;   // the block's byte pair
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    const unsigned draws = words[i] >> shift;
-                    if ((draws & 0xffu) < threshold) pairs[b][i] &= 0xffff0000u;
-                    if ((draws & 0xff00u) < threshold << 8) pairs[b][i] &= 0x0000ffffu;
+                    if (!kept(words[i], half, 0)) pairs[b][i] &= 0xffff0000u;
+                    if (!kept(words[i], half, 1)) pairs[b][i] &= 0x0000ffffu;
                 }
             }
         }
@@ -318,17 +317,19 @@ template <bool ENABLED> struct Dropout {
     }
 
   private:
+    // Is the draw in byte 2 half + odd of a call's word (block `half`'s even or odd key) kept?
+    __device__ __forceinline__ bool kept(unsigned word, int half, int odd) const {
+        return ((word >> (16 * half)) & (0xffu << (8 * odd))) >= threshold << (8 * odd);
+    }
     // The keep bits of the call's 16 x 16 block `half` (key bit 4), as bits() returns them: of word i's byte
     // pair 2 half, 2 half + 1 (the even key, the odd one), bits 2 i and 2 i + 1.
     __device__ __forceinline__ unsigned block_bits(uint4 w, int half) const {
         const unsigned words[4] = {w.x, w.y, w.z, w.w};
         unsigned bits = 0;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const unsigned draws = words[i] >> (16 * half);
-            bits |= (static_cast<unsigned>((draws & 0xffu) >= threshold) |
-                     static_cast<unsigned>((draws & 0xff00u) >= threshold << 8) << 1) << (2 * i);
-        }
+        for (int i = 0; i < 4; ++i)
+            bits |= (static_cast<unsigned>(kept(words[i], half, 0)) | static_cast<unsigned>(kept(words[i], half, 1)) << 1)
+                    << (2 * i);
         return bits;
     }
 };

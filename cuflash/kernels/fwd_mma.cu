@@ -50,10 +50,12 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int KEY
 // blocks of two atoms per warp at head_dim 128 reach 255 registers and spill; with none, one-atom
 // 128-thread blocks (sm_8x, head_dim 128) stop at 168 registers and spill 24 bytes, and a minimum of
 // two lets them keep everything in registers. The KV-cache blocks (one per SM: their tiles take most of
-// its shared memory) spilled 12 bytes at 168 registers without a minimum; with one they fit.
+// its shared memory) spilled 12 bytes at 168 registers without a minimum; with one they fit. The dropout
+// kernels take one too: without it, sm_80's head_dim 64 one on 128 x 32 tiles stopped at 168 and spilled 32.
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int WARPS, int KEY_SPLIT,
           bool KVCACHE, bool VARLEN>
-__global__ void __launch_bounds__(WARPS * 32, WARPS >= 8 || KVCACHE || (MODS & kModDropout) ? 1 : BLOCK_M / WARPS == 16 ? 2 : 0)
+__global__ void __launch_bounds__(WARPS * 32,
+                                  WARPS >= 8 || KVCACHE || (MODS & kModDropout) ? 1 : BLOCK_M / WARPS == 16 ? 2 : 0)
 fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     constexpr int kThreads = WARPS * 32;
     // KEY_SPLIT warps share each group of query rows (a pair where KEY_SPLIT = 2): each computes S for its
