@@ -760,11 +760,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_PARAMS(CUFLA
                 for (int nb = 0; nb < kNTiles; ++nb) {
                     if constexpr (kDropout) {
                         // a call's two 16 x 16 blocks where the tile holds both (n0 a multiple of BLOCK_N), but
-                        // past head_dim 128, where holding both blocks' bits made ptxas spill 12-136 bytes
+                        // past head_dim 128, where holding both blocks' bits made ptxas spill 12-136 bytes; one
+                        // compare per draw (SERIAL), where the four-at-once one spilled
                         constexpr int kCallTiles = BLOCK_N % 32 == 0 && HEAD_DIM <= 128 ? 4 : 2;
                         if (nb % kCallTiles == 0) {
                             const int row = m0 + warp_row0 + ma * 16 + g, key = n0 + nb * 8 + 2 * t;
-                            keep = kCallTiles == 4 ? dropout.bits2(row, key) : dropout.bits(row, key);
+                            keep = kCallTiles == 4 ? dropout.template bits2<true>(row, key)
+                                                   : dropout.template bits<true>(row, key);
                         }
                         const int block_bit = kCallTiles == 4 ? 8 * ((nb >> 1) & 1) : 0;
 #pragma unroll

@@ -224,23 +224,24 @@ template <bool ENABLED> struct Dropout {
     }
     // The keep bits of the 16 x 16 block that holds element (row, key), any one of its eight of the thread's:
     // its element in row half rh, key half kh and key parity odd has bit keep_bit(rh, kh, odd). ~0 (keep all)
-    // without dropout.
-    __device__ __forceinline__ unsigned bits(int row, int key) const {
+    // without dropout. SERIAL: one compare per draw, not four at once (block_bits).
+    template <bool SERIAL = false> __device__ __forceinline__ unsigned bits(int row, int key) const {
         if constexpr (!ENABLED) return ~0u;
-        return block_bits(call(row, key), (key >> 4) & 1);
+        return block_bits<SERIAL>(call(row, key), (key >> 4) & 1);
     }
     // The keep bits of both 16 x 16 blocks of the call of (row, key): bits() of its first block (key bit 4
     // clear) in bits 0-7, of its second in bits 8-15. ~0 without dropout.
-    __device__ __forceinline__ unsigned bits2(int row, int key) const {
+    template <bool SERIAL = false> __device__ __forceinline__ unsigned bits2(int row, int key) const {
         if constexpr (!ENABLED) return ~0u;
         const uint4 w = call(row, key);
-        return block_bits(w, 0) | block_bits(w, 1) << 8;
+        return block_bits<SERIAL>(w, 0) | block_bits<SERIAL>(w, 1) << 8;
     }
     // Dropout on the A fragments of P of BLOCKS 16 x 16 blocks of keys key, key + 16, ... (key: the first
     // block's first key plus 2 t; where BLOCKS is even the first block starts a call, its key a multiple of
     // 32 plus 2 t), in place: pairs[b][i] holds two packed 16-bit values, the even key's in the low half, of
     // row half i % 2 and key half i / 2 of block b. Word i of a call holds the draws of pairs[b][i] in bytes
-    // 2 (b % 2) and 2 (b % 2) + 1, so each pair takes two compares and at most two ANDs.
+    // 2 (b % 2) and 2 (b % 2) + 1: one compare of the word's four draws at once (kept_signs), then a byte
+    // permute spreads the two draws' keep bits over the pair's halves, and one AND applies them.
     template <int BLOCKS>
     __device__ __forceinline__ void drop_pairs(unsigned (&pairs)[BLOCKS][4], int row, int key) const {
         if constexpr (!ENABLED) return;
@@ -250,12 +251,12 @@ template <bool ENABLED> struct Dropout {
             const uint4 w = call(row, key + 16 * first);
             const unsigned words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-            for (int b = first; b < first + kPerCall; ++b) {
-                const int half = kPerCall == 2 ? b % 2 : (key >> 4) & 1;   // the block's byte pair
+            for (int i = 0; i < 4; ++i) {
+                const unsigned signs = kept_signs(words[i]);
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    if (!kept(words[i], half, 0)) pairs[b][i] &= 0xffff0000u;
-                    if (!kept(words[i], half, 1)) pairs[b][i] &= 0x0000ffffu;
+                for (int b = first; b < first + kPerCall; ++b) {
+                    const int half = kPerCall == 2 ? b % 2 : (key >> 4) & 1;   // the block's byte pair
+                    pairs[b][i] &= replicate_signs(signs, half ? kHighPairSigns : kLowPairSigns);
                 }
             }
         }
@@ -317,20 +318,49 @@ template <bool ENABLED> struct Dropout {
     }
 
   private:
-    // Is the draw in byte 2 half + odd of a call's word (block `half`'s even or odd key) kept?
-    __device__ __forceinline__ bool kept(unsigned word, int half, int odd) const {
-        return ((word >> (16 * half)) & (0xffu << (8 * odd))) >= threshold << (8 * odd);
+    // prmt selectors that fill the low and the high 16 bits of a word with the sign (bit 7) of byte 2 half
+    // and of byte 2 half + 1 of the source: nibble 8 + n of a selector replicates byte n's sign.
+    static constexpr unsigned kLowPairSigns = 0x9988u, kHighPairSigns = 0xbbaau;
+    // prmt.b32 with its sign-replicate bit: __byte_perm masks each selector nibble to 3 bits and drops it.
+    __device__ static __forceinline__ unsigned replicate_signs(unsigned x, unsigned selector) {
+        unsigned r;
+        asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(x), "r"(selector));
+        return r;
+    }
+    // Bit 7 of byte n set where the draw in byte n of `word` is kept (at least `threshold`), all four bytes
+    // at once, the other bits arbitrary. Where a draw's top bit differs from the threshold's, the draw's
+    // decides; where it is the same, (draw | 0x80) - (threshold & 0x7f) keeps bit 7 exactly when the low
+    // seven bits are at least the threshold's, and borrows nothing from the next byte.
+    __device__ __forceinline__ unsigned kept_signs(unsigned word) const {
+        const unsigned thresholds = threshold * 0x01010101u;
+        return (word & ~thresholds) | (~(word ^ thresholds) & ((word | 0x80808080u) - (thresholds & 0x7f7f7f7fu)));
     }
     // The keep bits of the call's 16 x 16 block `half` (key bit 4), as bits() returns them: of word i's byte
-    // pair 2 half, 2 half + 1 (the even key, the odd one), bits 2 i and 2 i + 1.
-    __device__ __forceinline__ unsigned block_bits(uint4 w, int half) const {
-        const unsigned words[4] = {w.x, w.y, w.z, w.w};
-        unsigned bits = 0;
+    // pair 2 half, 2 half + 1 (the even key, the odd one), bits 2 i and 2 i + 1. The block's byte pairs of
+    // words 0, 1 and of words 2, 3 are packed into one word each and compared four draws at once; two
+    // shift-ORs gather the eight signs: bytes 1 and 3's bits of `signs` (bits 8 + k, 24 + k, k = 0 or 4) fold
+    // onto bits 1 + k and 17 + k, then bits 16-23 onto 2-7. SERIAL compares one draw at a time instead, for
+    // bwd_dq_mma: there ptxas schedules the four-at-once form's calls so that it spills (24-96 bytes past
+    // head_dim 128 on sm_80 and sm_90, 4 at 128 on sm_80), and the serial form fits.
+    template <bool SERIAL> __device__ __forceinline__ unsigned block_bits(uint4 w, int half) const {
+        if constexpr (SERIAL) {
+            const unsigned words[4] = {w.x, w.y, w.z, w.w};
+            unsigned bits = 0;
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-            bits |= (static_cast<unsigned>(kept(words[i], half, 0)) | static_cast<unsigned>(kept(words[i], half, 1)) << 1)
-                    << (2 * i);
-        return bits;
+            for (int i = 0; i < 4; ++i) {   // each draw compared in place, in its byte
+                const unsigned pair = words[i] >> (16 * half);
+                bits |= (static_cast<unsigned>((pair & 0xffu) >= threshold) |
+                         static_cast<unsigned>((pair & 0xff00u) >= threshold << 8) << 1)
+                        << (2 * i);
+            }
+            return bits;
+        }
+        const unsigned pair_bytes = half ? 0x7632u : 0x5410u;   // prmt: bytes 2 half, 2 half + 1 of each word
+        const unsigned low = kept_signs(__byte_perm(w.x, w.y, pair_bytes)) & 0x80808080u;
+        const unsigned high = kept_signs(__byte_perm(w.z, w.w, pair_bytes)) & 0x80808080u;
+        const unsigned signs = low >> 7 | high >> 3;    // words 0, 1's in bits 0, 8, 16, 24; 2, 3's + 4
+        const unsigned folded = signs | signs >> 7;
+        return (folded | folded >> 14) & 0xffu;
     }
 };
 
