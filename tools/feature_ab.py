@@ -28,10 +28,9 @@ import ml_dtypes
 import numpy as np
 
 from ab_probe import TOKENS, WIDTH, load_tree
+from bench.features import Feature
+from bench.flops import attention_flops, tflops
 from bench.timing import EventTimer
-
-#: forward plus backward over the forward, in FLOPs (the backward's five products over the forward's two)
-FWD_BWD_FLOPS = 3.5
 
 
 #: the keywords that take integers (the others take floats, or ``a:b`` pairs of integers)
@@ -68,6 +67,7 @@ def main():
     parser.add_argument("--out", default=None, help="write the times here as JSON")
     args = parser.parse_args()
     options = parse_options(args.options)
+    window_left = options.get("window_size", (-1, 0))[0]
     trees = {"base": load_tree("ab_base", args.base), "new": load_tree("ab_new", args.new)}
     if args.portable:
         for name, path in (("base", args.base), ("new", args.new)):
@@ -103,13 +103,14 @@ def main():
             shift = round_ % len(keys)
             for key in keys[shift:] + keys[:shift]:
                 times[key].append(float(np.median(timer(fns[key]))))
-        visible = seqlen * (seqlen + 1) / 2 * batch * heads
+        # the entries each variant's mask leaves visible, as the features suite counts them
+        visible = {"plain": Feature("plain").visible_entries(seqlen),
+                   "feature": Feature("feature", window_left=window_left).visible_entries(seqlen)}
         for (tree, variant, pass_), rounds in times.items():
             ms = float(np.median(rounds))
-            flops = 4 * visible * head_dim * (1.0 if pass_ == "fwd" else FWD_BWD_FLOPS)
-            tflops = flops / (ms * 1e-3) / 1e12
-            rows[f"d{head_dim} s{seqlen} {tree} {variant} {pass_}"] = dict(ms=ms, tflops=tflops, rounds=rounds)
-            print(f"d{head_dim} s{seqlen} {tree:14s} {variant:8s} {pass_:8s} {ms:8.3f} ms {tflops:6.1f} TFLOP/s",
+            rate = tflops(attention_flops(batch, heads, seqlen, seqlen, head_dim, True, pass_, visible[variant]), ms)
+            rows[f"d{head_dim} s{seqlen} {tree} {variant} {pass_}"] = dict(ms=ms, tflops=rate, rounds=rounds)
+            print(f"d{head_dim} s{seqlen} {tree:14s} {variant:8s} {pass_:8s} {ms:8.3f} ms {rate:6.1f} TFLOP/s",
                   flush=True)
     if args.out:
         with open(args.out, "w") as f:
