@@ -2,7 +2,7 @@
 grid (16k tokens, model width 2048), forward and forward + backward.
 
 ``python tools/feature_ab.py BASE_TREE [--new .] [--cases 64:8192,128:2048] [--options dropout_p=0.1,seed=5,offset=1]
-[--portable] [--rounds 3] [--out OUT.json]``
+[--portable] [--passes fwd,fwd+bwd] [--rounds 3] [--out OUT.json]``
 
 Per case it times the new tree without the options (plain causal, the baseline), then the base tree and the new
 tree with them; with ``--portable`` also both trees with the Hopper kernels off (the ``mma.sync`` kernels an
@@ -63,10 +63,12 @@ def main():
     parser.add_argument("--cases", default="64:8192,128:2048,128:8192,256:8192", help="head_dim:seqlen,...")
     parser.add_argument("--options", default="dropout_p=0.1,seed=5,offset=1", help="the feature's keywords")
     parser.add_argument("--portable", action="store_true", help="also time both trees without the Hopper kernels")
+    parser.add_argument("--passes", default="fwd,fwd+bwd", help="the passes timed: fwd, fwd+bwd or both")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None, help="write the times here as JSON")
     args = parser.parse_args()
     options = parse_options(args.options)
+    passes = args.passes.split(",")
     window_left = options.get("window_size", (-1, 0))[0]
     trees = {"base": load_tree("ab_base", args.base), "new": load_tree("ab_new", args.new)}
     if args.portable:
@@ -95,8 +97,9 @@ def main():
 
         fns = {}
         for tree, variant, opts in variants:
-            fns[(tree, variant, "fwd")] = forward(trees[tree], opts)
-            fns[(tree, variant, "fwd+bwd")] = forward_backward(trees[tree], opts)
+            for pass_, make in (("fwd", forward), ("fwd+bwd", forward_backward)):
+                if pass_ in passes:
+                    fns[(tree, variant, pass_)] = make(trees[tree], opts)
         times = {key: [] for key in fns}
         keys = list(fns)
         for round_ in range(args.rounds):
