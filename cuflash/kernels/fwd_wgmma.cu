@@ -15,7 +15,8 @@
 //   consumers take turns to issue their products (named barriers, round robin), so that one's softmax runs
 //   under the others' products (FlashAttention-3's ping-pong).
 // Scores in base 2 as fwd_mma, its rescale slack included; the epilogue normalizes (with the sinks) and
-// stores O from registers, and the lse.
+// stores O from registers, and the lse. Where kMergeItems, an item's last P V is issued with the next item's
+// first S, in one turn, and its epilogue runs beside that item's first softmax.
 //
 // Q, K and V are read through tensor maps (_tma.py): 4-D (column, head, row, batch) over the arrays as they
 // are, boxes of [rows][64 columns]; columns past head_dim and rows past the end read as zeros. In a packed
@@ -35,6 +36,10 @@ constexpr int kItemsTaken = 0, kBlocksDone = 1, kWorkCounterInts = 2;
 // Ping-pong up to head_dim 128: there it gained up to 8% at seqlen 1k and 1-13% at head_dim 64 (three
 // consumers); at 192 and 256, where P V is long beside the softmax, it cost 4-11% from 4k (bench/NOTES.md, h2).
 template <int HEAD_DIM> constexpr bool kPingPong = HEAD_DIM <= 128;
+// An item's last P V issued with the next item's first S (below) where the consumers ping-pong: its epilogue then
+// runs off the other consumers' turns. It gained 3% under a 1024-key window at head_dim 128; without ping-pong
+// it cost 4% at 256 and 1% at 192 (bench/NOTES.md, session 16).
+template <int HEAD_DIM> constexpr bool kMergeItems = kPingPong<HEAD_DIM>;
 
 // The warpgroups of a block of BLOCK_M rows: a producer and BLOCK_M / 64 consumers, and their setmaxnreg budgets.
 // setmaxnreg moves registers within what the block was given at launch: one block per SM of kThreads threads gets
@@ -259,7 +264,80 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     };
     if (kPingPong<HEAD_DIM> && cw == Roles::kConsumers - 1) named_barrier_arrive(1, kTurnThreads);
 
+    // The epilogue of an item, in two steps. `finish`, once the walk's statistics are final (m_i, l_i: this
+    // thread's two rows): normalize (the sink joins the denominator, as fwd_mma; kept probabilities scaled by
+    // dropout_scale) and store the lse; a row that saw no key has l = 0: lse -inf (with a sink: the sink).
+    // `store`, once O is final: O times the rows' 1 / l (0 for a row that saw no key) to the output, each thread's
+    // pairs of columns. In between, all that is held is what `finish` returns.
+    struct Rows {
+        T* out_row;         // row0's output row (row0: elements 0, 1's row; the thread's other row is 8 below)
+        float inv_l[2];
+        bool stored[2];     // the row is one of the sequence's
+    };
+    auto finish = [&](const Item& w) {
+        const int row0 = w.blk.m0 + 64 * cw + 16 * warp + g;
+        float* lse_head = lse == nullptr ? nullptr : lse + w.seq.stats(w.blk.b, heads, w.blk.h);
+        Rows rows{out + w.blk.b * o_sb + (w.seq.q_start + row0) * o_ss + w.blk.h * o_sh, {0.f, 0.f}, {false, false}};
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + 8 * r;
+            float l = quad_sum(l_i[r]), m = m_i[r], o_factor = 1.f;
+            if constexpr ((MODS & kModSinks) != 0) {
+                const float sink2 = sinks[w.blk.h] * kLog2e;
+                const float m_new = safe_max(fmaxf(m, sink2));
+                o_factor = exp2f(m - m_new);
+                l = l * o_factor + exp2f(sink2 - m_new);
+                m = m_new;
+            }
+            rows.stored[r] = row < w.seq.seqlen_q;
+            rows.inv_l[r] = l == 0.f ? 0.f : (kDropout ? o_factor * dropout_scale : o_factor) / l;
+            if (rows.stored[r] && lse_head != nullptr && t == 0)
+                lse_head[row] = l == 0.f ? -CUFLASH_INF : (m + log2f(l)) * kLn2;
+        }
+        return rows;
+    };
+    auto store = [&](const Rows& rows) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            if (!rows.stored[r]) continue;
+            T* dst = rows.out_row + 8 * r * o_ss;
+#pragma unroll
+            for (int nb = 0; nb < kO / 4; ++nb) {
+                const int col = 8 * nb + 2 * t;
+                if (col < head_dim)
+                    *reinterpret_cast<unsigned*>(dst + col) =
+                        pack2<T>(o[4 * nb + 2 * r] * rows.inv_l[r], o[4 * nb + 2 * r + 1] * rows.inv_l[r]);
+            }
+        }
+    };
+    auto clear_o = [&] {
+#pragma unroll
+        for (int i = 0; i < kO; ++i) o[i] = 0.f;
+    };
+
+    // An item's last P V is left pending (of the last key tile consumed: kv_uses - 1). Where kMergeItems it is
+    // issued with the next item's first S, in one ping-pong turn, and its epilogue runs beside that item's first
+    // softmax, off the other consumers' turns; elsewhere, and for the last item, `flush` issues it alone once the
+    // next item is known (issuing it at the walk's end made ptxas spill the item loop's counters at head_dim 256
+    // under a window). The merged first turn and the plain one are two whole sequences, each waiting on its own
+    // products: O's products in flight across a join of branches make ptxas serialize every wgmma of the kernel
+    // (warning C7514, which tests/test_compile.py rejects).
     int q_uses = 0, kv_uses = 0;   // Q tiles and key tiles consumed so far: the barriers' phases
+    bool pending = false;
+    Rows pending_rows;
+    auto pending_stage = [&] { return (kv_uses - 1) % kWgmmaStages; };
+    auto pending_phase = [&] { return ((kv_uses - 1) / kWgmmaStages) & 1; };
+    auto flush = [&] {   // the pending item's last P V in a turn of its own, then its epilogue
+        mbarrier_wait(v_full(pending_stage()), pending_phase());
+        take_turn();
+        issue_pv(pending_stage());
+        pass_turn();
+        wgmma_wait<0>();
+        pin_registers(o);
+        release(v_empty(pending_stage()));
+        store(pending_rows);
+        pending = false;
+    };
     for (int handed = 0;; ++handed) {
         const int slot = handed % 2;
         mbarrier_wait(item_full(slot), (handed / 2) & 1);
@@ -322,88 +400,78 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             return rescale;
         };
 
-#pragma unroll
-        for (int i = 0; i < kO; ++i) o[i] = 0.f;
-        m_i[0] = m_i[1] = -CUFLASH_INF;
-        l_i[0] = l_i[1] = 0.f;
-        if (w.n_tiles > 0) {
-            // key tile j of this item: stage and phase from the count of key tiles consumed before it
-            auto stage_of = [&](int j) { return (kv_uses + j) % kWgmmaStages; };
-            auto phase_of = [&](int j) { return ((kv_uses + j) / kWgmmaStages) & 1; };
-            // S of tile j is done: its K stage is free, and after the item's last S so is Q (the producer loads
-            // the next item's while this one's last P V and epilogue run)
-            auto s_done = [&](int j) {
-                pin_registers(s);
-                release(k_empty(stage_of(j)));
-                if (j == w.n_tiles - 1) release(q_empty);
-            };
-            mbarrier_wait(q_full, q_uses & 1);
-            mbarrier_wait(k_full(stage_of(0)), phase_of(0));
+        if (w.n_tiles <= 0) {   // rows that see no key
+            if (pending) flush();
+            clear_o();
+            m_i[0] = m_i[1] = -CUFLASH_INF;
+            l_i[0] = l_i[1] = 0.f;
+            store(finish(w));
+            continue;
+        }
+        // key tile j of this item: stage and phase from the count of key tiles consumed before it
+        auto stage_of = [&](int j) { return (kv_uses + j) % kWgmmaStages; };
+        auto phase_of = [&](int j) { return ((kv_uses + j) / kWgmmaStages) & 1; };
+        // S of tile j is done: its K stage is free, and after the item's last S so is Q (the producer loads the
+        // next item's while this one's last P V and epilogue run)
+        auto s_done = [&](int j) {
+            pin_registers(s);
+            release(k_empty(stage_of(j)));
+            if (j == w.n_tiles - 1) release(q_empty);
+        };
+        if (!kMergeItems<HEAD_DIM> && pending) flush();
+        mbarrier_wait(q_full, q_uses & 1);
+        mbarrier_wait(k_full(stage_of(0)), phase_of(0));
+        if (kMergeItems<HEAD_DIM> && pending) {   // the merged first turn: this item's first S, the pending last P V
+            take_turn();
+            issue_s(stage_of(0));
+            mbarrier_wait(v_full(pending_stage()), pending_phase());
+            issue_pv(pending_stage());
+            pass_turn();
+            wgmma_wait<1>();   // S done; the pending P V in flight
+            s_done(0);
+            m_i[0] = m_i[1] = -CUFLASH_INF;
+            l_i[0] = l_i[1] = 0.f;
+            softmax(w.tile_key(0));   // O is the pending item's: nothing to rescale
+            wgmma_wait<0>();
+            pin_registers(o);
+            release(v_empty(pending_stage()));
+            store(pending_rows);
+            clear_o();
+        } else {
+            clear_o();
+            m_i[0] = m_i[1] = -CUFLASH_INF;
+            l_i[0] = l_i[1] = 0.f;
             take_turn();
             issue_s(stage_of(0));
             pass_turn();
             wgmma_wait<0>();
             s_done(0);
             softmax(w.tile_key(0));   // O is zero: nothing to rescale
-            pack_p(w.blk.bh, row0, w.tile_key(0));
+        }
+        pack_p(w.blk.bh, row0, w.tile_key(0));
 #pragma unroll 1
-            for (int j = 1; j < w.n_tiles; ++j) {
-                mbarrier_wait(k_full(stage_of(j)), phase_of(j));
-                take_turn();
-                issue_s(stage_of(j));
-                mbarrier_wait(v_full(stage_of(j - 1)), phase_of(j - 1));
-                issue_pv(stage_of(j - 1));
-                pass_turn();
-                wgmma_wait<1>();   // S done; P V of the previous tile in flight
-                s_done(j);
-                const bool rescale = softmax(w.tile_key(j));
-                wgmma_wait<0>();
-                pin_registers(o);
-                release(v_empty(stage_of(j - 1)));
-                if (rescale) rescale_o();
-                pack_p(w.blk.bh, row0, w.tile_key(j));
-            }
-            const int last = w.n_tiles - 1;
-            mbarrier_wait(v_full(stage_of(last)), phase_of(last));
+        for (int j = 1; j < w.n_tiles; ++j) {
+            mbarrier_wait(k_full(stage_of(j)), phase_of(j));
             take_turn();
-            issue_pv(stage_of(last));
+            issue_s(stage_of(j));
+            mbarrier_wait(v_full(stage_of(j - 1)), phase_of(j - 1));
+            issue_pv(stage_of(j - 1));
             pass_turn();
+            wgmma_wait<1>();   // S done; P V of the previous tile in flight
+            s_done(j);
+            const bool rescale = softmax(w.tile_key(j));
             wgmma_wait<0>();
             pin_registers(o);
-            release(v_empty(stage_of(last)));
-            ++q_uses;
-            kv_uses += w.n_tiles;
+            release(v_empty(stage_of(j - 1)));
+            if (rescale) rescale_o();
+            pack_p(w.blk.bh, row0, w.tile_key(j));
         }
-
-        // Epilogue: normalize (the sink joins the denominator, as fwd_mma; kept probabilities scaled by
-        // dropout_scale) and store each thread's pairs of columns; a row that saw no key has l = 0: output 0,
-        // lse -inf (with a sink: output 0, lse the sink).
-        float* lse_head = lse == nullptr ? nullptr : lse + w.seq.stats(b, heads, h);
-        T* out_head = out + b * o_sb + w.seq.q_start * o_ss + h * o_sh;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = row0 + 8 * r;
-            float l = quad_sum(l_i[r]), m = m_i[r], o_factor = 1.f;
-            if constexpr ((MODS & kModSinks) != 0) {
-                const float sink2 = sinks[h] * kLog2e;
-                const float m_new = safe_max(fmaxf(m, sink2));
-                o_factor = exp2f(m - m_new);
-                l = l * o_factor + exp2f(sink2 - m_new);
-                m = m_new;
-            }
-            if (row >= w.seq.seqlen_q) continue;
-            const float inv_l = l == 0.f ? 0.f : (kDropout ? o_factor * dropout_scale : o_factor) / l;
-            if (lse_head != nullptr && t == 0) lse_head[row] = l == 0.f ? -CUFLASH_INF : (m + log2f(l)) * kLn2;
-            T* dst = out_head + row * o_ss;
-#pragma unroll
-            for (int nb = 0; nb < kO / 4; ++nb) {
-                const int col = 8 * nb + 2 * t;
-                if (col < head_dim)
-                    *reinterpret_cast<unsigned*>(dst + col) =
-                        pack2<T>(o[4 * nb + 2 * r] * inv_l, o[4 * nb + 2 * r + 1] * inv_l);
-            }
-        }
+        pending = true;
+        pending_rows = finish(w);
+        ++q_uses;
+        kv_uses += w.n_tiles;
     }
+    if (pending) flush();
     if (kPingPong<HEAD_DIM> && cw == 0) take_turn();   // the last consumer's final pass
 }
 
