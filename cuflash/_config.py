@@ -470,9 +470,9 @@ def wgmma_threads(block_m: int) -> int:
     return 128 * (1 + block_m // WGMMA_ROWS_PER_CONSUMER)
 
 
-#: the modifiers whose state does not fit three fwd_wgmma consumers of 160 registers at head_dim 64 (NVRTC 13.0,
-#: sm_90a, 192 x 128: softcap spills 8-112 bytes, dropout 24-32 under a window); sinks and ALiBi, alone or
-#: together, fit under every mask, dense and packed
+#: the modifiers whose state, together, does not fit three fwd_wgmma consumers of 160 registers at head_dim 64
+#: (NVRTC 13.0, sm_90a, 192 x 128: softcap with dropout spills 16-616 bytes); every other combination of the
+#: modifiers fits under every mask, dense and packed
 WGMMA_SPILLING_MODS = MOD_SOFTCAP | MOD_DROPOUT
 
 
@@ -489,9 +489,12 @@ def _wgmma_forward_tiles(head_dim: int, mods: int = 0) -> tuple[int, int]:
       head_dim 256: 128 x 64 597 / 762 / 767, causal 335 / 629 / 709;  128 x 80 593 / 736 / 711
     At head_dim 64 the modifiers that fit three consumers keep 192 x 128 (features suite, causal, seqlen 2k / 4k /
     8k / 16k, 192 x 128 against 128 x 128: sinks 396 / 431 / 511 / 553 against 358 / 371 / 421 / 455, ALiBi
-    336 / 362 / 429 / 459 against 330 / 343 / 383 / 408; bench/NOTES.md, session 12); the others take 128 x 128.
+    336 / 362 / 429 / 459 against 330 / 343 / 383 / 408; bench/NOTES.md, session 12), and so do the softcap and
+    dropout (causal, seqlen 2k / 8k / 16k, forward ms, 192 x 128 against 128 x 128 in one process: softcap 0.483 /
+    1.657 / 3.208 against 0.470 / 1.722 / 3.343, dropout 0.483 / 1.655 / 3.230 against 0.469 / 1.738 / 3.423;
+    bench/NOTES.md, session 16); the softcap with dropout, which would spill there, takes 128 x 128.
     """
-    if head_dim == 64 and mods & WGMMA_SPILLING_MODS:   # three consumers' 160 registers would spill
+    if head_dim == 64 and mods & WGMMA_SPILLING_MODS == WGMMA_SPILLING_MODS:   # three consumers would spill
         return 128, 128
     return {64: (192, 128), 128: (128, 128), 192: (128, 96), 256: (128, 64)}[head_dim]
 
@@ -858,7 +861,8 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
     once (the most registers), with and without dropout (which changes the forward's tiles), without a
     mask and under a window, at every head dim, for bfloat16 (float16 is the same code) and float32. On a
     device with tensor maps, both forwards: the Hopper kernel and its mma.sync fallback, and the Hopper
-    forward's head_dim 64 tile for the modifiers that keep three consumers (WGMMA_SPILLING_MODS). Not the
+    forward's three-consumer head_dim 64 tile with dropout (WGMMA_SPILLING_MODS; the covering set's modifiers
+    without dropout take it already). Not the
     cross product of the modifiers: 16 combinations per kernel. The KV-cache forward likewise (contiguous and
     on the smallest pages, plain and under a window with every modifier), the packed-batch kernels (below),
     merge_parts for each dtype and append_rotary for each dtype of the KV-cache forward."""
@@ -891,10 +895,11 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
         for d in dims:
             for mask, mods in ((MASK_NONE, 0), (MASK_WINDOW, ALL_MODS & ~MOD_DROPOUT), (MASK_WINDOW, ALL_MODS)):
                 add(dtype, d, mask, mods, varlen=True)
-    # the Hopper forward's other tile at head_dim 64: the modifiers that fit its three consumers (the covering
-    # set above holds the others, which take two), dense without a mask and under a window, and packed
+    # the Hopper forward's three-consumer tile at head_dim 64 with dropout: every modifier but the softcap (the
+    # covering set above holds all of them, on two consumers, and all but dropout, on three), dense without a
+    # mask and under a window, and packed
     if device.tensor_maps:
-        fitting = ALL_MODS & ~WGMMA_SPILLING_MODS
+        fitting = ALL_MODS & ~MOD_SOFTCAP
         for mask, varlen in ((MASK_NONE, False), (MASK_WINDOW, False), (MASK_WINDOW, True)):
             spec = wgmma_forward_spec(SWIZZLE_ELEMS, BFLOAT16, mask, device, fitting)
             if spec is not None:

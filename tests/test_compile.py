@@ -60,7 +60,7 @@ def test_every_specialization_compiles(reports):
     assert kernels["append_rotary"] == len(_config.KVCACHE_DTYPES)
     # the Hopper forward (sm_90a) on sm_90 only: 4 head dims (64-column blocks) per plain (dtype, mask), the
     # modifiers with and without dropout (bfloat16, 2 masks), packed (bfloat16, 3 per head dim), and the head_dim
-    # 64 tile of the modifiers that fit three consumers (3); its fallback is counted above
+    # 64 three-consumer tile with dropout (3); its fallback is counted above
     assert kernels["fwd_wgmma"] == (2 * masks * 4 + 2 * 2 * 4 + 3 * 4 + 3 if device.tensor_maps else 0)
     # the Hopper dK/dV kernel at head dims 64, 128 and 256: each half dtype and mask, the modifiers with and
     # without dropout (bfloat16, 2 masks), packed bfloat16 as the forward
@@ -68,7 +68,7 @@ def test_every_specialization_compiles(reports):
                                          if device.tensor_maps else 0)
     assert kernels["fwd_simt"] == masks * head_dims + 2 * 2 * head_dims + packed["fwd_simt"]
     no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT
-    fitting = {_config.ALL_MODS & ~_config.WGMMA_SPILLING_MODS} if device.tensor_maps else set()
+    fitting = {_config.ALL_MODS & ~_config.MOD_SOFTCAP} if device.tensor_maps else set()
     assert {r.spec.mods for r in reports} == {0, _config.ALL_MODS, _config.ALL_MODS & ~_config.MOD_SINKS, no_dropout,
                                               no_dropout & ~_config.MOD_SINKS} | fitting
     assert all(r.registers > 0 for r in reports)

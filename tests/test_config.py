@@ -122,6 +122,11 @@ def test_the_hopper_forward_serves_where_it_can(device):
                                                                     256: (128, 64)}
     assert all(s.smem_bytes <= _config.H100.max_smem_per_block for s in tiles.values())
     assert tiles[64].threads == 512 and tiles[128].threads == 384   # a producer and three or two consumers
+    # at head_dim 64 three consumers take every combination of modifiers but the softcap with dropout
+    for mods in range(_config.ALL_MODS + 1):
+        fwd = choose_config(64, BFLOAT16, _config.MASK_WINDOW, _config.H100, mods).forward
+        both = mods & _config.WGMMA_SPILLING_MODS == _config.WGMMA_SPILLING_MODS
+        assert fwd.block_m == (128 if both else 192), mods
     assert tiles[128].smem_bytes == (128 + 4 * 128) * 128 * 2 + 8 * 14 + 8
     # sm_90a code runs on compute capability 9.0 only
     assert _config.wgmma_forward_spec(128, BFLOAT16, 0, dataclasses.replace(_config.H100, compute_capability=100)) is None
@@ -244,13 +249,16 @@ def test_all_specs_are_distinct_and_cover_the_table():
     assert packed and {dataclasses.replace(s, varlen=False).cache_key for s in packed} <= {s.cache_key for s in specs}
     # the Hopper forward beside its fallback: 4 head dims (64-column blocks) for each plain (dtype, mask), the
     # covering set's modifiers with and without dropout (bfloat16, 2 masks), and the packed batches' (3 per head
-    # dim: plain, and windowed with every modifier with and without dropout); its head_dim 64 tile for the
-    # modifiers that fit three consumers (no mask and a window, and packed under a window)
+    # dim: plain, and windowed with every modifier with and without dropout); its head_dim 64 three-consumer
+    # tile with dropout (every modifier but the softcap: no mask and a window, and packed under a window), where
+    # all modifiers take two consumers and all but dropout three
     hopper = [s for s in specs if s.kernel == "fwd_wgmma"]
     assert sum(not s.varlen for s in hopper) == 2 * masks * 4 + 2 * 2 * 4 + 2
     assert sum(s.varlen for s in hopper) == 3 * 4 + 1
-    fitting = _config.ALL_MODS & ~_config.WGMMA_SPILLING_MODS
-    assert {s.block_m for s in hopper if s.head_dim == 64 and s.mods == fitting} == {192}
+    fitting = _config.ALL_MODS & ~_config.MOD_SOFTCAP
+    tiles_64 = {s.mods: s.block_m for s in hopper if s.head_dim == 64 and not s.varlen}
+    assert (tiles_64[fitting], tiles_64[_config.ALL_MODS & ~_config.MOD_DROPOUT], tiles_64[_config.ALL_MODS]) == (
+        192, 192, 128)
     # and the Hopper dK/dV kernel at head dims 64, 128 and 256: each dtype and mask, the covering set's modifiers
     # with and without dropout (bfloat16, 2 masks); packed: bfloat16, as the forward
     hopper_dkdv = [s for s in specs if s.kernel == "bwd_dkdv_wgmma"]
