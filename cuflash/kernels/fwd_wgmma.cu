@@ -265,10 +265,10 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     if (kPingPong<HEAD_DIM> && cw == Roles::kConsumers - 1) named_barrier_arrive(1, kTurnThreads);
 
     // The epilogue of an item, in two steps. `finish`, once the walk's statistics are final (m_i, l_i: this
-    // thread's two rows): normalize (the sink joins the denominator, as fwd_mma; kept probabilities scaled by
-    // dropout_scale) and store the lse; a row that saw no key has l = 0: lse -inf (with a sink: the sink).
-    // `store`, once O is final: O times the rows' 1 / l (0 for a row that saw no key) to the output, each thread's
-    // pairs of columns. In between, all that is held is what `finish` returns.
+    // thread's two rows, row0 and row0 + 8): normalize (the sink joins the denominator, as fwd_mma; kept
+    // probabilities scaled by dropout_scale) and store the lse; a row that saw no key has l = 0: lse -inf (with a
+    // sink: the sink). `store`, once O is final: O times the rows' 1 / l (0 for a row that saw no key) to the
+    // output, each thread's pairs of columns. In between, all that is held is what `finish` returns.
     struct Rows {
         T* out_row;         // row0's output row (row0: elements 0, 1's row; the thread's other row is 8 below)
         float inv_l[2];
@@ -314,6 +314,13 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
 #pragma unroll
         for (int i = 0; i < kO; ++i) o[i] = 0.f;
     };
+    auto clear_statistics = [&] {
+        m_i[0] = m_i[1] = -CUFLASH_INF;
+        l_i[0] = l_i[1] = 0.f;
+    };
+    // the stage and barrier phase of the key tile consumed count-th in the block (from 0)
+    auto kv_stage = [](int count) { return count % kWgmmaStages; };
+    auto kv_phase = [](int count) { return (count / kWgmmaStages) & 1; };
 
     // An item's last P V is left pending (of the last key tile consumed: kv_uses - 1). Where kMergeItems it is
     // issued with the next item's first S, in one ping-pong turn, and its epilogue runs beside that item's first
@@ -325,8 +332,8 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     int q_uses = 0, kv_uses = 0;   // Q tiles and key tiles consumed so far: the barriers' phases
     bool pending = false;
     Rows pending_rows;
-    auto pending_stage = [&] { return (kv_uses - 1) % kWgmmaStages; };
-    auto pending_phase = [&] { return ((kv_uses - 1) / kWgmmaStages) & 1; };
+    auto pending_stage = [&] { return kv_stage(kv_uses - 1); };
+    auto pending_phase = [&] { return kv_phase(kv_uses - 1); };
     auto flush = [&] {   // the pending item's last P V in a turn of its own, then its epilogue
         mbarrier_wait(v_full(pending_stage()), pending_phase());
         take_turn();
@@ -403,14 +410,13 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         if (w.n_tiles <= 0) {   // rows that see no key
             if (pending) flush();
             clear_o();
-            m_i[0] = m_i[1] = -CUFLASH_INF;
-            l_i[0] = l_i[1] = 0.f;
+            clear_statistics();
             store(finish(w));
             continue;
         }
         // key tile j of this item: stage and phase from the count of key tiles consumed before it
-        auto stage_of = [&](int j) { return (kv_uses + j) % kWgmmaStages; };
-        auto phase_of = [&](int j) { return ((kv_uses + j) / kWgmmaStages) & 1; };
+        auto stage_of = [&](int j) { return kv_stage(kv_uses + j); };
+        auto phase_of = [&](int j) { return kv_phase(kv_uses + j); };
         // S of tile j is done: its K stage is free, and after the item's last S so is Q (the producer loads the
         // next item's while this one's last P V and epilogue run)
         auto s_done = [&](int j) {
@@ -429,8 +435,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             pass_turn();
             wgmma_wait<1>();   // S done; the pending P V in flight
             s_done(0);
-            m_i[0] = m_i[1] = -CUFLASH_INF;
-            l_i[0] = l_i[1] = 0.f;
+            clear_statistics();
             softmax(w.tile_key(0));   // O is the pending item's: nothing to rescale
             wgmma_wait<0>();
             pin_registers(o);
@@ -439,8 +444,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             clear_o();
         } else {
             clear_o();
-            m_i[0] = m_i[1] = -CUFLASH_INF;
-            l_i[0] = l_i[1] = 0.f;
+            clear_statistics();
             take_turn();
             issue_s(stage_of(0));
             pass_turn();
