@@ -862,10 +862,10 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
     mask and under a window, at every head dim, for bfloat16 (float16 is the same code) and float32. On a
     device with tensor maps, both forwards: the Hopper kernel and its mma.sync fallback, and the Hopper
     forward's three-consumer head_dim 64 tile with dropout (WGMMA_SPILLING_MODS; the covering set's modifiers
-    without dropout take it already). Not the
-    cross product of the modifiers: 16 combinations per kernel. The KV-cache forward likewise (contiguous and
-    on the smallest pages, plain and under a window with every modifier), the packed-batch kernels (below),
-    merge_parts for each dtype and append_rotary for each dtype of the KV-cache forward."""
+    without dropout take it already). Not the cross product of the modifiers: 16 combinations per kernel. The
+    KV-cache forward likewise (contiguous and on the smallest pages, plain and under a window with every
+    modifier), the packed-batch kernels (below), merge_parts for each dtype and append_rotary for each dtype of
+    the KV-cache forward."""
     specs = {}
     # where the Hopper forward serves, the mma.sync forward is its fallback (arrays no tensor map describes)
     devices = {device, dataclasses.replace(device, tensor_maps=False)}

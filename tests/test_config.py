@@ -125,8 +125,8 @@ def test_the_hopper_forward_serves_where_it_can(device):
     # at head_dim 64 three consumers take every combination of modifiers but the softcap with dropout
     for mods in range(_config.ALL_MODS + 1):
         fwd = choose_config(64, BFLOAT16, _config.MASK_WINDOW, _config.H100, mods).forward
-        both = mods & _config.WGMMA_SPILLING_MODS == _config.WGMMA_SPILLING_MODS
-        assert fwd.block_m == (128 if both else 192), mods
+        softcap_with_dropout = bool(mods & _config.MOD_SOFTCAP) and bool(mods & _config.MOD_DROPOUT)
+        assert fwd.block_m == (128 if softcap_with_dropout else 192), mods
     assert tiles[128].smem_bytes == (128 + 4 * 128) * 128 * 2 + 8 * 14 + 8
     # sm_90a code runs on compute capability 9.0 only
     assert _config.wgmma_forward_spec(128, BFLOAT16, 0, dataclasses.replace(_config.H100, compute_capability=100)) is None

@@ -69,6 +69,8 @@ def main():
     args = parser.parse_args()
     options = parse_options(args.options)
     passes = args.passes.split(",")
+    if not passes or set(passes) - {"fwd", "fwd+bwd"}:
+        parser.error(f"--passes: fwd, fwd+bwd or both, comma-separated; got {args.passes!r}")
     window_left = options.get("window_size", (-1, 0))[0]
     trees = {"base": load_tree("ab_base", args.base), "new": load_tree("ab_new", args.new)}
     if args.portable:
