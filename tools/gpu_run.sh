@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One pass over a GPU machine: warm the kernel cache, run the whole test suite, then the given benchmark
 # command. Logs and the benchmark's results (results.tgz) land in $CUFLASH_OUT (default ./gpu-run-out).
-# The suite runs as seven pytest processes side by side, each under SUITE_TIMEOUT seconds (default 300): the
-# dropout and the other cases of test_features, test_attention, test_backward, test_kvcache, test_gpu with
-# test_varlen, then the rest (about 220 s on an H200 machine of 16 cores; the float64 reference checks are
-# CPU-bound). The compile check is left out: it needs no GPU, and CI runs it.
+# The suite runs as eight pytest processes side by side, each under SUITE_TIMEOUT seconds (default 300): the
+# dropout cases of test_features, its fuzzed cases and the rest of it, test_attention, test_backward,
+# test_kvcache, test_gpu with test_varlen, then the rest (220-270 s on an H200 machine of 16 cores as seven
+# groups, the fuzzed features with the others; the float64 reference checks are CPU-bound). The compile check is left out: it needs no GPU, and CI runs it.
 # PYTEST_ARGS adds pytest options; SKIP_TESTS=1 skips the tests. Run from the repository's root:
 #   bash tools/gpu_run.sh [bench args...]      e.g. bash tools/gpu_run.sh grid memory
 set -o pipefail
@@ -33,7 +33,8 @@ if [ -z "$SKIP_TESTS" ]; then
     pids+=($!)
   }
   group 0 tests/test_features.py -k dropout
-  group 1 tests/test_features.py -k "not dropout"
+  group 1 tests/test_features.py -k "not dropout and not fuzzed"
+  group 7 tests/test_features.py -k "fuzzed and not dropout"
   group 2 tests/test_attention.py
   group 3 tests/test_backward.py
   group 4 tests/test_kvcache.py
