@@ -4,7 +4,8 @@
 # The suite runs as eight pytest processes side by side, each under SUITE_TIMEOUT seconds (default 300): the
 # dropout cases of test_features, its fuzzed cases and the rest of it, test_attention, test_backward,
 # test_kvcache, test_gpu with test_varlen, then the rest (220-270 s on an H200 machine of 16 cores as seven
-# groups, the fuzzed features with the others; the float64 reference checks are CPU-bound). The compile check is left out: it needs no GPU, and CI runs it.
+# groups, the fuzzed features with the others; the float64 reference checks are CPU-bound). The compile check
+# is left out: it needs no GPU, and CI runs it.
 # PYTEST_ARGS adds pytest options; SKIP_TESTS=1 skips the tests. Run from the repository's root:
 #   bash tools/gpu_run.sh [bench args...]      e.g. bash tools/gpu_run.sh grid memory
 set -o pipefail
