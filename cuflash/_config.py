@@ -552,10 +552,12 @@ WGMMA_DKDV_HEAD_DIMS = tuple(WGMMA_DKDV_BLOCK_N)
 
 
 def wgmma_dkdv_smem_bytes(head_dim: int, itemsize: int = 2) -> int:
-    """bwd_dkdv_wgmma's shared memory (``BwdWgmmaSmem``): K and V, two stages of Q and dO, two of dS^T, two of
-    lse and delta (float32), and 5 mbarriers."""
+    """bwd_dkdv_wgmma's shared memory (``BwdWgmmaSmem``): K and V, two stages of Q and dO, two of dS^T, up to
+    head_dim 128 each consumer warp's dQ share (16 x 64 float32, 8 warps), two stages of lse and delta
+    (float32), and 5 mbarriers."""
     m, n, d = WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_BLOCK_N[head_dim], head_dim
-    return (2 * n * d + 2 * 2 * m * d + 2 * n * m) * itemsize + 2 * 2 * m * 4 + 8 * 5
+    dq_shares = 8 * 16 * 64 * 4 if head_dim <= 128 else 0
+    return (2 * n * d + 2 * 2 * m * d + 2 * n * m) * itemsize + dq_shares + 2 * 2 * m * 4 + 8 * 5
 
 
 def wgmma_dkdv_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: int = 0) -> KernelSpec | None:

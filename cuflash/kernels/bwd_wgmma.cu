@@ -1,4 +1,4 @@
-// The backward's dK/dV (and atomic dQ) on Hopper (sm_90a): wgmma, TMA, warp specialization. The algorithm is
+// The backward's dK/dV (and dQ, added into a float32 buffer) on Hopper (sm_90a): wgmma, TMA, warp specialization. The algorithm is
 // bwd_dkdv_mma's (bwd_mma.cu) with dQ added into the float32 buffer (DqAccum) and bwd_dq_convert after it;
 // head_dim 64, 128 and 256, float16/bfloat16, every mask, score modifier and dropout (the plan runs the
 // mma.sync kernels for the rest). deterministic=True runs it on the split grid (KeyBlock).
@@ -22,11 +22,16 @@
 //     dropout_scale at the end) and dS^T = P^T (Z dP^T dropout_scale - delta) score': a dropped element's
 //     dP does not reach it.
 //     dS^T into shared memory, then dQ = dS K (wgmma ss, both MN-major: dS^T's rows are keys, K's are keys),
-//     added into dq_accum with vector reductions (the accumulator layout is DqAccum's 16 x 8 tile order).
+//     added into dq_accum (DqAccum's 16 x 8 tile order, in which a warp's share of 16 rows by 64 columns is
+//     contiguous): up to head_dim 128 each warp stores its share into its own shared buffer and one lane adds
+//     it by the TMA unit (one bulk reduce-add); at 256, where the buffers do not fit, with vector atomics.
 //     At head_dim 128 the consumers meet (named barrier) and each takes 64 of the columns over all 128 keys;
 //     at 64 each takes its own 64 keys over all columns, and meets only its own warps; at 256 they meet and
 //     each takes its 128 columns over the 64 keys, 64 columns per pass.
 //   dS^T is double-buffered: the step s + 1 barrier orders step s's dQ reads before step s + 2's writes.
+//   At head_dim 64, where the consumers never meet and registers allow, step s + 1's S^T and dP^T are issued
+//   right after step s's dQ product, and the consumers take turns to issue (ping-pong): one's element-wise
+//   phase runs under the other's products.
 // Epilogue: dK times the softmax scale, and dV, stored from registers.
 #include "hopper.cuh"
 
@@ -34,17 +39,24 @@ namespace cuflash {
 
 constexpr int kBwdWgmmaStages = 2;   // Q/dO stages
 
+
 // bwd_dkdv_wgmma's shared memory, bytes (128-byte swizzled [rows][64] blocks as TMA writes them):
 // K, V [HEAD_DIM / 64][BLOCK_N][64]; Q, dO stages [2][HEAD_DIM / 64][BLOCK_M][64]; dS^T [2][BLOCK_N][BLOCK_M]
-// (BLOCK_M = 64: one 128-byte row per key); lse, delta stages [2][BLOCK_M] float; then the mbarriers:
-// kv_full, q_full[2], q_empty[2].
+// (BLOCK_M = 64: one 128-byte row per key); up to head_dim 128 (kBulkDq), each consumer warp's dQ share [16][64]
+// float in DqAccum's tile order; lse, delta stages [2][BLOCK_M] float; then the mbarriers: kv_full, q_full[2],
+// q_empty[2].
 template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct BwdWgmmaSmem {
+    // dQ leaves through shared memory, added into dq_accum by the TMA unit, where it fits (at 256 two consumers'
+    // 32 KB do not fit beside the rest; there each thread adds its share with vector atomics)
+    static constexpr bool kBulkDq = HEAD_DIM <= 128;
     static constexpr int kColBlocks = HEAD_DIM / kSwizzleElems;
     static constexpr int kKVBlock = BLOCK_N * kSwizzleRowBytes, kKV = kColBlocks * kKVBlock;
     static constexpr int kQBlock = BLOCK_M * kSwizzleRowBytes, kQStage = kColBlocks * kQBlock;
     static constexpr int kDsStage = BLOCK_N * BLOCK_M * 2;
+    static constexpr int kDqWarp = 16 * 64 * 4, kDqBytes = kBulkDq ? 8 * kDqWarp : 0;   // 8 consumer warps
     static constexpr int kV = kKV, kQ = kV + kKV, kDo = kQ + kBwdWgmmaStages * kQStage;
-    static constexpr int kDs = kDo + kBwdWgmmaStages * kQStage, kStats = kDs + kBwdWgmmaStages * kDsStage;
+    static constexpr int kDs = kDo + kBwdWgmmaStages * kQStage, kDq = kDs + kBwdWgmmaStages * kDsStage;
+    static constexpr int kStats = kDq + kDqBytes;
     static constexpr int kBarriers = kStats + kBwdWgmmaStages * 2 * BLOCK_M * 4;
     static constexpr int kBytes = kBarriers + 8 * (1 + 2 * kBwdWgmmaStages);
 };
@@ -180,26 +192,45 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     constexpr int kAddedBarrier = 4;
     constexpr int kDsThreads = kDqOwnKeys ? 128 : 128 * kConsumers;
 
-    if (steps > 0) mbarrier_wait(kv_full, 0);
-#pragma unroll 1
-    for (int s = 0; s < steps; ++s) {
+    // S^T = K Q^T and dP^T = V dO^T of step s for this consumer's 64 keys, one committed group. Where the
+    // registers allow it (kLookahead: head_dim 64, whose dK and dV take 64 registers a thread), step s + 1's
+    // group is issued right after step s's dQ product, to run under step s's dQ wait and atomics; elsewhere at
+    // the start of step s. Each step is one whole sequence for ptxas (the last one a second copy without the
+    // look-ahead): products in flight across a join of branches make it serialize every wgmma (C7514/C7518).
+    constexpr bool kLookahead = HEAD_DIM == 64;
+    float st[kSq], dpt[kSq];
+    auto issue_scores = [&](int s) {
+        const int stage = s % kBwdWgmmaStages;
+        mbarrier_wait(q_full(stage), (s / kBwdWgmmaStages) & 1);
+        pin_registers(st);
+        pin_registers(dpt);
+        wgmma_fence();
+        issue_rows_by_rows(st, k_rows, q_s + stage * Smem::kQStage);
+        issue_rows_by_rows(dpt, v_rows, do_s + stage * Smem::kQStage);
+        wgmma_commit();
+    };
+
+    // ping-pong (kLookahead): one turn per step (dV, dK, dQ and the next step's S^T, dP^T), named barrier
+    // kTurnBarrier + cw; consumer 1 gives consumer 0 the first turn, consumer 0 takes one more at the end
+    constexpr int kTurnBarrier = 6, kTurnThreads = 2 * 128;
+    auto take_turn = [&] {
+        if constexpr (kLookahead) named_barrier_sync(kTurnBarrier + cw, kTurnThreads);
+    };
+    auto pass_turn = [&] {
+        if constexpr (kLookahead) named_barrier_arrive(kTurnBarrier + (cw + 1) % kConsumers, kTurnThreads);
+    };
+
+    // step s; look_ahead (a constant at each call, so that each inlined copy is straight code): issue step
+    // s + 1's S^T and dP^T inside it
+    auto step = [&](int s, bool look_ahead) {
         const int stage = s % kBwdWgmmaStages, h = query_tiles.head(s, h_kv, group), m0 = query_tiles.row(s);
         const unsigned q_tile = q_s + stage * Smem::kQStage, do_tile = do_s + stage * Smem::kQStage;
         const float* lse_tile = stats_s + stage * 2 * BLOCK_M;
         const float* delta_tile = lse_tile + BLOCK_M;
         const ScoreMod<MODS> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
         const Dropout<kDropout> dropout(dropout_seed, dropout_offset, dropout_threshold, b * heads + h);
-        mbarrier_wait(q_full(stage), (s / kBwdWgmmaStages) & 1);
-
-        // S^T = K Q^T and dP^T = V dO^T for this consumer's 64 keys, one group
-        float st[kSq], dpt[kSq];
-        pin_registers(st);
-        pin_registers(dpt);
-        wgmma_fence();
-        issue_rows_by_rows(st, k_rows, q_tile);
-        issue_rows_by_rows(dpt, v_rows, do_tile);
-        wgmma_commit();
-        wgmma_wait<0>();
+        if constexpr (!kLookahead) issue_scores(s);
+        wgmma_wait<0>();   // step s's S^T and dP^T, the only group in flight
         pin_registers(st);
         pin_registers(dpt);
 
@@ -249,6 +280,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         pin_registers(dk_acc);
         pin_registers(p_frag);
         pin_registers(ds_frag);
+        take_turn();
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kPSteps; ++kk)
@@ -277,7 +309,14 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                                    kk > 0);
             }
             wgmma_commit();
-            wgmma_wait<0>();
+            const bool last_pass = pass == kDqPasses - 1;
+            if (look_ahead && last_pass) issue_scores(s + 1);
+            if (last_pass) pass_turn();
+            if (look_ahead && last_pass) {
+                wgmma_wait<1>();   // all but step s + 1's S^T and dP^T
+            } else {
+                wgmma_wait<0>();
+            }
             pin_registers(dq);
             pin_registers(dv_acc);
             pin_registers(dk_acc);
@@ -289,16 +328,55 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
             }
             if (dq_accum != nullptr) {
                 float* head = dq_accum + DqAccum::head(blk.split, batch, b, heads, h, seq, seqlen_q, HEAD_DIM);
-                float* at = head + DqAccum::tile(m0 + 16 * warp, dq_col, HEAD_DIM) + lane * 4;
+                // the warp's share: 16 rows by 64 columns, 8 16 x 8 tiles, contiguous in dq_accum
+                float* share = head + DqAccum::tile(m0 + 16 * warp, dq_col, HEAD_DIM);
+                if constexpr (Smem::kBulkDq) {
+                    // into the warp's buffer in the same order, then one bulk add of it by lane 0; the
+                    // buffer is free again once the previous step's add has read it
+                    const unsigned buffer = k_s + Smem::kDq + (4 * cw + warp) * Smem::kDqWarp;
+                    if (lane == 0) bulk_wait_read<0>();
+                    __syncwarp();
 #pragma unroll
-                for (int nb = 0; nb < kDq / 4; ++nb) {
-                    const float c[4] = {dq[4 * nb], dq[4 * nb + 1], dq[4 * nb + 2], dq[4 * nb + 3]};
-                    atomicAdd(reinterpret_cast<float4*>(at + nb * 128), make_float4(c[0], c[1], c[2], c[3]));
+                    for (int nb = 0; nb < kDq / 4; ++nb)
+                        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(buffer + (nb * 128 + lane * 4) * 4),
+                                     "f"(dq[4 * nb]), "f"(dq[4 * nb + 1]), "f"(dq[4 * nb + 2]), "f"(dq[4 * nb + 3])
+                                     : "memory");
+                    fence_proxy_async_shared();
+                    __syncwarp();
+                    if (lane == 0) {
+                        bulk_reduce_add(share, buffer, Smem::kDqWarp);
+                        bulk_commit();
+                        if (ordered_adds) bulk_wait<0>();   // consumer 1 adds after these are performed
+                    }
+                    __syncwarp();
+                } else {
+#pragma unroll
+                    for (int nb = 0; nb < kDq / 4; ++nb)
+                        atomicAdd(reinterpret_cast<float4*>(share + nb * 128 + lane * 4),
+                                  make_float4(dq[4 * nb], dq[4 * nb + 1], dq[4 * nb + 2], dq[4 * nb + 3]));
                 }
             }
         }
         if (ordered_adds && cw == 0) named_barrier_arrive(kAddedBarrier + s % 2, 2 * 128);   // once per step
+    };
+
+    if (steps > 0) mbarrier_wait(kv_full, 0);
+    if constexpr (kLookahead) {
+        if (steps > 0) {
+            if (cw == 1) named_barrier_arrive(kTurnBarrier, kTurnThreads);
+            issue_scores(0);
+#pragma unroll 1
+            for (int s = 0; s < steps - 1; ++s) step(s, true);
+            step(steps - 1, false);
+            if (cw == 0) take_turn();   // consumer 1's last pass
+        }
+    } else {
+#pragma unroll 1
+        for (int s = 0; s < steps; ++s) step(s, false);
     }
+
+    // the bulk adds of dQ done before the block ends (their source is this block's shared memory)
+    if (Smem::kBulkDq && lane == 0) bulk_wait<0>();
 
     // Epilogue: dK times the softmax scale, dV (times dropout_scale under dropout); keys past seqlen_k are not
     // stored

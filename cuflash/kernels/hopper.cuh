@@ -66,6 +66,25 @@ __device__ __forceinline__ unsigned long long smem_descriptor(unsigned addr, uns
            1ull << 62;
 }
 
+// Adds `bytes` of float32 from shared memory at `src` into global memory at `dst`, element by element, by the TMA
+// unit (both 16-byte aligned, bytes a multiple of 16), in the issuing thread's open bulk group.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, unsigned src, int bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                     static_cast<unsigned long long>(__cvta_generic_to_global(dst))),
+                 "r"(src), "r"(bytes)
+                 : "memory");
+}
+// Closes the issuing thread's open bulk group.
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until at most N of this thread's bulk groups are still reading their shared-memory source.
+template <int N> __device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// Waits until at most N of this thread's bulk groups are incomplete (their global writes performed).
+template <int N> __device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Makes this thread's ordinary shared-memory stores visible to the async proxy (wgmma and TMA read through it);
 // each writing thread fences before the barrier that precedes the read.
 __device__ __forceinline__ void fence_proxy_async_shared() {
