@@ -729,9 +729,9 @@ MIN_SPLIT_GRID_FILL = 0.9
 
 def split_grid_kernel(cfg: AttentionConfig) -> KernelSpec | None:
     """The dK/dV kernel of the deterministic backward's split grid (``deterministic_dq_splits``): the Hopper
-    kernel where it serves (within a launch one thread adds each element of a dQ copy, or at head_dim 64 the
-    two consumers take turns), else the tiled mma.sync kernel's atomic-dQ form (the rows kernel walks one key
-    block per thread block); None where neither serves."""
+    kernel where it serves (within a launch one thread adds each element of a dQ copy; at head_dim 64 consumer
+    1 adds consumer 0's part with its own), else the tiled mma.sync kernel's atomic-dQ form (the rows kernel
+    walks one key block per thread block); None where neither serves."""
     if cfg.bwd_dkdv_wgmma is not None:
         return cfg.bwd_dkdv_wgmma
     if cfg.bwd_dkdv_atomic and cfg.bwd_dkdv_atomic[0].kernel == "bwd_dkdv_mma":

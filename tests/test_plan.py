@@ -118,7 +118,7 @@ def test_deterministic_backward_on_the_split_grid_launches_each_pass_in_order(mo
     assert [launch.tail for launch in plan.dkdv] == [(3, dq_pass) for dq_pass in range(-(-key_blocks // 3))]
     assert all(launch.grid == (2 * 4 * 3,) for launch in plan.dkdv)
     assert plan.adds_dq and plan.accum_shape[0] == 3
-    # on the Hopper kernel where it serves (head_dim 64 too: its consumers take turns), else on bwd_dkdv_mma's
+    # on the Hopper kernel where it serves (head_dim 64 too: one consumer adds both parts), else on bwd_dkdv_mma's
     assert {launch.spec.kernel for launch in plan.dkdv} == {"bwd_dkdv_wgmma"}
     narrow = _plan.backward(problem(seqlen_k=1000, heads=4, heads_kv=4, head_dim=64), H100, deterministic=True)
     assert {launch.spec.kernel for launch in narrow.dkdv} == {"bwd_dkdv_wgmma"}

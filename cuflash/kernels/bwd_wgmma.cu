@@ -184,12 +184,12 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     const bool stores_ds = kKeySplit || cw == 0;
     // the barrier before dQ reads dS^T: both consumers' (id 1), or this consumer's own (id 2 + cw)
     const int ds_barrier = kDqOwnKeys ? 2 + cw : 1;
-    // On the deterministic split grid at head_dim 64, where both consumers add into each dQ element of a step,
-    // they take turns: consumer 1 adds after consumer 0 has (named barrier 4 + step parity: consumer 0 arrives
-    // after its adds, consumer 1 waits before releasing the stage, so that consumer 0 cannot arrive for step
-    // s + 2 on the same barrier before consumer 1 has passed it for step s).
-    const bool ordered_adds = kDqOwnKeys && dq_splits > 0;
-    constexpr int kAddedBarrier = 4;
+    // On the deterministic split grid at head_dim 64, where both consumers hold a part of each dQ element of a
+    // step, consumer 0's warp w hands its part to consumer 1's warp w through its dQ buffer, and consumer 1
+    // adds the sum: one add per element and launch (named barrier kHandedBarrier + w: handed over,
+    // kTakenBarrier + w: read, the buffer free again; consumer 1 gives the first Taken)
+    const bool hands_over = kDqOwnKeys && dq_splits > 0;
+    constexpr int kHandedBarrier = 8, kTakenBarrier = 12, kPairThreads = 64;
     constexpr int kDsThreads = kDqOwnKeys ? 128 : 128 * kConsumers;
 
     // S^T = K Q^T and dP^T = V dO^T of step s for this consumer's 64 keys, one committed group. Where the
@@ -322,33 +322,57 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
             pin_registers(dk_acc);
             pin_registers(p_frag);    // read by the products until the wait: live until here
             pin_registers(ds_frag);
-            if (pass == 0) {
-                if (ordered_adds && cw == 1) named_barrier_sync(kAddedBarrier + s % 2, 2 * 128);
-                release(q_empty(stage));   // Q, dO, lse and delta of the stage are read
-            }
+            if (pass == 0) release(q_empty(stage));   // Q, dO, lse and delta of the stage are read
             if (dq_accum != nullptr) {
                 float* head = dq_accum + DqAccum::head(blk.split, batch, b, heads, h, seq, seqlen_q, HEAD_DIM);
                 // the warp's share: 16 rows by 64 columns, 8 16 x 8 tiles, contiguous in dq_accum
                 float* share = head + DqAccum::tile(m0 + 16 * warp, dq_col, HEAD_DIM);
                 if constexpr (Smem::kBulkDq) {
-                    // into the warp's buffer in the same order, then one bulk add of it by lane 0; the
-                    // buffer is free again once the previous step's add has read it
-                    const unsigned buffer = k_s + Smem::kDq + (4 * cw + warp) * Smem::kDqWarp;
-                    if (lane == 0) bulk_wait_read<0>();
-                    __syncwarp();
+                    // fragment element 4 nb + i of lane l sits at nb * 128 + 4 l + i of the share (DqAccum)
+                    auto buffer_at = [&](int warp_buffer, int nb) {
+                        return k_s + Smem::kDq + warp_buffer * Smem::kDqWarp + (nb * 128 + lane * 4) * 4;
+                    };
+                    if (hands_over && cw == 0) {   // into its buffer, once consumer 1 has read the last part
+                        named_barrier_sync(kTakenBarrier + warp, kPairThreads);
 #pragma unroll
-                    for (int nb = 0; nb < kDq / 4; ++nb)
-                        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(buffer + (nb * 128 + lane * 4) * 4),
-                                     "f"(dq[4 * nb]), "f"(dq[4 * nb + 1]), "f"(dq[4 * nb + 2]), "f"(dq[4 * nb + 3])
-                                     : "memory");
-                    fence_proxy_async_shared();
-                    __syncwarp();
-                    if (lane == 0) {
-                        bulk_reduce_add(share, buffer, Smem::kDqWarp);
-                        bulk_commit();
-                        if (ordered_adds) bulk_wait<0>();   // consumer 1 adds after these are performed
+                        for (int nb = 0; nb < kDq / 4; ++nb)
+                            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(buffer_at(warp, nb)),
+                                         "f"(dq[4 * nb]), "f"(dq[4 * nb + 1]), "f"(dq[4 * nb + 2]), "f"(dq[4 * nb + 3])
+                                         : "memory");
+                        named_barrier_arrive(kHandedBarrier + warp, kPairThreads);
+                    } else {
+                        if (hands_over) {   // consumer 1: consumer 0's part added to its own
+                            named_barrier_sync(kHandedBarrier + warp, kPairThreads);
+#pragma unroll
+                            for (int nb = 0; nb < kDq / 4; ++nb) {
+                                float part[4];
+                                asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                                             : "=f"(part[0]), "=f"(part[1]), "=f"(part[2]), "=f"(part[3])
+                                             : "r"(buffer_at(warp, nb)) : "memory");
+#pragma unroll
+                                for (int i = 0; i < 4; ++i) dq[4 * nb + i] += part[i];
+                            }
+                            // read: consumer 0 may write its next part (every step's but the last: look_ahead)
+                            if (look_ahead) named_barrier_arrive(kTakenBarrier + warp, kPairThreads);
+                        }
+                        // into the warp's buffer in the same order, then one bulk add of it by lane 0; the
+                        // buffer is free again once the previous step's add has read it
+                        const int own = 4 * cw + warp;
+                        if (lane == 0) bulk_wait_read<0>();
+                        __syncwarp();
+#pragma unroll
+                        for (int nb = 0; nb < kDq / 4; ++nb)
+                            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(buffer_at(own, nb)),
+                                         "f"(dq[4 * nb]), "f"(dq[4 * nb + 1]), "f"(dq[4 * nb + 2]), "f"(dq[4 * nb + 3])
+                                         : "memory");
+                        fence_proxy_async_shared();
+                        __syncwarp();
+                        if (lane == 0) {
+                            bulk_reduce_add(share, k_s + Smem::kDq + own * Smem::kDqWarp, Smem::kDqWarp);
+                            bulk_commit();
+                        }
+                        __syncwarp();
                     }
-                    __syncwarp();
                 } else {
 #pragma unroll
                     for (int nb = 0; nb < kDq / 4; ++nb)
@@ -357,13 +381,14 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                 }
             }
         }
-        if (ordered_adds && cw == 0) named_barrier_arrive(kAddedBarrier + s % 2, 2 * 128);   // once per step
     };
 
+    static_assert(!kDqOwnKeys || kLookahead, "the hand-over counts on look_ahead's last step");
     if (steps > 0) mbarrier_wait(kv_full, 0);
     if constexpr (kLookahead) {
         if (steps > 0) {
             if (cw == 1) named_barrier_arrive(kTurnBarrier, kTurnThreads);
+            if (hands_over && cw == 1) named_barrier_arrive(kTakenBarrier + warp, kPairThreads);
             issue_scores(0);
 #pragma unroll 1
             for (int s = 0; s < steps - 1; ++s) step(s, true);

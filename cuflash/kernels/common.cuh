@@ -493,9 +493,9 @@ struct CacheBlock {
 //   fastest; in pass
 //   dq_pass, block `split` takes key block split + dq_pass * dq_splits (none past the last) and adds dQ
 //   into copy `split` of dq_accum (DqAccum::head). Launches on one stream run in order and within a launch
-//   the adds into each element of a copy come in a fixed order (one thread's, or bwd_dkdv_wgmma's two
-//   consumers' in turn at head_dim 64), so every element's sum has a fixed order
-//   (_config.deterministic_dq_splits). Walking the passes inside the kernel instead made ptxas spill.
+//   one thread adds each element of a copy (at head_dim 64 bwd_dkdv_wgmma's consumer 1, with consumer 0's
+//   part added to its own), so every element's sum has a fixed order (_config.deterministic_dq_splits).
+//   Walking the passes inside the kernel instead made ptxas spill.
 struct KeyBlock {
     int b, h_kv, n0, split;
     __device__ __forceinline__ KeyBlock(int block_n, int heads_kv, int seqlen_k, int dq_splits, int dq_pass) {
