@@ -1,5 +1,6 @@
-// The backward's dK/dV (and dQ, added into a float32 buffer) on Hopper (sm_90a): wgmma, TMA, warp specialization. The algorithm is
-// bwd_dkdv_mma's (bwd_mma.cu) with dQ added into the float32 buffer (DqAccum) and bwd_dq_convert after it;
+// The backward's dK/dV (and dQ, added into a float32 buffer) on Hopper (sm_90a): wgmma, TMA, warp
+// specialization. The algorithm is bwd_dkdv_mma's (bwd_mma.cu) with dQ added into the float32 buffer (DqAccum)
+// and bwd_dq_convert after it;
 // head_dim 64, 128 and 256, float16/bfloat16, every mask, score modifier and dropout (the plan runs the
 // mma.sync kernels for the rest). deterministic=True runs it on the split grid (KeyBlock).
 //
@@ -38,7 +39,6 @@
 namespace cuflash {
 
 constexpr int kBwdWgmmaStages = 2;   // Q/dO stages
-
 
 // bwd_dkdv_wgmma's shared memory, bytes (128-byte swizzled [rows][64] blocks as TMA writes them):
 // K, V [HEAD_DIM / 64][BLOCK_N][64]; Q, dO stages [2][HEAD_DIM / 64][BLOCK_M][64]; dS^T [2][BLOCK_N][BLOCK_M]
@@ -332,13 +332,16 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                     auto buffer_at = [&](int warp_buffer, int nb) {
                         return k_s + Smem::kDq + warp_buffer * Smem::kDqWarp + (nb * 128 + lane * 4) * 4;
                     };
-                    if (hands_over && cw == 0) {   // into its buffer, once consumer 1 has read the last part
-                        named_barrier_sync(kTakenBarrier + warp, kPairThreads);
+                    auto store_dq = [&](int warp_buffer) {   // this lane's dq into a warp's buffer
 #pragma unroll
                         for (int nb = 0; nb < kDq / 4; ++nb)
-                            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(buffer_at(warp, nb)),
+                            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(buffer_at(warp_buffer, nb)),
                                          "f"(dq[4 * nb]), "f"(dq[4 * nb + 1]), "f"(dq[4 * nb + 2]), "f"(dq[4 * nb + 3])
                                          : "memory");
+                    };
+                    if (hands_over && cw == 0) {   // into its buffer, once consumer 1 has read the last part
+                        named_barrier_sync(kTakenBarrier + warp, kPairThreads);
+                        store_dq(warp);
                         named_barrier_arrive(kHandedBarrier + warp, kPairThreads);
                     } else {
                         if (hands_over) {   // consumer 1: consumer 0's part added to its own
@@ -360,11 +363,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                         const int own = 4 * cw + warp;
                         if (lane == 0) bulk_wait_read<0>();
                         __syncwarp();
-#pragma unroll
-                        for (int nb = 0; nb < kDq / 4; ++nb)
-                            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(buffer_at(own, nb)),
-                                         "f"(dq[4 * nb]), "f"(dq[4 * nb + 1]), "f"(dq[4 * nb + 2]), "f"(dq[4 * nb + 3])
-                                         : "memory");
+                        store_dq(own);
                         fence_proxy_async_shared();
                         __syncwarp();
                         if (lane == 0) {
