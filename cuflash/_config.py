@@ -61,6 +61,7 @@ KERNEL_FILES = {
     "append_rotary": "cache.cu",
     "fwd_wgmma": "fwd_wgmma.cu",
     "bwd_dkdv_wgmma": "bwd_wgmma.cu",
+    "varlen_order": "varlen.cu",
 }
 #: kernels with a packed-batch specialization (their VARLEN template argument, the last)
 VARLEN_KERNELS = _MASKED_KERNELS | {"bwd_dq_convert"}
@@ -154,6 +155,9 @@ class KernelSpec:
     mods: int = 0  # MOD_* bits (the kernels' MODS)
     kvcache: bool = False  # fwd_mma only: the KV-cache forward (KVCACHE in fwd_mma.cu; _plan.kvcache)
     varlen: bool = False  # VARLEN_KERNELS only: a packed batch (VARLEN; Sequence in kernels/common.cuh)
+    #: bwd_dkdv_wgmma at WGMMA_DKDV_HAND_OVER_HEAD_DIM only: the deterministic split grid's form (SPLIT_GRID in
+    #: bwd_wgmma.cu; split_grid_kernel)
+    split_grid: bool = False
 
     @property
     def source_file(self) -> str:
@@ -167,6 +171,8 @@ class KernelSpec:
     @property
     def name(self) -> str:
         """The C++ template instance, e.g. ``cuflash::fwd_mma<__half, 128, true, 128, 64, 4, 1>``."""
+        if self.kernel == "varlen_order":   # int32 throughout: its template argument is the mask kind alone
+            return f"cuflash::varlen_order<{int(self.mask)}>"
         ctype = CUDA_TYPES[np.dtype(self.dtype)]
         if self.kernel in ("bwd_preprocess", "merge_parts", "append_rotary"):
             args = [ctype]
@@ -184,6 +190,8 @@ class KernelSpec:
                 args.append(str(self.part))
             if self.kernel in ("bwd_dkdv_mma", "bwd_dkdv_rows_mma"):
                 args.append("true" if self.atomic_dq else "false")
+            if self.kernel == "bwd_dkdv_wgmma":
+                args.append("true" if self.split_grid else "false")
             args.append("true" if self.varlen else "false")
         return f"cuflash::{self.kernel}<{', '.join(args)}>"
 
@@ -594,6 +602,33 @@ def forward_query_blocks_fastest(head_dim: int, causal: bool) -> bool:
     return not causal and head_dim in (128, 256)
 
 
+#: varlen_order (kernels/varlen.cu), one block of VARLEN_ORDER_THREADS (``kOrderThreads``), orders the work items
+#: of fwd_wgmma's packed batches of at most VARLEN_ORDER_MAX_BATCH sequences (``kOrderMaxBatch``); a larger batch
+#: runs in QueryBlock's order
+VARLEN_ORDER_THREADS = 1024
+VARLEN_ORDER_MAX_BATCH = 4096
+
+
+def varlen_forward_ordered(head_dim: int) -> bool:
+    """Does fwd_wgmma walk a packed batch in varlen_order's order (``head_dim`` the padded one)? The order costs
+    a launch before the forward, about 10 us, and saves the idle items and the long items at the walk's end.
+    Forward ms on the H200, bfloat16, the varlen suite's batches (16384 tokens, heads x head_dim = 2048),
+    QueryBlock's order / varlen_order's, non-causal and causal (bench/NOTES.md, "Packed batches: the item
+    order"):
+      head_dim 64:  long-tail 1.456 / 1.364, 0.847 / 0.801;  mixed 0.577 / 0.562, 0.409 / 0.398;
+                    random 1.166 / 1.126, 0.689 / 0.664;  equal 0.342 / 0.343, 0.254 / 0.261
+      head_dim 128: long-tail 1.071 / 1.076, 0.631 / 0.615;  mixed 0.431 / 0.433, 0.303 / 0.307;
+                    random 0.879 / 0.874, 0.535 / 0.531;  equal 0.237 / 0.250, 0.192 / 0.200
+    At 64 the items are short beside their scheduling and the order gains 2.5-7% on mixed lengths; at 128 it
+    gains within 1% there and loses its launch on equal lengths."""
+    return head_dim <= 64
+
+
+def varlen_order_spec(mask: int) -> KernelSpec:
+    """varlen_order's specialization for fwd_wgmma's packed batches under ``mask``."""
+    return KernelSpec("varlen_order", np.dtype(np.int32), mask=int(mask), threads=VARLEN_ORDER_THREADS)
+
+
 #: rows merged per block of merge_parts, one warp each (``kMergeWarps`` in kernels/merge.cu)
 MERGE_WARPS = 4
 #: rows rotated or appended per block of append_rotary, one warp each (``kAppendWarps`` in kernels/cache.cu)
@@ -727,13 +762,24 @@ MAX_DQ_SPLITS = 8
 MIN_SPLIT_GRID_FILL = 0.9
 
 
+#: the head dim at which bwd_dkdv_wgmma's consumers each add dQ of their own keys (kDqOwnKeys in bwd_wgmma.cu), so
+#: that on the split grid consumer 0 hands its part to consumer 1: there the split grid runs its own
+#: specialization (KernelSpec.split_grid), whose static_assert checks this head dim
+WGMMA_DKDV_HAND_OVER_HEAD_DIM = 64
+
+
 def split_grid_kernel(cfg: AttentionConfig) -> KernelSpec | None:
     """The dK/dV kernel of the deterministic backward's split grid (``deterministic_dq_splits``): the Hopper
-    kernel where it serves (within a launch one thread adds each element of a dQ copy; at head_dim 64 consumer
-    1 adds consumer 0's part with its own), else the tiled mma.sync kernel's atomic-dQ form (the rows kernel
-    walks one key block per thread block); None where neither serves."""
-    if cfg.bwd_dkdv_wgmma is not None:
-        return cfg.bwd_dkdv_wgmma
+    kernel where it serves (within a launch one thread adds each element of a dQ copy; at head_dim 64, in its
+    split-grid form, consumer 1 adds consumer 0's part with its own), else the tiled mma.sync kernel's
+    atomic-dQ form (the rows kernel walks one key block per thread block); None where neither serves.
+
+    The hand-over as a runtime branch of the default's kernel cost the default backward at head_dim 64 5-15%
+    on the H200 (bfloat16 ms, branch / none: causal 4 x 4096 x 32 heads 2.167 / 2.063, non-causal 4.10 / 3.82,
+    causal 1 x 16k 7.69 / 7.31, the varlen suite's packed `mixed` batch causal 1.41 / 1.20; bench/NOTES.md b9)."""
+    hopper = cfg.bwd_dkdv_wgmma
+    if hopper is not None:
+        return dataclasses.replace(hopper, split_grid=hopper.head_dim == WGMMA_DKDV_HAND_OVER_HEAD_DIM)
     if cfg.bwd_dkdv_atomic and cfg.bwd_dkdv_atomic[0].kernel == "bwd_dkdv_mma":
         return cfg.bwd_dkdv_atomic[0]
     return None
@@ -864,17 +910,21 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
     mask and under a window, at every head dim, for bfloat16 (float16 is the same code) and float32. On a
     device with tensor maps, both forwards: the Hopper kernel and its mma.sync fallback, and the Hopper
     forward's three-consumer head_dim 64 tile with dropout (WGMMA_SPILLING_MODS; the covering set's modifiers
-    without dropout take it already). Not the cross product of the modifiers: 16 combinations per kernel. The
+    without dropout take it already), and beside each backward the deterministic split grid's own form where
+    it has one (bwd_dkdv_wgmma at head_dim 64). Not the cross product of the modifiers: 16 combinations per
+    kernel. The
     KV-cache forward likewise (contiguous and on the smallest pages, plain and under a window with every
-    modifier), the packed-batch kernels (below), merge_parts for each dtype and append_rotary for each dtype of
-    the KV-cache forward."""
+    modifier), the packed-batch kernels (below) with the Hopper forward's varlen_order per mask kind,
+    merge_parts for each dtype and append_rotary for each dtype of the KV-cache forward."""
     specs = {}
     # where the Hopper forward serves, the mma.sync forward is its fallback (arrays no tensor map describes)
     devices = {device, dataclasses.replace(device, tensor_maps=False)}
 
     def add(dtype, d, mask, mods, varlen=False):
         for dev in devices:
-            for spec in choose_config(d, dtype, mask, dev, mods, varlen).specs:
+            cfg = choose_config(d, dtype, mask, dev, mods, varlen)
+            split = split_grid_kernel(cfg)   # the deterministic split grid's own form, where it has one
+            for spec in cfg.specs + ((split,) if split is not None else ()):
                 specs[spec.cache_key] = spec
 
     for d in HEAD_DIMS:
@@ -907,6 +957,10 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
             if spec is not None:
                 spec = dataclasses.replace(spec, varlen=varlen)
                 specs[spec.cache_key] = spec
+    if device.tensor_maps:   # the order of the Hopper forward's packed batches
+        for mask in MASK_KINDS:
+            spec = varlen_order_spec(mask)
+            specs[spec.cache_key] = spec
     for dtype in SUPPORTED_DTYPES:
         spec = KernelSpec("merge_parts", dtype, threads=MERGE_WARPS * 32)
         specs[spec.cache_key] = spec

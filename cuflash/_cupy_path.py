@@ -104,16 +104,13 @@ def _strides_vector_ok(head_dim: int, itemsize: int, *strides) -> bool:
 
 def _problem_fields(p: Problem) -> dict:
     """The kernel fields every attention kernel of a problem shares (kernels/common.cuh): sizes, the
-    Window (diagonal, left, right; an unbounded side as seqlen_q + seqlen_k, which no |key - row - diagonal|
-    reaches), ScoreMod's and Dropout's values: ALiBi's batch stride (0 for slopes of shape (heads,)),
+    Window (diagonal, left, right: ``Problem.kernel_window``), ScoreMod's and Dropout's values: ALiBi's batch stride (0 for slopes of shape (heads,)),
     softcap_in = scale / softcap, softcap_out = softcap * log2(e), dropout's threshold
     (_philox.keep_threshold) and scale 1 / (1 - dropout_p), and the base-2 softmax scale."""
-    unbounded = p.seqlen_q + p.seqlen_k
+    window_left, window_right = p.kernel_window
     return dict(
         batch=p.batch, heads=p.heads, group=p.group, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
-        head_dim=p.head_dim, diagonal=p.diagonal,
-        window_left=unbounded if p.window_left < 0 else min(p.window_left, unbounded),
-        window_right=unbounded if p.window_right < 0 else min(p.window_right, unbounded),
+        head_dim=p.head_dim, diagonal=p.diagonal, window_left=window_left, window_right=window_right,
         alibi_batch_stride=p.heads if p.alibi_shape is not None and len(p.alibi_shape) == 2 else 0,
         softcap_in=p.softmax_scale / p.softcap if p.softcap else 0.0, softcap_out=p.softcap * LOG2E,
         dropout_threshold=_philox.keep_threshold(p.dropout_p), dropout_scale=1.0 / (1.0 - p.dropout_p),
@@ -199,7 +196,8 @@ class ForwardPlan:
     (attention_varlen; ``p`` its batch of the longest lengths), whose prefix sums each call passes. The Hopper
     kernel (fwd_wgmma) reads q, k and v through tensor maps made per call (_tma, cached), and on a persistent
     grid (``_plan.Launch.work_counter``; ``persistent`` overrides the table) its work items from counters kept
-    per stream (split_counters), which the kernel leaves zeroed."""
+    per stream (split_counters), which the kernel leaves zeroed; on a packed batch, in the order that
+    varlen_order writes before it into a buffer of each call's (``_plan.Launch.order``)."""
 
     def __init__(self, p: Problem, device_id: int, q, k, v, spec: _config.KernelSpec | None = None,
                  packed: bool = False, persistent: bool | None = None):
@@ -212,9 +210,13 @@ class ForwardPlan:
         # the (batch, rows, heads, head_dim) a tensor map sees: a packed batch is one sequence of its rows
         map_shapes = [(1, *x.shape) if packed else tuple(x.shape) for x in (q, k, v)]
         tensor_maps = all(_tma.strides_ok(itemsize, shape, s) for shape, s in zip(map_shapes, strides))
-        launch = _plan.forward(p, device_props(device_id), spec, packed, tensor_maps, persistent)
+        launch = _plan.forward(p, device_props(device_id), spec, packed, tensor_maps, persistent,
+                               total_q=q.shape[0] if packed else None)
         with cupy.cuda.Device(device_id):
             self.kernel = get_kernel(launch.spec, device_id)
+            # the packed Hopper forward's item order, written into a buffer of order_ints by its own launch
+            self.order = None if launch.order is None else _Launch(launch.order, device_id)
+        self.order_ints = launch.order_ints
         self.grid = launch.grid
         self.block = (launch.spec.threads,)
         self.smem = launch.spec.smem_bytes
@@ -252,9 +254,14 @@ class ForwardPlan:
         lse = cupy.ndarray(self.lse_shape, np.float32) if with_lse else None
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k.data.ptr | v.data.ptr) & 15
         maps, copies = _tensor_maps((q, k, v), self.maps) if self.maps else ((), ())
-        if self.maps:   # fwd_wgmma's work counter follows its maps: the stream's zeroed ints on a persistent grid
+        if self.maps:   # fwd_wgmma's work counter follows its maps (the stream's zeroed ints on a persistent
+            # grid), then the item order
             counter = split_counters(self.device_id, _config.WGMMA_WORK_COUNTER_INTS) if self.work_counter else _NULL
-            maps += (counter,)
+            order = _NULL
+            if self.order is not None:
+                order = cupy.ndarray((self.order_ints,), np.int32)
+                self.order((order,) + cu_seqlens)
+            maps += (counter, order)
         self.kernel(self.grid, self.block,
                     maps + self.arguments((q, k, v, out, _NULL if lse is None else lse, _vector(alibi_slopes),
                                            _vector(sinks)) + dropout + (_VECTOR_OK[vector_ok],) + cu_seqlens),

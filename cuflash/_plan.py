@@ -25,6 +25,10 @@ class Launch:
     grid: tuple[int, ...]
     tail: tuple[int, ...] = ()
     work_counter: bool = False   # a persistent grid: the kernel takes its work items from the stream's counters
+    #: fwd_wgmma on a packed batch: varlen_order's launch, which orders the items into an int32 buffer of
+    #: ``order_ints`` before it (kernels/varlen.cu)
+    order: Launch | None = None
+    order_ints: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +69,18 @@ def keys_per_query_block(p: Problem, block_m: int) -> int:
 
 
 def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | None = None,
-            packed: bool = False, tensor_maps: bool = True, persistent: bool | None = None) -> Launch:
-    """The forward's one launch; ``spec`` overrides the tile table's (for tuning tools). Its tail is
-    QueryBlock's grid order (kernels/common.cuh). ``packed``: a packed batch (attention_varlen), ``p`` its
-    batch of the longest sequences' lengths, each sequence's blocks past its own end idle. ``tensor_maps``:
-    can tensor maps describe the arrays (_tma.strides_ok)? Where not, the Hopper kernel does not serve.
-    ``persistent`` overrides the table's choice of a persistent grid for fwd_wgmma (for probes)."""
+            packed: bool = False, tensor_maps: bool = True, persistent: bool | None = None,
+            total_q: int | None = None) -> Launch:
+    """The forward's launch; ``spec`` overrides the tile table's (for tuning tools). Its tail is QueryBlock's
+    grid order (kernels/common.cuh). ``packed``: a packed batch (attention_varlen), ``p`` its batch of the
+    longest sequences' lengths, each sequence's blocks past its own end idle. ``tensor_maps``: can tensor maps
+    describe the arrays (_tma.strides_ok)? Where not, the Hopper kernel does not serve. ``persistent``
+    overrides the table's choice of a persistent grid for fwd_wgmma (for probes).
+
+    ``total_q``: the packed batch's rows. Where _config.varlen_forward_ordered, the Hopper forward then walks only
+    the items with rows, those with the most key tiles first, in the order varlen_order writes before it
+    (``Launch.order``), on a grid sized by the most items that ``total_q`` rows can fill (up to
+    VARLEN_ORDER_MAX_BATCH sequences)."""
     if spec is None:
         if not tensor_maps:
             device = dataclasses.replace(device, tensor_maps=False)
@@ -81,7 +91,17 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
         return Launch(spec, grid(items), (int(order),))
     if persistent is None:
         persistent = _config.wgmma_forward_persistent(keys_per_query_block(p, spec.block_m))
-    return Launch(spec, grid(min(items, device.sm_count) if persistent else items), (int(order),), persistent)
+    ordered = None
+    if (packed and total_q is not None and p.batch <= _config.VARLEN_ORDER_MAX_BATCH
+            and _config.varlen_forward_ordered(spec.head_dim)):
+        # entries (sequence, query block) of valid prefix sums: sum of ceil(rows_b / block_m) over b
+        capacity = min(-(-total_q // spec.block_m) + p.batch, -(-p.seqlen_q // spec.block_m) * p.batch)
+        items = capacity * p.heads
+        ordered = Launch(_config.varlen_order_spec(spec.mask), (1,),
+                         (p.batch, p.heads, p.seqlen_q, spec.block_m, spec.block_n, *p.kernel_window, int(order),
+                          capacity))
+    return Launch(spec, grid(min(items, device.sm_count) if persistent else items), (int(order),), persistent,
+                  ordered, 0 if ordered is None else 1 + ordered.tail[-1])
 
 
 def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,

@@ -92,6 +92,13 @@ class Problem:
         return self.window_left >= 0 or self.window_right >= 0
 
     @property
+    def kernel_window(self) -> tuple[int, int]:
+        """(left, right) as the kernels' Window takes them: an unbounded side as seqlen_q + seqlen_k, which no
+        |key - row - diagonal| reaches."""
+        unbounded = self.seqlen_q + self.seqlen_k
+        return tuple(unbounded if side < 0 else min(side, unbounded) for side in (self.window_left, self.window_right))
+
+    @property
     def mask_kind(self) -> int:
         """The kernels' mask specialization: none, causal (a right side only) or window (a left side)."""
         if not self.masked:

@@ -58,13 +58,15 @@ def test_every_specialization_compiles(reports):
     assert kernels["fwd_mma"] == 2 * masks * head_dims + 2 * 2 * head_dims + kvcache + packed["fwd_mma"]
     assert kernels["merge_parts"] == len(_config.SUPPORTED_DTYPES)
     assert kernels["append_rotary"] == len(_config.KVCACHE_DTYPES)
+    # the Hopper forward's item order of packed batches, per mask kind
+    assert kernels["varlen_order"] == (masks if device.tensor_maps else 0)
     # the Hopper forward (sm_90a) on sm_90 only: 4 head dims (64-column blocks) per plain (dtype, mask), the
     # modifiers with and without dropout (bfloat16, 2 masks), packed (bfloat16, 3 per head dim), and the head_dim
     # 64 three-consumer tile with dropout (3); its fallback is counted above
     assert kernels["fwd_wgmma"] == (2 * masks * 4 + 2 * 2 * 4 + 3 * 4 + 3 if device.tensor_maps else 0)
     # the Hopper dK/dV kernel at head dims 64, 128 and 256: each half dtype and mask, the modifiers with and
-    # without dropout (bfloat16, 2 masks), packed bfloat16 as the forward
-    assert kernels["bwd_dkdv_wgmma"] == (len(_config.WGMMA_DKDV_HEAD_DIMS) * (2 * masks + 2 * 2 + 3)
+    # without dropout (bfloat16, 2 masks), packed bfloat16 as the forward; at 64 each also in its split-grid form
+    assert kernels["bwd_dkdv_wgmma"] == ((len(_config.WGMMA_DKDV_HEAD_DIMS) + 1) * (2 * masks + 2 * 2 + 3)
                                          if device.tensor_maps else 0)
     assert kernels["fwd_simt"] == masks * head_dims + 2 * 2 * head_dims + packed["fwd_simt"]
     no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT
@@ -168,6 +170,10 @@ def test_python_mirrors_the_kernels_constants():
                    + "\n".join(smem_asserts("fwd_mma.cu")) + "\n", "sm_90", [])
     merge_warps = f"static_assert(cuflash::kMergeWarps == {_config.MERGE_WARPS}, \"_config.MERGE_WARPS\");"
     _nvrtc_compile(kernel_source("merge.cu") + "\n" + merge_warps + "\n", "sm_90", [])
+    order = [f"static_assert(cuflash::{name} == {value}, \"_config.{mirror}\");" for name, value, mirror in (
+        ("kOrderThreads", _config.VARLEN_ORDER_THREADS, "VARLEN_ORDER_THREADS"),
+        ("kOrderMaxBatch", _config.VARLEN_ORDER_MAX_BATCH, "VARLEN_ORDER_MAX_BATCH"))]
+    _nvrtc_compile(kernel_source("varlen.cu") + "\n" + "\n".join(order) + "\n", "sm_90", [])
     dkdv_threads = (f"static_assert(cuflash::kDkdvTiledThreads == {_config.DKDV_TILED_THREADS}, "
                     "\"_config.DKDV_TILED_THREADS\");")
     _nvrtc_compile(kernel_source("bwd_mma.cu") + "\n" + dkdv_threads + "\n"

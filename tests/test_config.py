@@ -205,7 +205,7 @@ def test_spec_names_are_template_instances():
     assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 15, 128, 64, 4, 1, false, false>"
     hopper = choose_config(64, np.float16, _config.MASK_WINDOW, _config.H100, _config.ALL_MODS)
     assert hopper.forward.name == "cuflash::fwd_wgmma<__half, 64, 2, 15, 128, 128, false>"
-    assert hopper.bwd_dkdv_wgmma.name == "cuflash::bwd_dkdv_wgmma<__half, 64, 2, 11, 64, 128, false>"
+    assert hopper.bwd_dkdv_wgmma.name == "cuflash::bwd_dkdv_wgmma<__half, 64, 2, 11, 64, 128, false, false>"
     assert mods.bwd_dq.name == "cuflash::bwd_dq_mma<__half, 64, 2, 11, 128, 32, 4, false>"
     mods = choose_config(64, np.float16, _config.MASK_WINDOW, _config.A100, _config.ALL_MODS)
     assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 15, 128, 32, 4, 1, false, false>"
@@ -263,11 +263,15 @@ def test_all_specs_are_distinct_and_cover_the_table():
     # with and without dropout (bfloat16, 2 masks); packed: bfloat16, as the forward
     hopper_dkdv = [s for s in specs if s.kernel == "bwd_dkdv_wgmma"]
     assert {s.head_dim for s in hopper_dkdv} == {64, 128, 256}
-    assert sum(not s.varlen for s in hopper_dkdv) == 3 * (2 * masks + 2 * 2)
-    assert sum(s.varlen for s in hopper_dkdv) == 3 * 3
+    # each at head_dim 64 also in the deterministic split grid's form
+    assert sum(not s.varlen for s in hopper_dkdv) == 4 * (2 * masks + 2 * 2)
+    assert sum(s.varlen for s in hopper_dkdv) == 4 * 3
+    assert {s.head_dim for s in hopper_dkdv if s.split_grid} == {_config.WGMMA_DKDV_HAND_OVER_HEAD_DIM}
+    # the Hopper forward's item order of packed batches (varlen_order), one per mask kind
+    assert sorted(s.mask for s in specs if s.kernel == "varlen_order") == sorted(_config.MASK_KINDS)
     assert len(specs) == (2 * half + single + modified + kvcache + len(packed) + len(_config.SUPPORTED_DTYPES)
                           + len(_config.KVCACHE_DTYPES) + sum(not s.varlen for s in hopper)
-                          + sum(not s.varlen for s in hopper_dkdv))
+                          + sum(not s.varlen for s in hopper_dkdv) + len(_config.MASK_KINDS))
     no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT
     assert {s.mods for s in specs} == {0, _config.ALL_MODS, _config.ALL_MODS & ~_config.MOD_SINKS, no_dropout,
                                        no_dropout & ~_config.MOD_SINKS, fitting}

@@ -34,7 +34,8 @@ def test_the_field_lists_are_the_kernels_parameter_lists():
     forward = _config.choose_config(64, BFLOAT16, _config.MASK_CAUSAL, mma_only).forward
     simt = _config.choose_config(64, np.dtype(np.float32), _config.MASK_CAUSAL, _config.H100).forward
     hopper = _config.choose_config(64, BFLOAT16, _config.MASK_CAUSAL, _config.H100).forward
-    maps = "const cuflash::TmaMap, " * 3 + "int *, "   # fwd_wgmma: maps of q, k, v, its work counter, then the fields
+    # fwd_wgmma: maps of q, k, v, its work counter and item order, then the fields
+    maps = "const cuflash::TmaMap, " * 3 + "int *, const int *, "
     checks = [f"static_assert(same_type<decltype(&{spec.name}), void (*)({head}{cpp_parameter_types(fields, t)})>"
               f"::value, \"{spec.kernel}\");" for spec, head, fields, t in
               ((forward, "", _params.forward_fields(), "__nv_bfloat16"), (simt, "", _params.forward_fields(), "float"),

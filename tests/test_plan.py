@@ -118,15 +118,19 @@ def test_deterministic_backward_on_the_split_grid_launches_each_pass_in_order(mo
     assert [launch.tail for launch in plan.dkdv] == [(3, dq_pass) for dq_pass in range(-(-key_blocks // 3))]
     assert all(launch.grid == (2 * 4 * 3,) for launch in plan.dkdv)
     assert plan.adds_dq and plan.accum_shape[0] == 3
-    # on the Hopper kernel where it serves (head_dim 64 too: one consumer adds both parts), else on bwd_dkdv_mma's
+    # on the Hopper kernel where it serves (head_dim 64 too, in its split-grid form: one consumer adds both
+    # parts), else on bwd_dkdv_mma's; the default grid never takes the split-grid form
     assert {launch.spec.kernel for launch in plan.dkdv} == {"bwd_dkdv_wgmma"}
+    assert not any(launch.spec.split_grid for launch in plan.dkdv)
     narrow = _plan.backward(problem(seqlen_k=1000, heads=4, heads_kv=4, head_dim=64), H100, deterministic=True)
-    assert {launch.spec.kernel for launch in narrow.dkdv} == {"bwd_dkdv_wgmma"}
+    assert {(launch.spec.kernel, launch.spec.split_grid) for launch in narrow.dkdv} == {("bwd_dkdv_wgmma", True)}
+    assert narrow.dkdv[0].spec.name.endswith(", 64, 128, true, false>")
     portable = _plan.backward(problem(seqlen_k=1000, heads=4, heads_kv=4, head_dim=64), H100, deterministic=True,
                               tensor_maps=False)
     assert {launch.spec.kernel for launch in portable.dkdv} == {"bwd_dkdv_mma"}
-    assert _plan.backward(problem(seqlen_k=1000, heads=4, heads_kv=4, head_dim=64), H100, False).dkdv[0].spec.kernel \
-        == "bwd_dkdv_wgmma"
+    default = _plan.backward(problem(seqlen_k=1000, heads=4, heads_kv=4, head_dim=64), H100, False).dkdv[0].spec
+    assert default.kernel == "bwd_dkdv_wgmma" and not default.split_grid
+    assert default == dataclasses.replace(narrow.dkdv[0].spec, split_grid=False)
 
 
 def test_deterministic_backward_with_the_dq_kernel():
@@ -237,3 +241,42 @@ def test_packed_dq_rows_never_overlap(lengths):
     assert all(start % 16 == 0 for start in starts)
     assert all(end <= nxt for end, nxt in zip(ends, starts[1:]))
     assert ends[-1] <= _config.dq_accum_packed_rows(len(lengths), int(cu[-1]))
+
+
+def test_packed_hopper_forward_walks_an_ordered_list_of_its_items():
+    """On a packed batch the Hopper forward's launch comes with varlen_order's (one block), which writes the
+    item order into a buffer of 1 + capacity ints; the forward's grid holds capacity entries of every head (or
+    a block per SM on the persistent grid). No order without the packed rows, off the Hopper forward, past
+    VARLEN_ORDER_MAX_BATCH sequences, or at a head dim where it does not pay (varlen_forward_ordered)."""
+    p = problem(batch=3, seqlen_q=1000, seqlen_k=900, heads=8, heads_kv=2, head_dim=64)
+    launch = _plan.forward(p, H100, packed=True, total_q=1700)
+    m = launch.spec.block_m
+    order = launch.order
+    assert order.spec == _config.varlen_order_spec(_config.MASK_CAUSAL) and order.grid == (1,)
+    assert order.spec.name == "cuflash::varlen_order<1>" and order.spec.threads == _config.VARLEN_ORDER_THREADS
+    capacity = -(-1700 // m) + 3
+    assert order.tail == (3, 8, 1000, m, launch.spec.block_n, *p.kernel_window, launch.tail[0], capacity)
+    assert launch.order_ints == 1 + capacity
+    assert launch.grid == ((min(capacity * 8, H100.sm_count) if launch.work_counter else capacity * 8),)
+    long = problem(batch=3, seqlen_q=4000, seqlen_k=4000, heads=8, heads_kv=2, head_dim=64, causal=False)
+    launch = _plan.forward(long, H100, packed=True, total_q=5000)
+    assert not launch.work_counter and launch.grid == ((-(-5000 // launch.spec.block_m) + 3) * 8,)
+    # capacity never past the dense grid's query blocks
+    assert _plan.forward(long, H100, packed=True, total_q=12000).order.tail[-1] == 3 * -(-4000 // launch.spec.block_m)
+    assert _plan.forward(p, H100, packed=True).order is None
+    assert _plan.forward(p, H100).order is None and _plan.forward(p, H100).order_ints == 0
+    assert _plan.forward(p, _config.A100, packed=True, total_q=1700).order is None
+    many = problem(batch=_config.VARLEN_ORDER_MAX_BATCH + 1, seqlen_q=10, seqlen_k=10, head_dim=64)
+    assert _plan.forward(many, H100, packed=True, total_q=100).order is None
+    assert _config.varlen_forward_ordered(64) and not _config.varlen_forward_ordered(128)
+    wide = problem(batch=3, seqlen_q=1000, seqlen_k=900, heads=8, heads_kv=2, head_dim=128)
+    assert _plan.forward(wide, H100, packed=True, total_q=1700).order is None
+
+
+@given(lengths=st.lists(st.integers(0, 3000), min_size=1, max_size=40), block_m=st.sampled_from([64, 128, 192]))
+def test_varlen_order_capacity_holds_every_query_block_with_rows(lengths, block_m):
+    """varlen_order's entries, the query blocks with rows (sum of ceil(n_b / block_m)), fit the capacity the plan
+    gives it: ceil(total_q / block_m) + batch, and the dense grid's query blocks."""
+    entries = sum(-(-n // block_m) for n in lengths)
+    assert entries <= -(-sum(lengths) // block_m) + len(lengths)
+    assert entries <= -(-max(lengths) // block_m) * len(lengths)

@@ -178,3 +178,69 @@ def test_calls_with_given_max_lengths_are_planned_once(xp, rng, monkeypatch):
         cuflash.attention_varlen(q, k, v, cu_q, cu_k, 4, 6, window_size=[1, 1])
     expected = 1 if xp is not np else 3
     assert planned.count("_plan_varlen_forward") == expected + 3 and planned.count("_plan_varlen_backward") == expected
+
+
+def order_keys(lengths_q, lengths_k, block_m, block_n, window_left, window_right, masked):
+    """{(sequence, query block): the key tiles its rows see} for every query block with rows (varlen_order's
+    entries, kernels/varlen.cu): KeyTiles under the Window of the sequence's own diagonal, with the kernels' window
+    sides (an unbounded side past any key)."""
+    keys = {}
+    for b, (n_q, n_k) in enumerate(zip(lengths_q, lengths_k)):
+        diagonal = n_k - n_q
+        for m_block in range(-(-n_q // block_m)):
+            m0 = m_block * block_m
+            begin = max(0, m0 + diagonal - window_left) if window_left is not None else 0
+            end = max(0, min(n_k, m0 + block_m + diagonal + window_right)) if masked else n_k
+            first = begin // block_n * block_n
+            keys[b, m_block] = (end - first + block_n - 1) // block_n
+    return keys
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+def test_varlen_order_walks_every_query_block_with_rows_once_most_tiles_first(mask):
+    """The Hopper forward's item order for a packed batch (varlen_order): every (sequence, query block) with rows
+    once, none past its sequence's end, their key tiles never increasing along the order; its entries are the
+    QueryBlock indices of head 0 in the forward's grid order."""
+    cupy = pytest.importorskip("cupy")
+    from cuflash import _config, _cupy_path, _plan, _varlen
+
+    from .conftest import GPU
+    if not GPU or _cupy_path.device_props(0).compute_capability != 90:
+        pytest.skip("the Hopper forward's packed order runs on compute capability 9.0")
+    lengths_q = [3072, 0, 1, 700, 128, 129, 2500, 64, 1000, 5]
+    lengths_k = [3072, 40, 0, 900, 128, 300, 2500, 64, 1000, 2048]
+    options = dict(none={}, causal=dict(causal=True), window=dict(window_size=(300, 20)))[mask]
+    heads = 6
+    rng = np.random.default_rng(7)
+    q, k, _, _, cu_q, cu_k = packed(cupy, rng, lengths_q, lengths_k, heads, 2, 64, np.float16)
+    batch = _varlen.check_packing(q, k, k, cu_q, cu_k, None, None, read=True)
+    p = _varlen.problem(q, k, batch, options.get("causal", False), None, options.get("window_size", (-1, -1)),
+                        0.0, None, None, 0.0)
+    launch = _plan.forward(p, _cupy_path.device_props(0), packed=True, total_q=q.shape[0])
+    assert launch.spec.kernel == "fwd_wgmma" and launch.order is not None
+    order = cupy.full(launch.order_ints, -1, np.int32)
+    _cupy_path._Launch(launch.order, 0)((order, cu_q, cu_k))
+    order = cupy.asnumpy(order)
+    left, right = p.kernel_window
+    keys = order_keys(lengths_q, lengths_k, launch.spec.block_m, launch.spec.block_n,
+                      left if p.mask_kind == _config.MASK_WINDOW else None, right, p.masked)
+    num_m_blocks = -(-p.seqlen_q // launch.spec.block_m)
+    fastest = bool(launch.tail[0])
+    index = {((b * heads) * num_m_blocks + m if fastest else (num_m_blocks - 1 - m) * len(lengths_q) * heads
+              + b * heads): (b, m) for b, m in keys}
+    count = int(order[0])
+    assert count == len(keys) and (order[1 + count:] == -1).all()
+    walked = [index[int(i)] for i in order[1:1 + count]]
+    assert sorted(walked) == sorted(keys)
+    tiles = [max(keys[entry], 0) for entry in walked]
+    assert tiles == sorted(tiles, reverse=True)
+
+
+def test_packed_batches_past_the_persistent_grids_keys_match_the_reference(xp, rng):
+    """Sequences of several query blocks each, the longest past fwd_wgmma's persistent grid (one block per item
+    in varlen_order's order) and not (the persistent grid), causal and not: every query block computed once."""
+    if xp is np:
+        pytest.skip("the order of the GPU path's packed kernels; the NumPy path runs each sequence on its own")
+    for lengths in ([2200, 100, 700, 0, 1300], [900, 64, 1, 500]):
+        for options in ({}, dict(causal=True), dict(window_size=(200, 0))):
+            check_varlen(xp, rng, lengths, lengths, 4, 2, 64, np.dtype("float16"), options)

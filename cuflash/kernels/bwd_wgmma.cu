@@ -61,7 +61,9 @@ template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct BwdWgmmaSmem {
     static constexpr int kBytes = kBarriers + 8 * (1 + 2 * kBwdWgmmaStages);
 };
 
-template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, bool VARLEN>
+// SPLIT_GRID: the deterministic split grid's form at head_dim 64, whose consumers hand dQ over (below); the
+// default grid's form has no branch for it (as a runtime branch it cost the default 5-15%: bench/NOTES.md b9).
+template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, bool SPLIT_GRID, bool VARLEN>
 __global__ void __launch_bounds__(384, 1)
 bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
                const __grid_constant__ TmaMap v_map, const __grid_constant__ TmaMap do_map,
@@ -188,7 +190,8 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     // step, consumer 0's warp w hands its part to consumer 1's warp w through its dQ buffer, and consumer 1
     // adds the sum: one add per element and launch (named barrier kHandedBarrier + w: handed over,
     // kTakenBarrier + w: read, the buffer free again; consumer 1 gives the first Taken)
-    const bool hands_over = kDqOwnKeys && dq_splits > 0;
+    static_assert(!SPLIT_GRID || kDqOwnKeys, "the split grid's own form is the hand-over's, at head_dim 64");
+    constexpr bool hands_over = SPLIT_GRID;
     constexpr int kHandedBarrier = 8, kTakenBarrier = 12, kPairThreads = 64;
     constexpr int kDsThreads = kDqOwnKeys ? 128 : 128 * kConsumers;
 

@@ -105,6 +105,16 @@ template <int MASK> struct Window {
     }
 };
 
+// The tiles of block_n keys that rows [m0, m0 + block_m) see under `window`: `count` of them from key `first`
+// (none where count <= 0). fwd_wgmma's work items, and varlen_order's sort keys for them.
+struct KeyTiles {
+    int first, count;
+    template <int MASK>
+    __device__ __forceinline__ KeyTiles(const Window<MASK>& window, int m0, int block_m, int block_n, int seqlen_k)
+        : first(window.key_begin(m0) / block_n * block_n),
+          count((window.key_end(m0 + block_m, seqlen_k) - first + block_n - 1) / block_n) {}
+};
+
 // The query tiles a key block's backward walks: the BLOCK_M-row tiles from `begin` (a multiple of BLOCK_M) to
 // `end` whose rows see some key of [n0, n0 + block_n) under `window`, `count` of them, taken as `steps` steps
 // (head in the kv group, query tile), query tile fastest.

@@ -76,7 +76,8 @@ template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct WgmmaFwdSmem {
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, bool VARLEN>
 __global__ void __launch_bounds__(WgmmaRoles<BLOCK_M>::kThreads, 1)
 fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
-          const __grid_constant__ TmaMap v_map, int* __restrict__ work_counter, CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
+          const __grid_constant__ TmaMap v_map, int* __restrict__ work_counter, const int* __restrict__ item_order,
+          CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     static_assert(sizeof(T) == 2, "wgmma runs float16 and bfloat16");
     using Roles = WgmmaRoles<BLOCK_M>;
     static_assert(BLOCK_M % 64 == 0 && Roles::kConsumers >= 2 && Roles::kConsumers <= 3,
@@ -96,11 +97,13 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     auto item_empty = [&](int slot) { return bars + 8 * (4 + 4 * kWgmmaStages + slot); };
     volatile unsigned* const item_slots = reinterpret_cast<volatile unsigned*>(smem_raw + Smem::kItemSlots);
 
-    // The block walks work items of QueryBlock's order: blockIdx.x first, then, where work_counter is given (the
-    // persistent grid of a block per SM), the next one not yet taken (gridDim.x + the count of items taken: the
-    // longest items first, each SM taking one as it frees), else blockIdx.x + gridDim.x, ... work_counter is zero
-    // at launch and left zero (the stream's next launch reuses it, with no memset): the last block done taking
-    // items zeroes it. The producer's thread 0 picks each item and hands its index to the consumers through two
+    // The block walks work items by rank: blockIdx.x first, then, where work_counter is given (the persistent grid
+    // of a block per SM), the next rank not yet taken (gridDim.x + the count of ranks taken: the longest items
+    // first, each SM taking one as it frees), else blockIdx.x + gridDim.x, ... work_counter is zero at launch and
+    // left zero (the stream's next launch reuses it, with no memset): the last block done taking items zeroes it.
+    // The item of a rank is QueryBlock's index; in a packed batch with item_order (varlen_order, kernels/varlen.cu:
+    // its count of entries, then the QueryBlock index of each entry's head 0, the entries with the most key tiles
+    // first) rank r is head r % heads of entry r / heads, and ranks past its entries end the walk. The producer's thread 0 picks each item and hands its index to the consumers through two
     // slots (item_full / item_empty); it loads the next item's Q and keys while the consumers finish the last
     // one's epilogue. The mbarriers' phases run on across items (counts of Q and key tiles).
     const unsigned items = static_cast<unsigned>((seqlen_q + BLOCK_M - 1) / BLOCK_M) * batch * heads;
@@ -117,9 +120,8 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         const QueryBlock blk(index, BLOCK_M, batch, heads, group, seqlen_q, query_blocks_fastest);
         const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, blk.b, batch, seqlen_q, seqlen_k, diagonal);
         const Window<MASK> window{seq.diagonal, window_left, window_right};
-        const int key_first = window.key_begin(blk.m0) / BLOCK_N * BLOCK_N;
-        const int n_tiles = (window.key_end(blk.m0 + BLOCK_M, seq.seqlen_k) - key_first + BLOCK_N - 1) / BLOCK_N;
-        return Item{blk, seq, window, key_first, n_tiles};
+        const KeyTiles tiles(window, blk.m0, BLOCK_M, BLOCK_N, seq.seqlen_k);
+        return Item{blk, seq, window, tiles.first, tiles.count};
     };
 
     const int warpgroup = threadIdx.x / 128, tid_wg = threadIdx.x % 128;
@@ -144,7 +146,15 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         warpgroup_registers_decrease<Roles::kProducerRegisters>();
         if (tid_wg == 0) {
             int q_loads = 0, kv_loads = 0;   // Q tiles and key tiles loaded so far: the barriers' phases
-            unsigned index = blockIdx.x;
+            const unsigned ranks = item_order != nullptr ? static_cast<unsigned>(item_order[0]) * heads : items;
+            auto item_at = [&](unsigned rank) {
+                if (item_order == nullptr) return rank;
+                if (rank >= ranks) return items;
+                // QueryBlock's index steps by the query blocks per head where they run fastest, else by 1 per head
+                const unsigned head_step = query_blocks_fastest ? (seqlen_q + BLOCK_M - 1) / BLOCK_M : 1;
+                return static_cast<unsigned>(item_order[1 + rank / heads]) + rank % heads * head_step;
+            };
+            unsigned rank = blockIdx.x, index = item_at(rank);
             for (int handed = 0;; ++handed) {
                 const int slot = handed % 2;
                 if (handed >= 2) mbarrier_wait(item_empty(slot), (handed / 2 - 1) & 1);
@@ -152,8 +162,9 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
                 mbarrier_arrive(item_full(slot));   // (release: the consumers see the slot)
                 if (index >= items) break;
                 const Item w = item(index);
-                index = work_counter != nullptr ? gridDim.x + atomicAdd(work_counter + kItemsTaken, 1)
-                                                : index + gridDim.x;
+                rank = work_counter != nullptr ? gridDim.x + atomicAdd(work_counter + kItemsTaken, 1)
+                                               : rank + gridDim.x;
+                index = item_at(rank);
                 if (w.idle() || w.n_tiles <= 0) continue;
                 // the maps' coordinates: a packed batch's rows from its sequence's first, batch 0
                 const int batch_coord = VARLEN ? 0 : w.blk.b, q_row = static_cast<int>(w.seq.q_start) + w.blk.m0;
