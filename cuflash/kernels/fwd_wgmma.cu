@@ -146,9 +146,11 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         warpgroup_registers_decrease<Roles::kProducerRegisters>();
         if (tid_wg == 0) {
             int q_loads = 0, kv_loads = 0;   // Q tiles and key tiles loaded so far: the barriers' phases
+            // (a dense batch has no order, and its kernels no code for one: with it the producer spilled at 32
+            // registers, three consumers at head_dim 64 with softcap, ALiBi and sinks under a window)
             const unsigned ranks = item_order != nullptr ? static_cast<unsigned>(item_order[0]) * heads : items;
             auto item_at = [&](unsigned rank) {
-                if (item_order == nullptr) return rank;
+                if (!VARLEN || item_order == nullptr) return rank;
                 if (rank >= ranks) return items;
                 // QueryBlock's index steps by the query blocks per head where they run fastest, else by 1 per head
                 const unsigned head_step = query_blocks_fastest ? (seqlen_q + BLOCK_M - 1) / BLOCK_M : 1;
