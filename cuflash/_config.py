@@ -611,7 +611,7 @@ VARLEN_ORDER_MAX_BATCH = 4096
 
 def varlen_forward_ordered(head_dim: int) -> bool:
     """Does fwd_wgmma walk a packed batch in varlen_order's order (``head_dim`` the padded one)? The order costs
-    a launch before the forward, about 10 us, and saves the idle items and the long items at the walk's end.
+    a launch before the forward, about 8 us, and saves the idle items and the long items at the walk's end.
     Forward ms on the H200, bfloat16, the varlen suite's batches (16384 tokens, heads x head_dim = 2048),
     QueryBlock's order / varlen_order's, non-causal and causal (bench/NOTES.md, "Packed batches: the item
     order"):
@@ -912,9 +912,8 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
     forward's three-consumer head_dim 64 tile with dropout (WGMMA_SPILLING_MODS; the covering set's modifiers
     without dropout take it already), and beside each backward the deterministic split grid's own form where
     it has one (bwd_dkdv_wgmma at head_dim 64). Not the cross product of the modifiers: 16 combinations per
-    kernel. The
-    KV-cache forward likewise (contiguous and on the smallest pages, plain and under a window with every
-    modifier), the packed-batch kernels (below) with the Hopper forward's varlen_order per mask kind,
+    kernel. The KV-cache forward likewise (contiguous and on the smallest pages, plain and under a window with
+    every modifier), the packed-batch kernels (below) with the Hopper forward's varlen_order per mask kind,
     merge_parts for each dtype and append_rotary for each dtype of the KV-cache forward."""
     specs = {}
     # where the Hopper forward serves, the mma.sync forward is its fallback (arrays no tensor map describes)

@@ -104,9 +104,9 @@ def _strides_vector_ok(head_dim: int, itemsize: int, *strides) -> bool:
 
 def _problem_fields(p: Problem) -> dict:
     """The kernel fields every attention kernel of a problem shares (kernels/common.cuh): sizes, the
-    Window (diagonal, left, right: ``Problem.kernel_window``), ScoreMod's and Dropout's values: ALiBi's batch stride (0 for slopes of shape (heads,)),
-    softcap_in = scale / softcap, softcap_out = softcap * log2(e), dropout's threshold
-    (_philox.keep_threshold) and scale 1 / (1 - dropout_p), and the base-2 softmax scale."""
+    Window (diagonal, left, right: ``Problem.kernel_window``), ScoreMod's and Dropout's values: ALiBi's batch
+    stride (0 for slopes of shape (heads,)), softcap_in = scale / softcap, softcap_out = softcap * log2(e),
+    dropout's threshold (_philox.keep_threshold) and scale 1 / (1 - dropout_p), and the base-2 softmax scale."""
     window_left, window_right = p.kernel_window
     return dict(
         batch=p.batch, heads=p.heads, group=p.group, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,

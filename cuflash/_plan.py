@@ -91,7 +91,7 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
         return Launch(spec, grid(items), (int(order),))
     if persistent is None:
         persistent = _config.wgmma_forward_persistent(keys_per_query_block(p, spec.block_m))
-    ordered = None
+    ordered, order_ints = None, 0
     if (packed and total_q is not None and p.batch <= _config.VARLEN_ORDER_MAX_BATCH
             and _config.varlen_forward_ordered(spec.head_dim)):
         # entries (sequence, query block) of valid prefix sums: sum of ceil(rows_b / block_m) over b
@@ -100,8 +100,9 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
         ordered = Launch(_config.varlen_order_spec(spec.mask), (1,),
                          (p.batch, p.heads, p.seqlen_q, spec.block_m, spec.block_n, *p.kernel_window, int(order),
                           capacity))
+        order_ints = 1 + capacity   # the count, then the entries
     return Launch(spec, grid(min(items, device.sm_count) if persistent else items), (int(order),), persistent,
-                  ordered, 0 if ordered is None else 1 + ordered.tail[-1])
+                  ordered, order_ints)
 
 
 def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,

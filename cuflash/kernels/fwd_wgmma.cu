@@ -103,9 +103,10 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     // left zero (the stream's next launch reuses it, with no memset): the last block done taking items zeroes it.
     // The item of a rank is QueryBlock's index; in a packed batch with item_order (varlen_order, kernels/varlen.cu:
     // its count of entries, then the QueryBlock index of each entry's head 0, the entries with the most key tiles
-    // first) rank r is head r % heads of entry r / heads, and ranks past its entries end the walk. The producer's thread 0 picks each item and hands its index to the consumers through two
-    // slots (item_full / item_empty); it loads the next item's Q and keys while the consumers finish the last
-    // one's epilogue. The mbarriers' phases run on across items (counts of Q and key tiles).
+    // first) rank r is head r % heads of entry r / heads, and ranks past its entries end the walk. The producer's
+    // thread 0 picks each item and hands its index to the consumers through two slots (item_full / item_empty);
+    // it loads the next item's Q and keys while the consumers finish the last one's epilogue. The mbarriers'
+    // phases run on across items (counts of Q and key tiles).
     const unsigned items = static_cast<unsigned>((seqlen_q + BLOCK_M - 1) / BLOCK_M) * batch * heads;
     struct Item {
         QueryBlock blk;
