@@ -155,9 +155,9 @@ class KernelSpec:
     mods: int = 0  # MOD_* bits (the kernels' MODS)
     kvcache: bool = False  # fwd_mma only: the KV-cache forward (KVCACHE in fwd_mma.cu; _plan.kvcache)
     varlen: bool = False  # VARLEN_KERNELS only: a packed batch (VARLEN; Sequence in kernels/common.cuh)
-    #: bwd_dkdv_wgmma at WGMMA_DKDV_HAND_OVER_HEAD_DIM only: the deterministic split grid's form (SPLIT_GRID in
-    #: bwd_wgmma.cu; split_grid_kernel)
-    split_grid: bool = False
+    #: bwd_dkdv_wgmma only: the deterministic backward's ordered form (ORDERED_DQ in bwd_wgmma.cu;
+    #: ordered_dq_kernel)
+    ordered_dq: bool = False
 
     @property
     def source_file(self) -> str:
@@ -191,7 +191,7 @@ class KernelSpec:
             if self.kernel in ("bwd_dkdv_mma", "bwd_dkdv_rows_mma"):
                 args.append("true" if self.atomic_dq else "false")
             if self.kernel == "bwd_dkdv_wgmma":
-                args.append("true" if self.split_grid else "false")
+                args.append("true" if self.ordered_dq else "false")
             args.append("true" if self.varlen else "false")
         return f"cuflash::{self.kernel}<{', '.join(args)}>"
 
@@ -762,24 +762,38 @@ MAX_DQ_SPLITS = 8
 MIN_SPLIT_GRID_FILL = 0.9
 
 
-#: the head dim at which bwd_dkdv_wgmma's consumers each add dQ of their own keys (kDqOwnKeys in bwd_wgmma.cu), so
-#: that on the split grid consumer 0 hands its part to consumer 1: there the split grid runs its own
-#: specialization (KernelSpec.split_grid), whose static_assert checks this head dim
-WGMMA_DKDV_HAND_OVER_HEAD_DIM = 64
+#: floats of the float32 dQ buffer per int32 count of the ordered form (DqAccum::kShare: 16 rows by 64 columns)
+DQ_ACCUM_SHARE = 16 * 64
+#: the head dims at which the deterministic backward runs bwd_dkdv_wgmma's ordered form (ordered_dq_kernel):
+#: those whose dQ leaves by the bulk adds (kBulkDq in bwd_wgmma.cu; at 256 the split grid serves)
+ORDERED_DQ_HEAD_DIMS = (64, 128)
+#: the head dim at which bwd_dkdv_wgmma's consumers each add dQ of their own keys (kDqOwnKeys in bwd_wgmma.cu):
+#: two adds into each element of a launch, so the split grid cannot take the kernel there
+WGMMA_DQ_OWN_KEYS_HEAD_DIM = 64
+
+
+def ordered_dq_kernel(cfg: AttentionConfig) -> KernelSpec | None:
+    """The dK/dV kernel of the deterministic backward where it keeps the default's grid: bwd_dkdv_wgmma's
+    ordered form, which adds each 16 x 64 share of dQ in key-block order, counting the adds in one int32 per
+    share (bwd_wgmma.cu); None where it does not serve (then ``deterministic_dq_splits``).
+
+    On the H200 its forward plus backward runs at 0.89-0.94x the default's at head_dim 64 and 0.90-1.00x at
+    128, where the split grid ran at 0.83-0.86x and 0.69-0.85x (bfloat16, FlashAttention's grid at 2k-8k,
+    causal and not, GQA 16/4; bench/NOTES.md b10)."""
+    hopper = cfg.bwd_dkdv_wgmma
+    if hopper is not None and hopper.head_dim in ORDERED_DQ_HEAD_DIMS:
+        return dataclasses.replace(hopper, ordered_dq=True)
+    return None
 
 
 def split_grid_kernel(cfg: AttentionConfig) -> KernelSpec | None:
-    """The dK/dV kernel of the deterministic backward's split grid (``deterministic_dq_splits``): the Hopper
-    kernel where it serves (within a launch one thread adds each element of a dQ copy; at head_dim 64, in its
-    split-grid form, consumer 1 adds consumer 0's part with its own), else the tiled mma.sync kernel's
-    atomic-dQ form (the rows kernel walks one key block per thread block); None where neither serves.
-
-    The hand-over as a runtime branch of the default's kernel cost the default backward at head_dim 64 5-15%
-    on the H200 (bfloat16 ms, branch / none: causal 4 x 4096 x 32 heads 2.167 / 2.063, non-causal 4.10 / 3.82,
-    causal 1 x 16k 7.69 / 7.31, the varlen suite's packed `mixed` batch causal 1.41 / 1.20; bench/NOTES.md b9)."""
+    """The dK/dV kernel of the deterministic backward's split grid (``deterministic_dq_splits``), where the
+    ordered form does not serve: the Hopper kernel where one thread adds each element of a dQ copy in a launch
+    (not at WGMMA_DQ_OWN_KEYS_HEAD_DIM), else the tiled mma.sync kernel's atomic-dQ form (the rows kernel walks
+    one key block per thread block); None where neither serves."""
     hopper = cfg.bwd_dkdv_wgmma
-    if hopper is not None:
-        return dataclasses.replace(hopper, split_grid=hopper.head_dim == WGMMA_DKDV_HAND_OVER_HEAD_DIM)
+    if hopper is not None and hopper.head_dim != WGMMA_DQ_OWN_KEYS_HEAD_DIM:
+        return hopper
     if cfg.bwd_dkdv_atomic and cfg.bwd_dkdv_atomic[0].kernel == "bwd_dkdv_mma":
         return cfg.bwd_dkdv_atomic[0]
     return None
@@ -910,9 +924,9 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
     mask and under a window, at every head dim, for bfloat16 (float16 is the same code) and float32. On a
     device with tensor maps, both forwards: the Hopper kernel and its mma.sync fallback, and the Hopper
     forward's three-consumer head_dim 64 tile with dropout (WGMMA_SPILLING_MODS; the covering set's modifiers
-    without dropout take it already), and beside each backward the deterministic split grid's own form where
-    it has one (bwd_dkdv_wgmma at head_dim 64). Not the cross product of the modifiers: 16 combinations per
-    kernel. The KV-cache forward likewise (contiguous and on the smallest pages, plain and under a window with
+    without dropout take it already), and beside each backward the deterministic backward's own form where it
+    has one (bwd_dkdv_wgmma's ordered form at head_dim 64 and 128). Not the cross product of the modifiers: 16
+    combinations per kernel. The KV-cache forward likewise (contiguous and on the smallest pages, plain and under a window with
     every modifier), the packed-batch kernels (below) with the Hopper forward's varlen_order per mask kind,
     merge_parts for each dtype and append_rotary for each dtype of the KV-cache forward."""
     specs = {}
@@ -922,8 +936,8 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
     def add(dtype, d, mask, mods, varlen=False):
         for dev in devices:
             cfg = choose_config(d, dtype, mask, dev, mods, varlen)
-            split = split_grid_kernel(cfg)   # the deterministic split grid's own form, where it has one
-            for spec in cfg.specs + ((split,) if split is not None else ()):
+            ordered = ordered_dq_kernel(cfg)   # the deterministic backward's own form, where it has one
+            for spec in cfg.specs + ((ordered,) if ordered is not None else ()):
                 specs[spec.cache_key] = spec
 
     for d in HEAD_DIMS:

@@ -11,6 +11,7 @@ captured into a CUDA graph (``cupy.cuda.Stream.begin_capture``) once its kernels
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
@@ -131,8 +132,8 @@ def _tail_fields(field_list, tail: tuple[int, ...]) -> dict:
 FORWARD_PER_CALL = ("q", "k", "v", "out", "lse", "alibi_slopes", "sinks", "dropout_seed", "dropout_offset",
                     "vec_ok")
 #: the same for the backward's attention kernels (BackwardPlan)
-BACKWARD_PER_CALL = ("q", "k", "v", "dout", "lse", "delta", "dq", "dk", "dv", "dq_accum", "alibi_slopes",
-                     "dropout_seed", "dropout_offset", "vec_ok")
+BACKWARD_PER_CALL = ("q", "k", "v", "dout", "lse", "delta", "dq", "dk", "dv", "dq_accum", "dq_order",
+                     "alibi_slopes", "dropout_seed", "dropout_offset", "vec_ok")
 
 
 #: the KV-cache fields (CUFLASH_FWD_FIELDS, kernels/common.cuh) of a forward that reads no cache
@@ -341,6 +342,9 @@ class BackwardPlan:
         # dq_accum_rows(seqlen_q) x specialized head dim in mma-fragment order (DqAccum in
         # kernels/common.cuh); O(seqlen) per (batch, head); in a packed batch per head, O(total_q + 128 * batch)
         self.accum_shape = plan.accum_shape
+        # the ordered dQ adds' int32 counts (plan.order_ints) follow the buffer, zeroed with it
+        self.accum_floats = math.prod(plan.accum_shape) if plan.adds_dq else 0
+        self.order_ints = plan.order_ints
         itemsize = q.dtype.itemsize
         dout_s, q_s, k_s, v_s, out_s = (strides_of(x, c) for x, c in zip((dout, q, k, v, out), self.copies))
         dq_s, dk_s = strides_of(q, True), strides_of(k, True)
@@ -381,12 +385,16 @@ class BackwardPlan:
         dk = cupy.ndarray(self.kv_shape, self.dtype)
         dv = cupy.ndarray(self.kv_shape, self.dtype)
         delta = cupy.ndarray(self.delta_shape, np.float32)
-        dq_accum = cupy.zeros(self.accum_shape, np.float32) if self.adds_dq else _NULL
+        dq_accum = dq_order = _NULL
+        if self.adds_dq:
+            dq_accum = cupy.zeros(self.accum_floats + self.order_ints, np.float32)
+            if self.order_ints:
+                dq_order = dq_accum[self.accum_floats:].view(np.int32)
 
         vector_ok = self.preprocess_strides_ok and not (dout.data.ptr | out.data.ptr) & 15
         self.preprocess((dout, out, delta) + self.preprocess_head + (_VECTOR_OK[vector_ok],))
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k.data.ptr | v.data.ptr | dout.data.ptr) & 15
-        args = (q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, _vector(alibi_slopes), *dropout,
+        args = (q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, dq_order, _vector(alibi_slopes), *dropout,
                 _VECTOR_OK[vector_ok]) + cu_seqlens  # BACKWARD_PER_CALL (+ PACKED_PER_CALL)
         for launch in self.dkdv:
             launch(args)

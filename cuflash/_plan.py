@@ -35,7 +35,9 @@ class Launch:
 class BackwardLaunches:
     """The backward's launches, in order: ``preprocess`` (delta = rowsum(dout * out), ``preprocess_lanes``
     lanes per row), the ``dkdv`` launches, then ``dq`` (bwd_dq_convert where the dK/dV launches add dQ into
-    the float32 buffer of ``accum_shape``, whose copies it sums in order; else the dQ kernel)."""
+    the float32 buffer of ``accum_shape``, whose copies it sums in order; else the dQ kernel). ``order_ints``:
+    the int32 counts of the ordered dQ adds (_config.ordered_dq_kernel), one per DQ_ACCUM_SHARE floats of the
+    buffer, zeroed with it; 0 where the dK/dV kernel counts none."""
 
     preprocess: Launch
     preprocess_lanes: int
@@ -45,6 +47,7 @@ class BackwardLaunches:
     #: (copies, batch, heads, rows, head dim) of the float32 dQ buffer (DqAccum, kernels/common.cuh), (copies,
     #: heads, rows, head dim) in a packed batch; None where dQ has its own kernel
     accum_shape: tuple[int, ...] | None
+    order_ints: int = 0
 
 
 def grid(blocks: int) -> tuple[int]:
@@ -113,8 +116,9 @@ def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
     lengths; bwd_preprocess then walks the packed rows and the dQ buffer has DqAccum's packed layout.
 
     The default adds dQ with float32 atomics inside the dK/dV kernels (where the config has them:
-    float16/bfloat16). ``deterministic`` runs the same kernel on the split grid, one float32 dQ buffer per
-    split, one launch per pass (KeyBlock), or, where that grid would leave SMs idle, the separate dQ kernel
+    float16/bfloat16). ``deterministic`` runs the Hopper kernel's ordered form on the same grid where it serves
+    (``_config.ordered_dq_kernel``), else the same kernel on the split grid, one float32 dQ buffer per split,
+    one launch per pass (KeyBlock), or, where that grid would leave SMs idle, the separate dQ kernel
     (``_config.deterministic_dq_splits``). The dK/dV and dQ kernels' tail is (dq_splits, dq_pass).
     """
     packed = total_q is not None
@@ -123,8 +127,12 @@ def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
             device = dataclasses.replace(device, tensor_maps=False)
         cfg = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device, p.mods, packed)
     pairs = p.batch * p.heads_kv
-    dq_splits = _config.deterministic_dq_splits(cfg, pairs, p.seqlen_k, device.sm_count) if deterministic else 0
-    if deterministic:   # the split grid's kernel, or the pair (dK/dV, then the dQ kernel)
+    ordered = _config.ordered_dq_kernel(cfg) if deterministic else None
+    dq_splits = 0
+    if ordered is not None:
+        adds_dq, dkdv_specs = True, (ordered,)
+    elif deterministic:   # the split grid's kernel, or the pair (dK/dV, then the dQ kernel)
+        dq_splits = _config.deterministic_dq_splits(cfg, pairs, p.seqlen_k, device.sm_count)
         adds_dq = dq_splits > 0
         dkdv_specs = (_config.split_grid_kernel(cfg),) if adds_dq else cfg.bwd_dkdv
     elif cfg.bwd_dkdv_wgmma is not None:
@@ -153,11 +161,12 @@ def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
         spec = cfg.bwd_dq_convert
         tile_rows = math.prod(accum_shape[1:]) // 8  # a thread per row of a 16 x 8 tile
         dq = Launch(spec, grid(-(-tile_rows // spec.threads)))
+        order_ints = math.prod(accum_shape) // _config.DQ_ACCUM_SHARE if ordered is not None else 0
     else:
-        accum_shape = None
+        accum_shape, order_ints = None, 0
         spec = cfg.bwd_dq
         dq = Launch(spec, grid(-(-p.seqlen_q // spec.block_m) * p.batch * p.heads), (0, 0))
-    return BackwardLaunches(preprocess, lanes, tuple(dkdv), dq, adds_dq, accum_shape)
+    return BackwardLaunches(preprocess, lanes, tuple(dkdv), dq, adds_dq, accum_shape, order_ints)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,9 +65,10 @@ def test_every_specialization_compiles(reports):
     # 64 three-consumer tile with dropout (3); its fallback is counted above
     assert kernels["fwd_wgmma"] == (2 * masks * 4 + 2 * 2 * 4 + 3 * 4 + 3 if device.tensor_maps else 0)
     # the Hopper dK/dV kernel at head dims 64, 128 and 256: each half dtype and mask, the modifiers with and
-    # without dropout (bfloat16, 2 masks), packed bfloat16 as the forward; at 64 each also in its split-grid form
-    assert kernels["bwd_dkdv_wgmma"] == ((len(_config.WGMMA_DKDV_HEAD_DIMS) + 1) * (2 * masks + 2 * 2 + 3)
-                                         if device.tensor_maps else 0)
+    # without dropout (bfloat16, 2 masks), packed bfloat16 as the forward; at 64 and 128 each also in the
+    # deterministic backward's ordered form
+    forms = len(_config.WGMMA_DKDV_HEAD_DIMS) + len(_config.ORDERED_DQ_HEAD_DIMS)
+    assert kernels["bwd_dkdv_wgmma"] == (forms * (2 * masks + 2 * 2 + 3) if device.tensor_maps else 0)
     assert kernels["fwd_simt"] == masks * head_dims + 2 * 2 * head_dims + packed["fwd_simt"]
     no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT
     fitting = {_config.ALL_MODS & ~_config.MOD_SOFTCAP} if device.tensor_maps else set()
@@ -165,7 +166,8 @@ def test_python_mirrors_the_kernels_constants():
         f"static_assert(cuflash::ForwardRow<{d}>::kElems == {_config.forward_row_elems(d)}, \"ForwardRow<{d}>\");"
         for d in _config.HEAD_DIMS)
     dq_rows = (f"static_assert(cuflash::DqAccum::kRowMultiple == {_config.DQ_ACCUM_ROWS}, "
-               "\"_config.DQ_ACCUM_ROWS\");")
+               "\"_config.DQ_ACCUM_ROWS\");\n"
+               f"static_assert(cuflash::DqAccum::kShare == {_config.DQ_ACCUM_SHARE}, \"_config.DQ_ACCUM_SHARE\");")
     _nvrtc_compile(kernel_source("fwd_mma.cu") + "\n" + forward_rows + "\n" + dq_rows + "\n"
                    + "\n".join(smem_asserts("fwd_mma.cu")) + "\n", "sm_90", [])
     merge_warps = f"static_assert(cuflash::kMergeWarps == {_config.MERGE_WARPS}, \"_config.MERGE_WARPS\");"

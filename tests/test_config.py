@@ -263,10 +263,10 @@ def test_all_specs_are_distinct_and_cover_the_table():
     # with and without dropout (bfloat16, 2 masks); packed: bfloat16, as the forward
     hopper_dkdv = [s for s in specs if s.kernel == "bwd_dkdv_wgmma"]
     assert {s.head_dim for s in hopper_dkdv} == {64, 128, 256}
-    # each at head_dim 64 also in the deterministic split grid's form
-    assert sum(not s.varlen for s in hopper_dkdv) == 4 * (2 * masks + 2 * 2)
-    assert sum(s.varlen for s in hopper_dkdv) == 4 * 3
-    assert {s.head_dim for s in hopper_dkdv if s.split_grid} == {_config.WGMMA_DKDV_HAND_OVER_HEAD_DIM}
+    # each at head_dim 64 and 128 also in the deterministic backward's ordered form
+    assert sum(not s.varlen for s in hopper_dkdv) == 5 * (2 * masks + 2 * 2)
+    assert sum(s.varlen for s in hopper_dkdv) == 5 * 3
+    assert {s.head_dim for s in hopper_dkdv if s.ordered_dq} == set(_config.ORDERED_DQ_HEAD_DIMS)
     # the Hopper forward's item order of packed batches (varlen_order), one per mask kind
     assert sorted(s.mask for s in specs if s.kernel == "varlen_order") == sorted(_config.MASK_KINDS)
     assert len(specs) == (2 * half + single + modified + kvcache + len(packed) + len(_config.SUPPORTED_DTYPES)

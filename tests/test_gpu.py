@@ -32,12 +32,12 @@ def test_forward_is_bitwise_reproducible(cp, rng, dtype):
         assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8))
 
 
-def _large_backward_inputs(cp, rng, head_dim=64):
+def _large_backward_inputs(cp, rng, head_dim=64, seqlen_k=1024, **options):
     # 8 x 4 kv heads x 8-16 key blocks: enough dK/dV blocks to fill every SM several times, so the order
     # in which blocks run (and add into dQ) varies between runs
-    q, k, v = make_qkv(cp, rng, 8, 1024, 1024, 16, 4, head_dim, BF16)
+    q, k, v = make_qkv(cp, rng, 8, 1024, seqlen_k, 16, 4, head_dim, BF16)
     dout = cp.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(BF16))
-    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
     return dout, q, k, v, out, lse
 
 
@@ -45,31 +45,49 @@ def _bitwise_equal(cp, a, b) -> bool:
     return bool(cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)))
 
 
-@pytest.mark.parametrize("head_dim", [64, 256])
-@pytest.mark.parametrize("way", ["split_grid", "dq_kernel"])
-def test_deterministic_backward_is_bitwise_reproducible(cp, rng, monkeypatch, request, way, head_dim):
-    args = _large_backward_inputs(cp, rng, head_dim)
-    # these 32 (batch, kv head) pairs take the split grid on GPUs of up to ~280 SMs (at head_dim 256 on sm_90,
-    # the Hopper kernel's); the dQ kernel serves where too few pairs would leave SMs idle, forced here
-    props = _cupy_path.device_props(cp.cuda.Device().id)
-    cfg = _config.choose_config(head_dim, BF16, True, props)
-    chosen = _config.deterministic_dq_splits(cfg, 32, 1024, props.sm_count)
-    if way == "split_grid":
-        assert chosen > 0 or not _config.split_grid_serves(cfg), chosen
-    else:
-        monkeypatch.setattr(_config, "deterministic_dq_splits", lambda *_: 0)
-        cuflash.clear_plans()  # plans made before the patch hold the split count
-        request.addfinalizer(cuflash.clear_plans)  # and none made under it may outlive it
-    first = cuflash.attention_backward(*args, causal=True, deterministic=True)
-    for _ in range(50):
-        again = cuflash.attention_backward(*args, causal=True, deterministic=True)
+def _assert_reproducible(cp, args, runs, **options):
+    first = cuflash.attention_backward(*args, deterministic=True, **options)
+    for _ in range(runs):
+        again = cuflash.attention_backward(*args, deterministic=True, **options)
         for name, a, b in zip(("dq", "dk", "dv"), first, again):
             assert _bitwise_equal(cp, a, b), name
 
 
+@pytest.mark.parametrize(("way", "head_dim"), [("ordered", d) for d in _config.ORDERED_DQ_HEAD_DIMS] +
+                         [(way, d) for way in ("split_grid", "dq_kernel") for d in (64, 128, 256)])
+def test_deterministic_backward_is_bitwise_reproducible(cp, rng, monkeypatch, request, way, head_dim):
+    args = _large_backward_inputs(cp, rng, head_dim, causal=True)
+    # the Hopper kernel's ordered form serves at head_dim 64 and 128 on sm_90; elsewhere these 32 (batch, kv
+    # head) pairs take the split grid on GPUs of up to ~280 SMs (at head_dim 256 on sm_90, the Hopper
+    # kernel's); the dQ kernel serves where too few pairs would leave SMs idle. Each way forced here.
+    props = _cupy_path.device_props(cp.cuda.Device().id)
+    cfg = _config.choose_config(head_dim, BF16, True, props)
+    if way == "ordered" and _config.ordered_dq_kernel(cfg) is None:
+        pytest.skip("the ordered form serves on sm_90")
+    if way != "ordered":
+        monkeypatch.setattr(_config, "ordered_dq_kernel", lambda cfg: None)
+    chosen = _config.deterministic_dq_splits(cfg, 32, 1024, props.sm_count)
+    if way == "split_grid":
+        assert chosen > 0 or not _config.split_grid_serves(cfg), chosen
+    if way == "dq_kernel":
+        monkeypatch.setattr(_config, "deterministic_dq_splits", lambda *_: 0)
+    cuflash.clear_plans()  # plans made before the patch hold the choice
+    request.addfinalizer(cuflash.clear_plans)  # and none made under it may outlive it
+    _assert_reproducible(cp, args, 50, causal=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_ordered_dq_is_bitwise_reproducible_under_a_window(cp, rng, head_dim):
+    # a left window bound: a query tile's first key block is not block 0 (the ordered form counts from it), and
+    # more keys than queries move the diagonal
+    window = dict(window_size=(300, 40))
+    args = _large_backward_inputs(cp, rng, head_dim, seqlen_k=1500, **window)
+    _assert_reproducible(cp, args, 20, **window)
+
+
 def test_default_backward_keeps_dk_dv_bitwise_and_dq_close(cp, rng):
     # dq's float32 atomic sums may round differently per run; dk and dv never use atomics
-    args = _large_backward_inputs(cp, rng)
+    args = _large_backward_inputs(cp, rng, causal=True)
     exact = cuflash.attention_backward(*args, causal=True, deterministic=True)
     first = cuflash.attention_backward(*args, causal=True)
     for _ in range(10):

@@ -110,7 +110,27 @@ def test_default_backward_adds_dq_in_the_banded_dkdv_launch():
     assert plan.preprocess_lanes == lanes and plan.preprocess.grid == (-(-2 * 8 * 1000 * lanes // 256),)
 
 
+def test_deterministic_backward_keeps_the_banded_grid_in_the_ordered_form():
+    # on sm_90 at head_dim 64 and 128: one launch of the Hopper kernel's ordered form, the default's grid and
+    # buffer, and one int32 count per 16 x 64 share of the buffer
+    for head_dim in _config.ORDERED_DQ_HEAD_DIMS:
+        p = problem(seqlen_k=1000, heads=4, heads_kv=2, head_dim=head_dim)
+        default, plan = (_plan.backward(p, H100, deterministic) for deterministic in (False, True))
+        (launch,) = plan.dkdv
+        assert launch.spec == dataclasses.replace(default.dkdv[0].spec, ordered_dq=True)
+        assert launch.spec.name.endswith(", true, false>")
+        assert launch.grid == default.dkdv[0].grid and launch.tail == (0, 0)
+        assert plan.accum_shape == default.accum_shape and plan.accum_shape[0] == 1
+        assert plan.order_ints == np.prod(plan.accum_shape) // (16 * 64) and default.order_ints == 0
+    # elsewhere the split grid or the dQ kernel: at head_dim 256, and on the mma.sync kernels
+    wide = _plan.backward(problem(head_dim=256), H100, deterministic=True)
+    assert wide.order_ints == 0 and not any(launch.spec.ordered_dq for launch in wide.dkdv)
+    portable = _plan.backward(problem(), H100, deterministic=True, tensor_maps=False)
+    assert portable.order_ints == 0 and {launch.spec.kernel for launch in portable.dkdv} == {"bwd_dkdv_mma"}
+
+
 def test_deterministic_backward_on_the_split_grid_launches_each_pass_in_order(monkeypatch):
+    monkeypatch.setattr(_config, "ordered_dq_kernel", lambda cfg: None)
     monkeypatch.setattr(_config, "deterministic_dq_splits", lambda *_: 3)
     p = problem(seqlen_k=1000, heads=4, heads_kv=4)
     plan = _plan.backward(p, H100, deterministic=True)
@@ -118,25 +138,18 @@ def test_deterministic_backward_on_the_split_grid_launches_each_pass_in_order(mo
     assert [launch.tail for launch in plan.dkdv] == [(3, dq_pass) for dq_pass in range(-(-key_blocks // 3))]
     assert all(launch.grid == (2 * 4 * 3,) for launch in plan.dkdv)
     assert plan.adds_dq and plan.accum_shape[0] == 3
-    # on the Hopper kernel where it serves (head_dim 64 too, in its split-grid form: one consumer adds both
-    # parts), else on bwd_dkdv_mma's; the default grid never takes the split-grid form
-    assert {launch.spec.kernel for launch in plan.dkdv} == {"bwd_dkdv_wgmma"}
-    assert not any(launch.spec.split_grid for launch in plan.dkdv)
+    # on the Hopper kernel (the default's form) where one thread adds each dQ element of a launch, else on
+    # bwd_dkdv_mma's: at head_dim 64 both Hopper consumers add into each element
+    hopper = _config.choose_config(128, BFLOAT16, True, H100).bwd_dkdv_wgmma
+    assert [launch.spec for launch in plan.dkdv] == [hopper] * 3
     narrow = _plan.backward(problem(seqlen_k=1000, heads=4, heads_kv=4, head_dim=64), H100, deterministic=True)
-    assert {(launch.spec.kernel, launch.spec.split_grid) for launch in narrow.dkdv} == {("bwd_dkdv_wgmma", True)}
-    assert narrow.dkdv[0].spec.name.endswith(", 64, 128, true, false>")
-    portable = _plan.backward(problem(seqlen_k=1000, heads=4, heads_kv=4, head_dim=64), H100, deterministic=True,
-                              tensor_maps=False)
-    assert {launch.spec.kernel for launch in portable.dkdv} == {"bwd_dkdv_mma"}
-    default = _plan.backward(problem(seqlen_k=1000, heads=4, heads_kv=4, head_dim=64), H100, False).dkdv[0].spec
-    assert default.kernel == "bwd_dkdv_wgmma" and not default.split_grid
-    assert default == dataclasses.replace(narrow.dkdv[0].spec, split_grid=False)
+    assert {launch.spec.kernel for launch in narrow.dkdv} == {"bwd_dkdv_mma"}
 
 
 def test_deterministic_backward_with_the_dq_kernel():
     p = problem(batch=1, heads=2, heads_kv=2)  # 2 pairs cannot fill the SMs: the dQ kernel serves
-    plan = _plan.backward(p, H100, deterministic=True)
-    cfg = _config.choose_config(128, BFLOAT16, _config.MASK_CAUSAL, H100)
+    plan = _plan.backward(p, _config.A100, deterministic=True)
+    cfg = _config.choose_config(128, BFLOAT16, _config.MASK_CAUSAL, _config.A100)
     assert not plan.adds_dq and plan.accum_shape is None
     assert [launch.spec for launch in plan.dkdv] == list(cfg.bwd_dkdv)
     assert plan.dq.spec == cfg.bwd_dq and plan.dq.tail == (0, 0)

@@ -25,9 +25,13 @@ CASES = {
     "hopper-bwd-64": dict(shape=(1, 150, 260, 4, 2, 64), backward=True),
     "hopper-bwd-128-causal": dict(shape=(1, 77, 300, 2, 2, 128), causal=True, backward=True),
     "hopper-bwd-256-window": dict(shape=(1, 300, 129, 2, 1, 232), window_size=(40, 7), backward=True),
+    # the ordered dQ adds (head_dim 64 and 128): GQA, the causal mask's downward walk, a window's first key
+    # blocks above 0
+    "hopper-bwd-64-ordered-causal": dict(shape=(2, 150, 300, 4, 2, 64), causal=True, backward=True,
+                                         deterministic=True),
+    "hopper-bwd-128-ordered-window": dict(shape=(1, 300, 400, 4, 2, 128), window_size=(100, 7), backward=True,
+                                          deterministic=True),
     # the split grid, forced (these shapes are too small to choose it): 2 splits, a last pass with one idle
-    "hopper-bwd-64-deterministic": dict(shape=(2, 150, 300, 4, 2, 64), backward=True, deterministic=True,
-                                        dq_splits=2),
     "hopper-bwd-256-deterministic": dict(shape=(2, 150, 300, 4, 2, 256), backward=True, deterministic=True,
                                          dq_splits=2),
     "hopper-dropout-128-window": dict(shape=(1, 150, 260, 4, 2, 128), window_size=(50, 20), dropout=True,

@@ -2,7 +2,8 @@
 // specialization. The algorithm is bwd_dkdv_mma's (bwd_mma.cu) with dQ added into the float32 buffer (DqAccum)
 // and bwd_dq_convert after it;
 // head_dim 64, 128 and 256, float16/bfloat16, every mask, score modifier and dropout (the plan runs the
-// mma.sync kernels for the rest). deterministic=True runs it on the split grid (KeyBlock).
+// mma.sync kernels for the rest). deterministic=True runs its ordered form (ORDERED_DQ, below) up to head_dim
+// 128 and the split grid (KeyBlock) at 256.
 //
 // One thread block owns BLOCK_N keys of one (batch, kv head) (KeyBlock's banded grid) and walks the query tiles
 // of every head of its kv group that see them, BLOCK_M = 64 rows at a time (steps: head in group, query tile
@@ -34,6 +35,13 @@
 //   right after step s's dQ product, and the consumers take turns to issue (ping-pong): one's element-wise
 //   phase runs under the other's products.
 // Epilogue: dK times the softmax scale, and dV, stored from registers.
+//
+// The ordered form (deterministic, head_dim 64 and 128; after FlashAttention-3's dQ semaphores) keeps the
+// default's grid and its one dq_accum, and adds each share into it in key-block order: warp 2 of the producer
+// warpgroup, the dQ writer, takes the consumer warps' buffers (named barriers), waits until the share's count
+// in dq_order says that the key blocks below this one have added, adds, and counts. Key blocks wait only on
+// lower blockIdx.x (KeyBlock's banded grid numbers a head's key blocks upwards), which the GPU starts earlier.
+// The consumers never touch a count: on their path the round trips cost 20% (bench/NOTES.md b7).
 #include "hopper.cuh"
 
 namespace cuflash {
@@ -61,9 +69,11 @@ template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct BwdWgmmaSmem {
     static constexpr int kBytes = kBarriers + 8 * (1 + 2 * kBwdWgmmaStages);
 };
 
-// SPLIT_GRID: the deterministic split grid's form at head_dim 64, whose consumers hand dQ over (below); the
-// default grid's form has no branch for it (as a runtime branch it cost the default 5-15%: bench/NOTES.md b9).
-template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, bool SPLIT_GRID, bool VARLEN>
+// ORDERED_DQ: the ordered form (deterministic, below), its own specialization: the default's code has no
+// branch for it (a runtime branch for a deterministic form cost the default 5-15%: bench/NOTES.md b9). The
+// deterministic split grid (dq_splits > 0) runs the default's form, at head_dim 128 and 256 only: at 64 both
+// consumers add into each dQ element.
+template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, bool ORDERED_DQ, bool VARLEN>
 __global__ void __launch_bounds__(384, 1)
 bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
                const __grid_constant__ TmaMap v_map, const __grid_constant__ TmaMap do_map,
@@ -76,6 +86,8 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     constexpr bool kDropout = (MODS & kModDropout) != 0;
     using Smem = BwdWgmmaSmem<HEAD_DIM, BLOCK_M, BLOCK_N>;
     constexpr int kConsumers = 2;
+    constexpr bool kOrdered = ORDERED_DQ;
+    static_assert(!kOrdered || Smem::kBulkDq, "the ordered adds leave by the bulk adds' buffers (head_dim <= 128)");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned k_s = smem_addr(smem_raw), v_s = k_s + Smem::kV, q_s = k_s + Smem::kQ, do_s = k_s + Smem::kDo;
     const unsigned ds_s = k_s + Smem::kDs, bars = k_s + Smem::kBarriers;
@@ -85,14 +97,21 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     auto q_empty = [&](int stage) { return bars + 8 * (1 + kBwdWgmmaStages + stage); };
 
     // the banded grid (dq_splits 0), or the deterministic split grid: block `split` adds into its own copy of
-    // dq_accum, and one thread adds each element there (dQ split by columns), so the sums are reproducible
+    // dq_accum, and one thread adds each element there (head_dim 128 and 256), so the sums are reproducible
     const KeyBlock blk(BLOCK_N, heads / group, seqlen_k, dq_splits, dq_pass);
     const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
     const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal);
     if (n0 >= seq.seqlen_k) return;   // a packed batch's shorter sequence, the split grid's last pass
     const Window<MASK> window{seq.diagonal, window_left, window_right};
-    const QueryTiles<BLOCK_M> query_tiles(window, n0, BLOCK_N, seq.seqlen_q, group);
+    // the ordered form walks each head's query tiles downwards under a mask, so that every key block reaches a
+    // tile at about the same step (upwards, key block n would reach it a step before key block n - 1 does)
+    const QueryTiles<BLOCK_M, kOrdered && Window<MASK>::kMasked> query_tiles(window, n0, BLOCK_N, seq.seqlen_q, group);
     const int steps = query_tiles.steps;
+    // dQ's named barriers in the ordered form: consumer warpgroup i of those whose warps' buffers the dQ writer
+    // adds (both at 128; at 64, where consumer 0 hands its part over, consumer 1) arrives on kDqFullBarrier + i
+    // once its buffers hold a step's shares, the writer on kDqEmptyBarrier + i once it has read them
+    constexpr int kDqWriters = HEAD_DIM == 64 ? 1 : kConsumers, kDqFullBarrier = 4;
+    constexpr int kDqEmptyBarrier = kDqFullBarrier + kDqWriters, kDqBarrierThreads = 128 + 32;
 
     const int warpgroup = threadIdx.x / 128, tid_wg = threadIdx.x % 128;
     if (threadIdx.x == 0) {
@@ -144,6 +163,43 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                 __syncwarp();
                 if (lane == 0) mbarrier_arrive(q_full(stage));   // release: the stores above are visible
             }
+        } else if (kOrdered && tid_wg / 32 == 2) {   // warp 2: the dQ writer
+            // Lane l < 4 kDqWriters adds the share of warp l % 4 of writing consumer l / 4 (16 rows by 64
+            // columns, in that warp's buffer) into dq_accum once the key blocks before this one that add into
+            // the share have (its count in dq_order reaches them: the lowest of them holds the first key that
+            // the tile's first row sees), and counts this block's add once it is performed.
+            const int lane = tid_wg % 32, writer = lane / 4, writer_warp = lane % 4;
+            const bool adds = lane < 4 * kDqWriters;
+            const int consumer = HEAD_DIM == 64 ? 1 : writer;
+            const unsigned buffer = k_s + Smem::kDq + (4 * consumer + writer_warp) * Smem::kDqWarp;
+            const int dq_col = HEAD_DIM == 64 ? 0 : 64 * consumer, key_block = n0 / BLOCK_N;
+            for (int i = 0; i < kDqWriters && steps > 0; ++i)
+                named_barrier_arrive(kDqEmptyBarrier + i, kDqBarrierThreads);   // the buffers start free
+            for (int s = 0; s < steps; ++s) {
+                for (int i = 0; i < kDqWriters; ++i) named_barrier_sync(kDqFullBarrier + i, kDqBarrierThreads);
+                const int m0 = query_tiles.row(s);
+                const long long share = DqAccum::head(0, batch, b, heads, query_tiles.head(s, h_kv, group), seq,
+                                                      seqlen_q, HEAD_DIM) +
+                                        DqAccum::tile(m0 + 16 * writer_warp, dq_col, HEAD_DIM);
+                int* const count = dq_order + share / DqAccum::kShare;
+                if (adds) {
+                    const int before = key_block - window.key_begin(m0) / BLOCK_N;
+                    while (load_acquire_gpu(count) < before) {
+                    }
+                    bulk_reduce_add(dq_accum + share, buffer, Smem::kDqWarp);
+                    bulk_commit();
+                    bulk_wait_read<0>();
+                }
+                __syncwarp();
+                // the buffers are free for the next step's shares (not after the last: no one waits then)
+                if (s + 1 < steps)
+                    for (int i = 0; i < kDqWriters; ++i) named_barrier_arrive(kDqEmptyBarrier + i, kDqBarrierThreads);
+                if (adds) {
+                    bulk_wait<0>();
+                    fence_proxy_async_global();
+                    add_release_gpu(count, 1);
+                }
+            }
         }
         return;
     }
@@ -186,12 +242,11 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     const bool stores_ds = kKeySplit || cw == 0;
     // the barrier before dQ reads dS^T: both consumers' (id 1), or this consumer's own (id 2 + cw)
     const int ds_barrier = kDqOwnKeys ? 2 + cw : 1;
-    // On the deterministic split grid at head_dim 64, where both consumers hold a part of each dQ element of a
-    // step, consumer 0's warp w hands its part to consumer 1's warp w through its dQ buffer, and consumer 1
-    // adds the sum: one add per element and launch (named barrier kHandedBarrier + w: handed over,
-    // kTakenBarrier + w: read, the buffer free again; consumer 1 gives the first Taken)
-    static_assert(!SPLIT_GRID || kDqOwnKeys, "the split grid's own form is the hand-over's, at head_dim 64");
-    constexpr bool hands_over = SPLIT_GRID;
+    // In the ordered form at head_dim 64, where both consumers hold a part of each dQ element of a step,
+    // consumer 0's warp w hands its part to consumer 1's warp w through its dQ buffer, and consumer 1 adds the
+    // sum: one add per element and block (named barrier kHandedBarrier + w: handed over, kTakenBarrier + w:
+    // read, the buffer free again; consumer 1 gives the first Taken)
+    constexpr bool hands_over = kOrdered && kDqOwnKeys;
     constexpr int kHandedBarrier = 8, kTakenBarrier = 12, kPairThreads = 64;
     constexpr int kDsThreads = kDqOwnKeys ? 128 : 128 * kConsumers;
 
@@ -361,19 +416,27 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                             // read: consumer 0 may write its next part (every step's but the last: look_ahead)
                             if (look_ahead) named_barrier_arrive(kTakenBarrier + warp, kPairThreads);
                         }
-                        // into the warp's buffer in the same order, then one bulk add of it by lane 0; the
-                        // buffer is free again once the previous step's add has read it
                         const int own = 4 * cw + warp;
-                        if (lane == 0) bulk_wait_read<0>();
-                        __syncwarp();
-                        store_dq(own);
-                        fence_proxy_async_shared();
-                        __syncwarp();
-                        if (lane == 0) {
-                            bulk_reduce_add(share, k_s + Smem::kDq + own * Smem::kDqWarp, Smem::kDqWarp);
-                            bulk_commit();
+                        if constexpr (kOrdered) {   // into the warp's buffer once free, for the dQ writer
+                            const int writer = kDqWriters == 1 ? 0 : cw;
+                            named_barrier_sync(kDqEmptyBarrier + writer, kDqBarrierThreads);
+                            store_dq(own);
+                            fence_proxy_async_shared();
+                            named_barrier_arrive(kDqFullBarrier + writer, kDqBarrierThreads);
+                        } else {
+                            // into the warp's buffer in the same order, then one bulk add of it by lane 0; the
+                            // buffer is free again once the previous step's add has read it
+                            if (lane == 0) bulk_wait_read<0>();
+                            __syncwarp();
+                            store_dq(own);
+                            fence_proxy_async_shared();
+                            __syncwarp();
+                            if (lane == 0) {
+                                bulk_reduce_add(share, k_s + Smem::kDq + own * Smem::kDqWarp, Smem::kDqWarp);
+                                bulk_commit();
+                            }
+                            __syncwarp();
                         }
-                        __syncwarp();
                     }
                 } else {
 #pragma unroll

@@ -117,8 +117,8 @@ struct KeyTiles {
 
 // The query tiles a key block's backward walks: the BLOCK_M-row tiles from `begin` (a multiple of BLOCK_M) to
 // `end` whose rows see some key of [n0, n0 + block_n) under `window`, `count` of them, taken as `steps` steps
-// (head in the kv group, query tile), query tile fastest.
-template <int BLOCK_M> struct QueryTiles {
+// (head in the kv group, query tile), query tile fastest; DOWNWARDS: each head's tiles from the last to `begin`.
+template <int BLOCK_M, bool DOWNWARDS = false> struct QueryTiles {
     int begin, end, count, steps;
     template <int MASK>
     __device__ __forceinline__ QueryTiles(const Window<MASK>& window, int n0, int block_n, int seqlen_q, int group)
@@ -128,7 +128,9 @@ template <int BLOCK_M> struct QueryTiles {
     }
     // step s's query head (of kv head h_kv's group) and first row
     __device__ __forceinline__ int head(int s, int h_kv, int group) const { return h_kv * group + s / count; }
-    __device__ __forceinline__ int row(int s) const { return begin + s % count * BLOCK_M; }
+    __device__ __forceinline__ int row(int s) const {
+        return begin + (DOWNWARDS ? count - 1 - s % count : s % count) * BLOCK_M;
+    }
 };
 
 // Score modifiers a kernel is specialized for: bits of its MODS template argument (_config.MOD_*).
@@ -560,6 +562,9 @@ struct DqAccum {
         return ((static_cast<long long>(split) * heads + h) * packed_rows(batch, seq.total_q) +
                 packed_row(b, seq.q_start)) * head_dim_spec;
     }
+    // A share: 16 rows by 64 columns (8 tiles), contiguous, and at a multiple of kShare floats (a head's rows
+    // are a multiple of 16); the Hopper backward adds a warp's dQ one share at a time.
+    static constexpr int kShare = 16 * 64;
     // Offset of the 16 x 8 tile whose first element is (row, col) in a head of `head_dim_spec` columns;
     // row a multiple of 16 and col of 8.
     __device__ static __forceinline__ long long tile(int row, int col, int head_dim_spec) {
@@ -608,12 +613,14 @@ struct DqAccum {
 // The backward's (bwd_dkdv_mma, bwd_dkdv_rows_mma, bwd_dq_mma, bwd_dkdv_simt, bwd_dq_simt;
 // _cupy_path.BackwardPlan), the forward's fields as there, plus: delta = rowsum(dout * out) (float32,
 // (batch, heads, seqlen_q)); dq_accum is float32 in the DqAccum layout above, zeroed, for the kernels that
-// add dQ with atomics, null for the others; scale is the softmax scale; dq_splits and dq_pass select
+// add dQ with atomics, null for the others; dq_order (int32, one per DqAccum::kShare floats of dq_accum,
+// zeroed) counts the key blocks that have added into each share, for bwd_dkdv_wgmma's ordered form
+// (ORDERED_DQ in bwd_wgmma.cu), null for the others; scale is the softmax scale; dq_splits and dq_pass select
 // KeyBlock's grid (dq_splits 0: banded; else the split grid's pass dq_pass, one copy of dq_accum per split);
 // in a packed batch dq_accum is DqAccum's packed layout.
 #define CUFLASH_BWD_FIELDS(PTR, VAL, LAST)                                                            \
     PTR(const T, q) PTR(const T, k) PTR(const T, v) PTR(const T, dout) PTR(const float, lse)          \
-    PTR(const float, delta) PTR(T, dq) PTR(T, dk) PTR(T, dv) PTR(float, dq_accum)                     \
+    PTR(const float, delta) PTR(T, dq) PTR(T, dk) PTR(T, dv) PTR(float, dq_accum) PTR(int, dq_order)  \
     PTR(const float, alibi_slopes) PTR(const int, cu_seqlens_q) PTR(const int, cu_seqlens_k)           \
     VAL(unsigned long long, dropout_seed) VAL(unsigned, dropout_offset) VAL(long long, q_sb)          \
     VAL(long long, q_ss) VAL(long long, q_sh) VAL(long long, k_sb) VAL(long long, k_ss)               \

@@ -85,6 +85,28 @@ template <int N> __device__ __forceinline__ void bulk_wait() {
     asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// Orders this thread's completed bulk operations on global memory (async proxy) before its later ordinary
+// accesses there: between bulk_wait and a release that publishes their results.
+__device__ __forceinline__ void fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+// An int in global memory read with acquire semantics at GPU scope, and one added to with release semantics:
+// a count that one thread block publishes after its writes and another waits on before its own.
+__device__ __forceinline__ int load_acquire_gpu(const int* p) {
+    int value;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n"
+                 : "=r"(value)
+                 : "l"(static_cast<unsigned long long>(__cvta_generic_to_global(p)))
+                 : "memory");
+    return value;
+}
+__device__ __forceinline__ void add_release_gpu(int* p, int value) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(
+                     static_cast<unsigned long long>(__cvta_generic_to_global(p))),
+                 "r"(value)
+                 : "memory");
+}
+
 // Makes this thread's ordinary shared-memory stores visible to the async proxy (wgmma and TMA read through it);
 // each writing thread fences before the barrier that precedes the read.
 __device__ __forceinline__ void fence_proxy_async_shared() {
