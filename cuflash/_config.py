@@ -777,9 +777,9 @@ def ordered_dq_kernel(cfg: AttentionConfig) -> KernelSpec | None:
     ordered form, which adds each 16 x 64 share of dQ in key-block order, counting the adds in one int32 per
     share (bwd_wgmma.cu); None where it does not serve (then ``deterministic_dq_splits``).
 
-    On the H200 its forward plus backward runs at 0.89-0.94x the default's at head_dim 64 and 0.90-1.00x at
-    128, where the split grid ran at 0.83-0.86x and 0.69-0.85x (bfloat16, FlashAttention's grid at 2k-8k,
-    causal and not, GQA 16/4; bench/NOTES.md b10)."""
+    On the H200 its forward plus backward runs at 0.88-0.98x the default's at head_dim 64 and 0.92-1.02x at
+    128, where the split grid ran at 0.80-0.95x and 0.75-0.95x (FlashAttention's grid, seqlen 512-16k, causal
+    and not, bfloat16 and float16; bench/NOTES.md b10)."""
     hopper = cfg.bwd_dkdv_wgmma
     if hopper is not None and hopper.head_dim in ORDERED_DQ_HEAD_DIMS:
         return dataclasses.replace(hopper, ordered_dq=True)

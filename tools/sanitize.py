@@ -3,7 +3,7 @@ hold no NaN, so that memcheck, racecheck, initcheck and synccheck see every kern
 off the tiles, GQA, masks, modifiers, packed batches, pages).
 
     PYTHONPATH=. compute-sanitizer --tool memcheck --error-exitcode 2 python3 tools/sanitize.py [--only S ...]
-    PYTHONPATH=. compute-sanitizer --tool racecheck python3 tools/sanitize.py --only hopper
+    PYTHONPATH=. compute-sanitizer --tool racecheck python3 tools/sanitize.py --only hopper --lineinfo
 
 ``--list`` prints the cases; ``--numpy`` runs them on the NumPy path (a check of this script, no kernels).
 Exit status 1 if a case raises or returns NaN (the sanitizer's findings are in its report and, with
@@ -118,7 +118,13 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", default=[], metavar="SUBSTRING", help="cases whose name holds one")
     parser.add_argument("--list", action="store_true", help="print the case names and stop")
     parser.add_argument("--numpy", action="store_true", help="run the cases on the NumPy path (no GPU)")
+    parser.add_argument("--lineinfo", action="store_true",
+                        help="compile with -lineinfo: the reports name lines of _compile.kernel_source(file)")
     args = parser.parse_args(argv)
+    if args.lineinfo:
+        from cuflash import _compile
+
+        _compile.COMMON_OPTIONS += ("-lineinfo",)
     names = [n for n in CASES if not args.only or any(s in n for s in args.only)]
     if args.list:
         print("\n".join(names))
