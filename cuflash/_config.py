@@ -217,8 +217,8 @@ class AttentionConfig:
     bwd_dq: KernelSpec
     bwd_dkdv_atomic: tuple[KernelSpec, ...] = ()
     bwd_dq_convert: KernelSpec | None = None
-    #: the backward's dK/dV on Hopper in place of bwd_dkdv_atomic, where it serves (wgmma_dkdv_spec); on the
-    #: deterministic split grid where split_grid_kernel takes it
+    #: the backward's dK/dV on Hopper in place of bwd_dkdv_atomic, where it serves (wgmma_dkdv_spec); the
+    #: deterministic backward runs its ordered form (ordered_dq_kernel) or it on the split grid (split_grid_kernel)
     bwd_dkdv_wgmma: KernelSpec | None = None
 
     @property
@@ -571,7 +571,8 @@ def wgmma_dkdv_smem_bytes(head_dim: int, itemsize: int = 2) -> int:
 def wgmma_dkdv_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: int = 0) -> KernelSpec | None:
     """The Hopper dK/dV kernel with atomic dQ (bwd_dkdv_wgmma), or None where it does not serve: as the Hopper
     forward (wgmma_forward_spec), and only at the padded head dims 64, 128 and 256 (33..64, 97..128 and 225..256,
-    multiples of 8). The deterministic backward's split grid takes it too (split_grid_kernel)."""
+    multiples of 8). The deterministic backward runs its ordered form (ordered_dq_kernel) at 64 and 128, and it on
+    the split grid at 256 (split_grid_kernel)."""
     dtype = np.dtype(dtype)
     d = padded_head_dim(head_dim)
     if (device.compute_capability != 90 or not device.tensor_maps or dtype == np.float32
