@@ -80,8 +80,8 @@ SWIZZLE_ELEMS = 64
 #: bwd_dkdv_mma: 8 warps in 2 x 4 and 4 x 2 grids of warp tiles (``kDkdvTiledThreads`` in kernels/bwd_mma.cu)
 DKDV_TILED_THREADS = 256
 #: bwd_dkdv_rows_mma keeps 16 x head_dim accumulators of dK and of dV per warp in registers; past this
-#: head dim only one of them fits, and dK and dV are computed by two launches. bwd_dkdv_mma serves head
-#: dims up to here too (where its tiles fit in shared memory).
+#: head dim only one of them fits, and dK and dV are computed by two launches. (bwd_dkdv_mma, 8 warps
+#: sharing them, serves every head dim where its tiles fit in shared memory.)
 MMA_BACKWARD_FUSED_HEAD_DIM = 128
 DKDV_BOTH, DKDV_DV_ONLY, DKDV_DK_ONLY = 0, 1, 2
 #: the float32 dQ buffer of the backwards that add dQ with atomics pads each head's rows to a multiple of
@@ -283,7 +283,8 @@ def _mma_backward_tiles(kernel: str, head_dim: int, mask: int = MASK_NONE, mods:
     bwd_dkdv_mma: block_n keys, 8 warps tiling each product in 2-D (kernels/bwd_mma.cu); its tiles are
     fixed (no fitting): where they do not fit, bwd_dkdv_rows_mma serves. TFLOP/s of the atomic-dQ
     backward measured on the H200, bfloat16, FlashAttention's grid at seqlen 1k / 4k / 16k, non-causal;
-    causal (tools/tune.py bwd, bench/NOTES.md backward v4):
+    causal (tools/tune.py bwd, bench/NOTES.md backward v4; past head_dim 128 the only tile that fits,
+    64 x 64, measured against the rows kernel's two launches and FlashAttention-2 in bench/NOTES.md b11):
       head_dim 64:  128 x 128 182 / 224 / 244, causal 132 / 208 / 246;  64 x 128 169 / 206 / 219;
                     128 x 64 138 / 162 / 171;  64 x 64 125 / 145 / 151;  rows kernel 64 x 64 161 / 197 / 207
       head_dim 128: 64 x 128 201 / 251 / 267, causal 154 / 236 / 268;  128 x 64 157 / 181 / 189;
@@ -306,7 +307,8 @@ def _mma_backward_tiles(kernel: str, head_dim: int, mask: int = MASK_NONE, mods:
         # head_dim 64 it fits): 64 x 128 there, not measured
         if head_dim <= 32 and mods & MOD_DROPOUT:
             return 64, 128
-        return (128, 128) if head_dim <= 64 else (64, 128)
+        # past head_dim 128 FlashAttention-2's 64 x 64 tile (222 KB of shared memory at 256: sm_90 only)
+        return (128, 128) if head_dim <= 64 else (64, 128) if head_dim <= 128 else (64, 64)
     if kernel == "bwd_dkdv_rows_mma":
         if head_dim > MMA_BACKWARD_FUSED_HEAD_DIM:
             return 16, 64
@@ -367,10 +369,8 @@ def dkdv_specs(kernel: str, dtype, head_dim: int, mask: int, block_m: int, block
 
 def _tiled_dkdv_spec(dtype, head_dim: int, mask: int, device: DeviceProps,
                      atomic_dq: bool, mods: int = 0) -> KernelSpec | None:
-    """bwd_dkdv_mma's spec, or None where it does not serve (head dim past 128, or too little shared
-    memory for its tiles: A100, RTX 4090)."""
-    if head_dim > MMA_BACKWARD_FUSED_HEAD_DIM:
-        return None
+    """bwd_dkdv_mma's spec, or None where it does not serve (too little shared memory for its tiles: A100
+    and RTX 4090 at head_dim 128, A100 past 160)."""
     block_m, block_n = _mma_backward_tiles("bwd_dkdv_mma", head_dim, mask, mods)
     spec, = dkdv_specs("bwd_dkdv_mma", dtype, head_dim, mask, block_m, block_n, atomic_dq, mods)
     return spec if spec.smem_bytes <= device.max_smem_per_block else None

@@ -68,8 +68,7 @@ def test_every_config_fits_the_device(device, dtype, head_dim, mask):
         dq = cfg.bwd_dq
         assert dq.block_n % 16 == 0 and dq.block_m % (16 * (dq.threads // 32)) == 0
         assert not any(s.atomic_dq for s in cfg.bwd_dkdv)
-        if dkdv_kernel == "bwd_dkdv_mma":  # 8 warps, 2-D warp tiles of whole 16 x 16 blocks
-            assert padded_head_dim(head_dim) <= _config.MMA_BACKWARD_FUSED_HEAD_DIM
+        if dkdv_kernel == "bwd_dkdv_mma":  # 8 warps, 2-D warp tiles of whole 16 x 16 blocks, at any head dim
             spec, = cfg.bwd_dkdv
             assert cfg.bwd_dkdv_atomic == (dataclasses.replace(spec, atomic_dq=True),)
             assert spec.threads == _config.DKDV_TILED_THREADS
@@ -144,11 +143,15 @@ def test_warp_pairs_serve_only_where_measured():
 
 
 def test_tiles_shrink_to_fit_shared_memory():
-    # head_dim 256, dK/dV: 16 x 64 needs 101632 bytes, 2 KB past an RTX 4090's 99 KB; H100 keeps it
+    # head_dim 256, dK/dV: the tiled kernel's 64 x 64 needs 222208 bytes (an H100's 227 KB, not an A100's 163);
+    # the rows kernel's 16 x 64 101632, 2 KB past an RTX 4090's 99 KB; A100 keeps it
     h100 = choose_config(256, BFLOAT16, True, _config.H100).bwd_dkdv[0]
+    assert (h100.kernel, h100.block_m, h100.block_n, h100.smem_bytes) == ("bwd_dkdv_mma", 64, 64, 222208)
+    a100 = choose_config(256, BFLOAT16, True, _config.A100).bwd_dkdv[0]
     rtx = choose_config(256, BFLOAT16, True, _config.RTX_4090).bwd_dkdv[0]
-    assert rtx.smem_bytes <= _config.RTX_4090.max_smem_per_block < h100.smem_bytes
-    assert rtx.block_m == h100.block_m == 16 and rtx.block_n < h100.block_n  # the streamed tile is at 16
+    assert a100.kernel == rtx.kernel == "bwd_dkdv_rows_mma"
+    assert rtx.smem_bytes <= _config.RTX_4090.max_smem_per_block < a100.smem_bytes
+    assert rtx.block_m == a100.block_m == 16 and rtx.block_n < a100.block_n  # the streamed tile is at 16
 
 
 def test_small_smem_devices_get_smaller_simt_tiles():
@@ -191,7 +194,7 @@ def test_spec_names_are_template_instances():
     assert cfg.bwd_preprocess.name == "cuflash::bwd_preprocess<__half>"
     assert cfg.bwd_dkdv[0].name == "cuflash::bwd_dkdv_mma<__half, 64, 1, 0, 128, 128, false, false>"
     assert cfg.bwd_dkdv_atomic[0].name.endswith(", 128, 128, true, false>")
-    rows = choose_config(256, np.float16, True, _config.H100).bwd_dkdv_atomic
+    rows = choose_config(256, np.float16, True, _config.A100).bwd_dkdv_atomic
     assert [s.name for s in rows] == ["cuflash::bwd_dkdv_rows_mma<__half, 256, 1, 0, 16, 64, 1, false, false>",
                                       "cuflash::bwd_dkdv_rows_mma<__half, 256, 1, 0, 16, 64, 2, true, false>"]
     assert cfg.bwd_dq_convert.name == "cuflash::bwd_dq_convert<__half, 64, false>"
@@ -225,21 +228,19 @@ def test_spec_names_are_template_instances():
 def test_all_specs_are_distinct_and_cover_the_table():
     specs = _config.all_specs(_config.H100)
     assert len({s.cache_key for s in specs}) == len(specs)
-    # per dtype and mask: a forward and a dq kernel per head dim, one dkdv kernel per head dim up to
-    # MMA_BACKWARD_FUSED_HEAD_DIM and two past it (float32: always one); one preprocess kernel per dtype.
-    # The atomic-dQ default adds one dkdv kernel per head dim (past the fused limit it shares the dV-only
-    # launch) and one dq_convert kernel per head dim (not per mask).
+    # per dtype and mask: a forward and a dq kernel per head dim, the tiled dkdv kernel per head dim (its
+    # tiles fit an H100's shared memory at every head dim), and its atomic-dQ form (the default); one
+    # preprocess kernel per dtype and one dq_convert kernel per head dim (not per mask).
     fused = sum(d <= _config.MMA_BACKWARD_FUSED_HEAD_DIM for d in _config.HEAD_DIMS)
     split = len(_config.HEAD_DIMS) - fused
-    atomic = len(_config.HEAD_DIMS)
     masks = len(_config.MASK_KINDS)
-    half = masks * (2 * len(_config.HEAD_DIMS) + fused + 2 * split + atomic) + 1 + len(_config.HEAD_DIMS)
+    half = masks * 4 * len(_config.HEAD_DIMS) + 1 + len(_config.HEAD_DIMS)
     single = masks * 3 * len(_config.HEAD_DIMS) + 1
     # The covering set of the modifiers (all at once, with and without dropout; no mask and a window;
-    # bfloat16 and float32): per head dim a forward and a dq kernel, the tiled dkdv kernel up to the fused
-    # limit (without its atomic form: the softcap's backward is the deterministic pair) and the rows
-    # kernel's two parts plus the atomic dK-only part past it; float32's three kernels.
-    modified = 2 * 2 * ((2 * len(_config.HEAD_DIMS) + fused + 3 * split) + 3 * len(_config.HEAD_DIMS))
+    # bfloat16 and float32): per head dim a forward, a dq kernel and the tiled dkdv kernel, its atomic form
+    # past the fused limit only (up to it the softcap's backward is the deterministic pair); float32's three
+    # kernels.
+    modified = 2 * 2 * ((3 * len(_config.HEAD_DIMS) + split) + 3 * len(_config.HEAD_DIMS))
     # the KV-cache forward: contiguous and on 64-key pages (a narrower tile up to head_dim 128), plain and windowed
     # with its modifiers, per head dim; merge_parts per dtype, append_rotary per dtype the KV-cache forward takes
     kvcache = 2 * (fused + len(_config.HEAD_DIMS))
@@ -350,14 +351,16 @@ def test_deterministic_dq_splits_leave_too_few_pairs_to_the_dq_kernel():
     assert _config.deterministic_dq_splits(cfg, 200, 128, 132) == 0   # one key block: no split to add
 
 
-@pytest.mark.parametrize("head_dim, device", [(256, dataclasses.replace(_config.H100, tensor_maps=False)),
-                                              (128, _config.A100)])
+@pytest.mark.parametrize("head_dim, device", [(256, _config.A100), (128, _config.A100)])
 def test_split_grid_needs_the_tiled_dkdv_kernel(head_dim, device):
-    # the rows kernel (head dims past 128 without the Hopper kernel, or too little shared memory) has one key
-    # block per thread block
+    # the rows kernel (where the tiled one's shared memory does not fit) has one key block per thread block
     cfg = choose_config(head_dim, BFLOAT16, False, device)
     assert not _config.split_grid_serves(cfg)
     assert _config.deterministic_dq_splits(cfg, 16, 16384, device.sm_count) == 0
+    # on an H100 without the Hopper kernels the tiled kernel serves at every head dim
+    portable = choose_config(head_dim, BFLOAT16, False, dataclasses.replace(_config.H100, tensor_maps=False))
+    assert _config.split_grid_kernel(portable).kernel == "bwd_dkdv_mma"
+    assert _config.deterministic_dq_splits(portable, 16, 16384, _config.H100.sm_count) > 0
 
 
 @pytest.mark.parametrize("head_dim, causal, expected", [

@@ -3,7 +3,7 @@
 //   delta = rowsum(dout * out)                                  (bwd_preprocess, simt.cu)
 //   P = exp2(S * scale * log2(e) - lse * log2(e)),  S = Q K^T   (recomputed per tile; lse is natural log)
 //   dP = dO V^T,  dS = P * (dP - delta)
-//   bwd_dkdv_mma (head dims up to 128, where its tiles fit) or bwd_dkdv_rows_mma (the others): per key
+//   bwd_dkdv_mma (where its tiles fit in shared memory) or bwd_dkdv_rows_mma (the others): per key
 //                 tile, walking the query tiles of every head of its kv group:
 //                 dV += P^T dO,  dK += dS^T Q  (scale applied at the end)
 //   dQ += dS K, one of three ways:
@@ -350,20 +350,27 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
             });
 
         if constexpr (ATOMIC_DQ) {
-            // dQ[query tile] += dS K over this block's keys, added into dq_accum (float32).
-            float dq_part[kQM / 16][kQD / 8][4];
-            zero(dq_part);
-            warp_mma<T, kQM / 16, kQD / 8, BLOCK_N / 16>(
-                dq_part,
-                [&](unsigned (&a)[4], int ma, int ks) {
-                    load_a(a, ds_s + (q_row0 + ma * 16) * kPRow + ks * 16, kPRow, lane);
-                },
-                [&](unsigned (&bf)[4], int nb, int ks) {
-                    load_b_trans(bf, k_s + ks * 16 * kRow + q_col0 + nb * 8, kRow, lane);
-                });
+            // dQ[query tile] += dS K over this block's keys, added into dq_accum (float32); past head_dim 128
+            // kDqCols columns of the warp's tile at a time (the most, a multiple of 16 that divides it, up to
+            // 64), in a loop ptxas keeps rolled: the whole tile beside dK and dV, or the two halves unrolled,
+            // spilled 16-64 bytes at 256 (sm_80 and sm_90, NVRTC 13.0)
+            constexpr int kDqCols = kQD <= 64 ? kQD : kQD % 64 == 0 ? 64 : kQD % 48 == 0 ? 48 : kQD % 32 == 0 ? 32 : 16;
             const int h = h_kv * group + h_step;
-            dq_accum_add<HEAD_DIM>(dq_accum + DqAccum::head(blk.split, batch, b, heads, h, seq, seqlen_q, HEAD_DIM),
-                                   m0 + q_row0, q_col0, dq_part, lane);
+#pragma unroll 1
+            for (int c0 = 0; c0 < kQD; c0 += kDqCols) {
+                float dq_part[kQM / 16][kDqCols / 8][4];
+                zero(dq_part);
+                warp_mma<T, kQM / 16, kDqCols / 8, BLOCK_N / 16>(
+                    dq_part,
+                    [&](unsigned (&a)[4], int ma, int ks) {
+                        load_a(a, ds_s + (q_row0 + ma * 16) * kPRow + ks * 16, kPRow, lane);
+                    },
+                    [&](unsigned (&bf)[4], int nb, int ks) {
+                        load_b_trans(bf, k_s + ks * 16 * kRow + q_col0 + c0 + nb * 8, kRow, lane);
+                    });
+                dq_accum_add<HEAD_DIM>(dq_accum + DqAccum::head(blk.split, batch, b, heads, h, seq, seqlen_q, HEAD_DIM),
+                                       m0 + q_row0, q_col0 + c0, dq_part, lane);
+            }
         }
         if (++m_step == query_tiles.count) {
             m_step = 0;
