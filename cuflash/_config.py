@@ -927,9 +927,10 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
     forward's three-consumer head_dim 64 tile with dropout (WGMMA_SPILLING_MODS; the covering set's modifiers
     without dropout take it already), and beside each backward the deterministic backward's own form where it
     has one (bwd_dkdv_wgmma's ordered form at head_dim 64 and 128). Not the cross product of the modifiers: 16
-    combinations per kernel. The KV-cache forward likewise (contiguous and on the smallest pages, plain and under a window with
-    every modifier), the packed-batch kernels (below) with the Hopper forward's varlen_order per mask kind,
-    merge_parts for each dtype and append_rotary for each dtype of the KV-cache forward."""
+    combinations per kernel. The KV-cache forward likewise (contiguous and on the smallest pages, plain and
+    under a window with every modifier), the packed-batch kernels (below) with the Hopper forward's
+    varlen_order per mask kind, merge_parts for each dtype and append_rotary for each dtype of the KV-cache
+    forward."""
     specs = {}
     # where the Hopper forward serves, the mma.sync forward is its fallback (arrays no tensor map describes)
     devices = {device, dataclasses.replace(device, tensor_maps=False)}
