@@ -65,6 +65,14 @@ __device__ __forceinline__ void dq_accum_add(float* head, int row0, int col0, co
         for (int nb = 0; nb < NB; ++nb) atomic_add4(at + (ma * (HEAD_DIM / 8) + nb) * 128, acc[ma][nb]);
 }
 
+// The most columns of a slice of a warp's dQ tile of `cols` columns: a multiple of 16 that divides it, at most
+// `wide`.
+__host__ __device__ constexpr int dq_slice_cols(int cols, int wide) {
+    for (int c = wide - wide % 16; c > 16; c -= 16)
+        if (cols % c == 0) return c;
+    return 16;
+}
+
 // Store a warp's (MA * 16) x (NB * 8) accumulator tile times `factor`: rows row0.. (first valid ones
 // below rows_valid), columns col0.. (below head_dim).
 template <typename T, int MA, int NB>
@@ -144,8 +152,12 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
     constexpr int kPRow = PaddedRow<BLOCK_N>::kElems;
     // warp tiles of the three layouts (rows x columns)
     constexpr int kSM = BLOCK_M / 2, kSN = BLOCK_N / 4;         // S, dP
-    constexpr int kKvN = BLOCK_N / 4, kKvD = HEAD_DIM / 2;      // dK, dV
-    constexpr int kQM = BLOCK_M / 4, kQD = HEAD_DIM / 2;        // dQ
+    // dK/dV and dQ on a grid of kRowWarps x (8 / kRowWarps) warps: 4 x 2, or past head_dim 128 where a
+    // quarter of the head dim is whole 16-column blocks (192, 256) FlashAttention-2's 2 x 4, whose 32 x 64
+    // warp tiles read 10 fragments per 16 mma instructions where 16 x 128 read 17
+    constexpr int kRowWarps = HEAD_DIM > 128 && HEAD_DIM % 64 == 0 ? 2 : 4, kColWarps = 8 / kRowWarps;
+    constexpr int kKvN = BLOCK_N / kRowWarps, kKvD = HEAD_DIM / kColWarps;   // dK, dV
+    constexpr int kQM = BLOCK_M / kRowWarps, kQD = HEAD_DIM / kColWarps;     // dQ
     static_assert(kSM % 16 == 0 && kSN % 16 == 0 && kKvN % 16 == 0 && kKvD % 16 == 0 && kQM % 16 == 0,
                   "every warp tile is made of 16 x 16 mma blocks");
     constexpr bool kDropout = (MODS & kModDropout) != 0;
@@ -173,8 +185,8 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
     const int s_row0 = (warp / 4) * kSM, s_col0 = (warp % 4) * kSN;     // S / dP tile
-    const int kv_row0 = (warp / 2) * kKvN, kv_col0 = (warp % 2) * kKvD;  // dK / dV tile
-    const int q_row0 = (warp / 2) * kQM, q_col0 = (warp % 2) * kQD;      // dQ tile
+    const int kv_row0 = (warp / kColWarps) * kKvN, kv_col0 = (warp % kColWarps) * kKvD;  // dK / dV tile
+    const int q_row0 = (warp / kColWarps) * kQM, q_col0 = (warp % kColWarps) * kQD;      // dQ tile
 
     // Issue the copies of the step (head h_step of the group, query tile m_step) into `stage`.
     auto load_step = [&](int h_step, int m_step, int stage) {
@@ -351,11 +363,13 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
 
         if constexpr (ATOMIC_DQ) {
             // dQ[query tile] += dS K over this block's keys, added into dq_accum (float32); past head_dim 128
-            // kDqCols columns of the warp's tile at a time (the most, a multiple of 16 that divides it, up to
-            // 64), in a loop ptxas keeps rolled: the whole tile beside dK and dV, or the two halves unrolled,
-            // spilled 16-64 bytes at 256 (sm_80 and sm_90, NVRTC 13.0)
-            constexpr int kDqCols = kQD <= 64 ? kQD : kQD % 64 == 0 ? 64 : kQD % 48 == 0 ? 48 : kQD % 32 == 0 ? 32 : 16;
-            const int h = h_kv * group + h_step;
+            // kDqCols columns of the warp's tile at a time (dq_slice_cols: at most 32 floats a thread), in a
+            // loop ptxas keeps rolled: the whole tile beside dK and dV, or its slices unrolled, spilled 16-64
+            // bytes at 256 (sm_80 and sm_90, NVRTC 13.0)
+            constexpr int kDqWide = HEAD_DIM <= 128 ? 64 : 64 * 16 / kQM;
+            constexpr int kDqCols = kQD <= kDqWide ? kQD : dq_slice_cols(kQD, kDqWide);
+            float* const dq_head = dq_accum + DqAccum::head(blk.split, batch, b, heads, h_kv * group + h_step, seq,
+                                                            seqlen_q, HEAD_DIM);
 #pragma unroll 1
             for (int c0 = 0; c0 < kQD; c0 += kDqCols) {
                 float dq_part[kQM / 16][kDqCols / 8][4];
@@ -368,8 +382,7 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
                     [&](unsigned (&bf)[4], int nb, int ks) {
                         load_b_trans(bf, k_s + ks * 16 * kRow + q_col0 + c0 + nb * 8, kRow, lane);
                     });
-                dq_accum_add<HEAD_DIM>(dq_accum + DqAccum::head(blk.split, batch, b, heads, h, seq, seqlen_q, HEAD_DIM),
-                                       m0 + q_row0, q_col0 + c0, dq_part, lane);
+                dq_accum_add<HEAD_DIM>(dq_head, m0 + q_row0, q_col0 + c0, dq_part, lane);
             }
         }
         if (++m_step == query_tiles.count) {
@@ -385,7 +398,7 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
     T* dv_stage = q_s + BLOCK_N * kRow;
     // This warp's tile at (kv_row0, kv_col0), recomputed from threadIdx.x: keeping kv_row0 and
     // kv_col0 live across the loop for the epilogue made ptxas spill at head_dim 128.
-    const int stage_at = (threadIdx.x / 64) * kKvN * kRow + (threadIdx.x / 32 % 2) * kKvD;
+    const int stage_at = (threadIdx.x / (32 * kColWarps)) * kKvN * kRow + (threadIdx.x / 32 % kColWarps) * kKvD;
     store_tile_smem<T>(dk_stage + stage_at, kRow, dk_acc, threadIdx.x % 32, scale);
     store_tile_smem<T>(dv_stage + stage_at, kRow, dv_acc, threadIdx.x % 32, kDropout ? dropout_scale : 1.f);
     __syncthreads();
