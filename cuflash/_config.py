@@ -83,6 +83,9 @@ DKDV_TILED_THREADS = 256
 #: head dim only one of them fits, and dK and dV are computed by two launches. (bwd_dkdv_mma, 8 warps
 #: sharing them, serves every head dim where its tiles fit in shared memory.)
 MMA_BACKWARD_FUSED_HEAD_DIM = 128
+#: the largest head dim at which bwd_dkdv_mma runs with one query-tile stage where two do not fit: at 224 and
+#: 256 it spilled 4-48 bytes on sm_80 (NVRTC 13.0), where the rows kernel serves instead
+DKDV_ONE_STAGE_MAX_HEAD_DIM = 192
 DKDV_BOTH, DKDV_DV_ONLY, DKDV_DK_ONLY = 0, 1, 2
 #: the float32 dQ buffer of the backwards that add dQ with atomics pads each head's rows to a multiple of
 #: this (mirrors ``DqAccum::kRowMultiple`` in kernels/common.cuh; at least the block_m of every dK/dV kernel)
@@ -158,6 +161,7 @@ class KernelSpec:
     #: bwd_dkdv_wgmma only: the deterministic backward's ordered form (ORDERED_DQ in bwd_wgmma.cu;
     #: ordered_dq_kernel)
     ordered_dq: bool = False
+    stages: int = 2  # bwd_dkdv_mma only: cp.async stages of the query tiles (STAGES in bwd_mma.cu)
 
     @property
     def source_file(self) -> str:
@@ -188,6 +192,8 @@ class KernelSpec:
                 args += [str(self.key_split), "true" if self.kvcache else "false"]
             if self.kernel == "bwd_dkdv_rows_mma":
                 args.append(str(self.part))
+            if self.kernel == "bwd_dkdv_mma":
+                args.append(str(self.stages))
             if self.kernel in ("bwd_dkdv_mma", "bwd_dkdv_rows_mma"):
                 args.append("true" if self.atomic_dq else "false")
             if self.kernel == "bwd_dkdv_wgmma":
@@ -245,7 +251,7 @@ def forward_row_elems(head_dim: int) -> int:
 
 
 def mma_smem_bytes(kernel: str, head_dim: int, block_m: int, block_n: int, itemsize: int,
-                   atomic_dq: bool = False, key_split: int = 1) -> int:
+                   atomic_dq: bool = False, key_split: int = 1, stages: int = 2) -> int:
     """Shared memory of a tensor-core kernel; the backward's tile rows padded by 8 elements, the forward's
     per forward_row_elems (kernels/mma.cuh). Each kernel's own layout (FwdSmem, DkdvTiledSmem, DkdvRowsSmem,
     DqSmem in its source) must have this size: tests/test_compile.py checks it for every spec of the
@@ -257,8 +263,9 @@ def mma_smem_bytes(kernel: str, head_dim: int, block_m: int, block_n: int, items
             return tiles
         # a float per (row, warp of the row's group), 16-byte rows of per-lane slots; P as one itemsize tile
         return tiles + block_m * key_split * 16 + block_m * block_n * itemsize
-    if kernel == "bwd_dkdv_mma":  # K, V, two stages of Q and dO, P and dS, two stages of lse and delta
-        return (2 * block_n + 4 * block_m) * row + 2 * block_m * (block_n + 8) * itemsize + 4 * block_m * 4
+    if kernel == "bwd_dkdv_mma":  # K, V, the stages of Q and dO, P and dS, the stages of lse and delta
+        return ((2 * block_n + 2 * stages * block_m) * row + 2 * block_m * (block_n + 8) * itemsize
+                + 2 * stages * block_m * 4)
     if kernel == "bwd_dkdv_rows_mma":  # K, V, two stages of Q and dO, two stages of lse and delta
         ds_transposed = block_n * (block_m + 8) * itemsize if atomic_dq else 0  # dS^T for the dQ product
         return (2 * block_n + 4 * block_m) * row + 4 * block_m * 4 + ds_transposed
@@ -347,22 +354,23 @@ def _mma_dq_tiles(head_dim: int) -> tuple[int, int, int]:
 
 
 def mma_spec(kernel: str, dtype, head_dim: int, mask: int, block_m: int, block_n: int, warps: int, part: int = 0,
-             atomic_dq: bool = False, key_split: int = 1, mods: int = 0) -> KernelSpec:
+             atomic_dq: bool = False, key_split: int = 1, mods: int = 0, stages: int = 2) -> KernelSpec:
     """A tensor-core kernel's spec at the given tile, its shared memory derived (mma_smem_bytes): the
     table's choices and tools/tune.py's candidates both come from here."""
     dtype = np.dtype(dtype)
-    smem = mma_smem_bytes(kernel, head_dim, block_m, block_n, dtype.itemsize, atomic_dq, key_split)
+    smem = mma_smem_bytes(kernel, head_dim, block_m, block_n, dtype.itemsize, atomic_dq, key_split, stages)
     return KernelSpec(kernel, dtype, head_dim, mask, block_m, block_n, warps * 32, smem, part, atomic_dq,
-                      key_split, mods)
+                      key_split, mods, stages=stages)
 
 
 def dkdv_specs(kernel: str, dtype, head_dim: int, mask: int, block_m: int, block_n: int, atomic_dq: bool,
-               mods: int = 0) -> tuple[KernelSpec, ...]:
-    """The dK/dV launches at the given tile: bwd_dkdv_mma's one (DKDV_TILED_THREADS), or bwd_dkdv_rows_mma's
-    (a warp per 16 keys; dK and dV in two launches past MMA_BACKWARD_FUSED_HEAD_DIM, rows_dkdv_launches)."""
+               mods: int = 0, stages: int = 2) -> tuple[KernelSpec, ...]:
+    """The dK/dV launches at the given tile: bwd_dkdv_mma's one (DKDV_TILED_THREADS; ``stages`` of the query
+    tiles), or bwd_dkdv_rows_mma's (a warp per 16 keys; dK and dV in two launches past
+    MMA_BACKWARD_FUSED_HEAD_DIM, rows_dkdv_launches)."""
     if kernel == "bwd_dkdv_mma":
         return (mma_spec(kernel, dtype, head_dim, mask, block_m, block_n, DKDV_TILED_THREADS // 32,
-                         atomic_dq=atomic_dq, mods=mods),)
+                         atomic_dq=atomic_dq, mods=mods, stages=stages),)
     return tuple(mma_spec(kernel, dtype, head_dim, mask, block_m, block_n, block_n // MMA_ROWS_PER_WARP, part, adds_dq,
                           mods=mods) for part, adds_dq in rows_dkdv_launches(head_dim, atomic_dq))
 
@@ -370,10 +378,17 @@ def dkdv_specs(kernel: str, dtype, head_dim: int, mask: int, block_m: int, block
 def _tiled_dkdv_spec(dtype, head_dim: int, mask: int, device: DeviceProps,
                      atomic_dq: bool, mods: int = 0) -> KernelSpec | None:
     """bwd_dkdv_mma's spec, or None where it does not serve (too little shared memory for its tiles: A100
-    and RTX 4090 at head_dim 128, A100 past 160)."""
+    and RTX 4090 at head_dim 128, RTX 4090 past it). Two query-tile stages where they fit; past
+    MMA_BACKWARD_FUSED_HEAD_DIM one where two do not, up to DKDV_ONE_STAGE_MAX_HEAD_DIM (A100 at 192,
+    FlashAttention-2's answer there), rather than the rows kernel's two launches. Up to the fused head dim the
+    rows kernel's one launch stays (not measured against)."""
     block_m, block_n = _mma_backward_tiles("bwd_dkdv_mma", head_dim, mask, mods)
-    spec, = dkdv_specs("bwd_dkdv_mma", dtype, head_dim, mask, block_m, block_n, atomic_dq, mods)
-    return spec if spec.smem_bytes <= device.max_smem_per_block else None
+    one_stage = MMA_BACKWARD_FUSED_HEAD_DIM < head_dim <= DKDV_ONE_STAGE_MAX_HEAD_DIM
+    for stages in (2, 1) if one_stage else (2,):
+        spec, = dkdv_specs("bwd_dkdv_mma", dtype, head_dim, mask, block_m, block_n, atomic_dq, mods, stages)
+        if spec.smem_bytes <= device.max_smem_per_block:
+            return spec
+    return None
 
 
 def _mma_spec(kernel: str, dtype, head_dim: int, mask: int, device: DeviceProps, part: int = 0,

@@ -135,7 +135,7 @@ def test_register_budget_allows_the_launch(reports):
 #: each tensor-core kernel's shared-memory layout struct, as a template argument list of its spec
 SMEM_LAYOUTS = {
     "fwd_mma": lambda s, t: f"FwdSmem<{t}, {s.head_dim}, {s.block_m}, {s.block_n}, {s.threads // 32}, {s.key_split}>",
-    "bwd_dkdv_mma": lambda s, t: f"DkdvTiledSmem<{t}, {s.head_dim}, {s.block_m}, {s.block_n}>",
+    "bwd_dkdv_mma": lambda s, t: f"DkdvTiledSmem<{t}, {s.head_dim}, {s.block_m}, {s.block_n}, {s.stages}>",
     "bwd_dkdv_rows_mma": lambda s, t: (f"DkdvRowsSmem<{t}, {s.head_dim}, {s.block_m}, {s.block_n}, "
                                        f"{str(s.atomic_dq).lower()}>"),
     "bwd_dq_mma": lambda s, t: f"DqSmem<{t}, {s.head_dim}, {s.block_m}, {s.block_n}>",

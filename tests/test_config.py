@@ -192,8 +192,8 @@ def test_spec_names_are_template_instances():
     assert decode.cache_key != dataclasses.replace(decode, kvcache=False).cache_key
     assert _config.KernelSpec("merge_parts", BFLOAT16, threads=128).name == "cuflash::merge_parts<__nv_bfloat16>"
     assert cfg.bwd_preprocess.name == "cuflash::bwd_preprocess<__half>"
-    assert cfg.bwd_dkdv[0].name == "cuflash::bwd_dkdv_mma<__half, 64, 1, 0, 128, 128, false, false>"
-    assert cfg.bwd_dkdv_atomic[0].name.endswith(", 128, 128, true, false>")
+    assert cfg.bwd_dkdv[0].name == "cuflash::bwd_dkdv_mma<__half, 64, 1, 0, 128, 128, 2, false, false>"
+    assert cfg.bwd_dkdv_atomic[0].name.endswith(", 128, 128, 2, true, false>")
     rows = choose_config(256, np.float16, True, _config.A100).bwd_dkdv_atomic
     assert [s.name for s in rows] == ["cuflash::bwd_dkdv_rows_mma<__half, 256, 1, 0, 16, 64, 1, false, false>",
                                       "cuflash::bwd_dkdv_rows_mma<__half, 256, 1, 0, 16, 64, 2, true, false>"]
@@ -389,7 +389,7 @@ def test_tuning_builds_the_tables_specs_from_their_tiles(device, head_dim):
             if first.kernel == "bwd_dkdv_rows_mma" and len({s.block_m for s in launches}) > 1:
                 continue  # the rows kernel's parts fitted apart (shared memory differs with the dS^T tile)
             assert _config.dkdv_specs(first.kernel, BFLOAT16, head_dim, mask, first.block_m, first.block_n,
-                                      atomic) == launches
+                                      atomic, stages=first.stages) == launches
 
 
 def test_kvcache_tiles_fit_the_pages_and_the_gpu():

@@ -1,12 +1,13 @@
 """A/B of the backward in two cuflash trees, in one process, beside FlashAttention-2's backward (SDPA flash).
 
-``python tools/backward_ab.py BASE_TREE [--new .] [--cases 256:1:2048,192:0:4096] [--portable] [--rounds 2]
-[--out OUT.json]``
+``python tools/backward_ab.py BASE_TREE [--new .] [--cases 256:1:2048,192:0:4096] [--portable [--smem BYTES]]
+[--rounds 2] [--out OUT.json]``
 
 A case is ``head_dim:causal:seqlen`` on FlashAttention's grid (16k tokens, model width 2048), bfloat16. Per
 round and case, on fresh inputs: FA2's backward, then each tree's ``attention_backward`` on its own forward's
 out and lse, each as ``bench.timing.EventTimer`` does (L2 flushed before each repeat). With ``--portable`` both
-trees plan as on a GPU without tensor maps (the ``mma.sync`` kernels an A100 runs). Prints how far the two
+trees plan as on a GPU without tensor maps (the ``mma.sync`` kernels an A100 runs), and with ``--smem`` as on
+one with that much shared memory a block (an A100's 166912 bytes picks its tiles). Prints how far the two
 trees' gradients are apart (max |new - base| over max |base|), then the medians in ms with each tree's ratio
 to FA2, and writes every round's times as JSON. A tree is a directory holding a ``cuflash`` package (``git
 archive REV cuflash | tar -x -C DIR``). Run from the repository root with ``PYTHONPATH=.`` on a GPU machine.
@@ -40,13 +41,15 @@ def main():
     parser.add_argument("--new", default=".", help="the new tree (default: this checkout)")
     parser.add_argument("--cases", default="256:0:2048,256:1:8192,192:1:4096", help="head_dim:causal:seqlen,...")
     parser.add_argument("--portable", action="store_true", help="both trees without the Hopper kernels")
+    parser.add_argument("--smem", type=int, default=None,
+                        help="with --portable: plan with this many bytes of shared memory a block (A100: 166912)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=None, help="write the times here as JSON")
     args = parser.parse_args()
     trees = {"base": load_tree("ab_base", args.base), "new": load_tree("ab_new", args.new)}
     if args.portable:
         for name in ("ab_base", "ab_new"):
-            without_hopper_kernels(name)
+            without_hopper_kernels(name, args.smem)
     cases = [parse_case(c) for c in args.cases.split(",")]
     timer = EventTimer(warmup=2, repeats=10)
     flash = TorchSdpa("torch-flash")

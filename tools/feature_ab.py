@@ -49,11 +49,18 @@ def parse_options(text: str) -> dict:
     return options
 
 
-def without_hopper_kernels(module_name: str) -> None:
-    """Make the tree imported as ``module_name`` plan as on a GPU without tensor maps (the mma.sync kernels)."""
+def without_hopper_kernels(module_name: str, max_smem_per_block: int | None = None) -> None:
+    """Make the tree imported as ``module_name`` plan as on a GPU without tensor maps (the mma.sync kernels),
+    and with ``max_smem_per_block`` bytes of shared memory a block where given (an A100's: 166912)."""
     cupy_path = importlib.import_module(f"{module_name}._cupy_path")
     props = cupy_path.device_props
-    cupy_path.device_props = lambda device_id: dataclasses.replace(props(device_id), tensor_maps=False)
+
+    def portable_props(device_id):
+        own = props(device_id)
+        return dataclasses.replace(own, tensor_maps=False,
+                                   max_smem_per_block=max_smem_per_block or own.max_smem_per_block)
+
+    cupy_path.device_props = portable_props
 
 
 def main():

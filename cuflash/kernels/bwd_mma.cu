@@ -125,7 +125,8 @@ __device__ __forceinline__ void store_tile_smem(T* tile, int row_elems, const fl
 
 // dK, dV (and, with ATOMIC_DQ, dQ through float32 atomics), FlashAttention-2's layout. Block: BLOCK_N
 // keys of one (batch, kv head), 8 warps; K and V stay in shared memory while the query tiles of every
-// head of the kv group (Q, dO, lse, delta; BLOCK_M rows) stream through two cp.async stages. Each of
+// head of the kv group (Q, dO, lse, delta; BLOCK_M rows) stream through STAGES cp.async stages (two; one
+// where two do not fit in shared memory, as FlashAttention-2 runs head_dim 256 on an A100). Each of
 // the five products of a step spreads over all 8 warps as a 2-D grid of warp tiles, so every fragment
 // read from shared memory feeds several mma instructions:
 //   S = Q K^T, dP = dO V^T : warps 2 (queries) x 4 (keys), tiles (BLOCK_M / 2) x (BLOCK_N / 4)
@@ -134,18 +135,20 @@ __device__ __forceinline__ void store_tile_smem(T* tile, int row_elems, const fl
 //   dQ += dS K             : warps 4 (queries) x 2 (head dim), tiles (BLOCK_M / 4) x (HEAD_DIM / 2)
 // P and dS cross between the layouts through shared memory ([BLOCK_M][BLOCK_N], padded rows).
 //
-// Its shared memory, offsets in elements of T: K, V [BLOCK_N][kRow]; Q, dO [2][BLOCK_M][kRow]; P, dS
-// [BLOCK_M][kPRow]; then lse, delta [2][BLOCK_M] float32. kBytes is what the launch gives it
+// Its shared memory, offsets in elements of T: K, V [BLOCK_N][kRow]; Q, dO [STAGES][BLOCK_M][kRow]; P, dS
+// [BLOCK_M][kPRow]; then lse, delta [STAGES][BLOCK_M] float32. kBytes is what the launch gives it
 // (_config.mma_smem_bytes; tests/test_compile.py checks the two agree for every spec).
 constexpr int kDkdvTiledThreads = 256;   // 8 warps; _config.DKDV_TILED_THREADS
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct DkdvTiledSmem {
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES> struct DkdvTiledSmem {
     static constexpr int kRow = PaddedRow<HEAD_DIM>::kElems, kPRow = PaddedRow<BLOCK_N>::kElems;
-    static constexpr int kV = BLOCK_N * kRow, kQ = kV + BLOCK_N * kRow, kDo = kQ + 2 * BLOCK_M * kRow;
-    static constexpr int kP = kDo + 2 * BLOCK_M * kRow, kDs = kP + BLOCK_M * kPRow, kStats = kDs + BLOCK_M * kPRow;
-    static constexpr int kBytes = kStats * static_cast<int>(sizeof(T)) + 4 * BLOCK_M * static_cast<int>(sizeof(float));
+    static constexpr int kV = BLOCK_N * kRow, kQ = kV + BLOCK_N * kRow, kDo = kQ + STAGES * BLOCK_M * kRow;
+    static constexpr int kP = kDo + STAGES * BLOCK_M * kRow, kDs = kP + BLOCK_M * kPRow, kStats = kDs + BLOCK_M * kPRow;
+    static constexpr int kBytes = kStats * static_cast<int>(sizeof(T)) +
+                                  2 * STAGES * BLOCK_M * static_cast<int>(sizeof(float));
 };
 
-template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, bool ATOMIC_DQ, bool VARLEN>
+template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, int STAGES, bool ATOMIC_DQ,
+          bool VARLEN>
 __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PARAMS(CUFLASH_BWD_FIELDS)) {
     constexpr int kThreads = kDkdvTiledThreads;
     constexpr int kRow = PaddedRow<HEAD_DIM>::kElems;
@@ -162,7 +165,8 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
                   "every warp tile is made of 16 x 16 mma blocks");
     constexpr bool kDropout = (MODS & kModDropout) != 0;
 
-    using Smem = DkdvTiledSmem<T, HEAD_DIM, BLOCK_M, BLOCK_N>;
+    static_assert(STAGES == 1 || STAGES == 2, "one or two Q/dO stages");
+    using Smem = DkdvTiledSmem<T, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T* k_s = reinterpret_cast<T*>(smem_raw);
     T* v_s = k_s + Smem::kV;
@@ -171,7 +175,7 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
     T* p_s = k_s + Smem::kP;
     T* ds_s = k_s + Smem::kDs;
     float* lse_s = reinterpret_cast<float*>(k_s + Smem::kStats);
-    float* delta_s = lse_s + 2 * BLOCK_M;
+    float* delta_s = lse_s + STAGES * BLOCK_M;
 
     const KeyBlock blk(BLOCK_N, heads / group, seqlen_k, dq_splits, dq_pass);
     if (blk.n0 >= seqlen_k) return;   // the split grid's last pass: this split has no key block left
@@ -215,15 +219,20 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
     zero(dv_acc);
 
     int h_step = 0, m_step = 0;   // step s's head in the group and query tile (no division per step)
+    // step s + 1's copies into its stage: with two stages at the start of step s, with one at its end (under
+    // its dQ product they made ptxas spill 16-60 bytes at 224 and 256 on sm_80, NVRTC 13.0)
+    auto load_next = [&](int s) {
+        if (s + 1 < steps) {
+            const bool last_tile = m_step + 1 == query_tiles.count;
+            load_step(h_step + last_tile, last_tile ? 0 : m_step + 1, (s + 1) & (STAGES - 1));
+        }
+        cp_async_commit();
+    };
     for (int s = 0; s < steps; ++s) {
         cp_async_wait<0>();
         __syncthreads();   // stage s has landed; every warp is done with step s - 1's P, dS and stage
-        if (s + 1 < steps) {
-            const bool last_tile = m_step + 1 == query_tiles.count;
-            load_step(h_step + last_tile, last_tile ? 0 : m_step + 1, (s + 1) & 1);
-        }
-        cp_async_commit();
-        const int stage = s & 1;
+        if constexpr (STAGES == 2) load_next(s);
+        const int stage = s & (STAGES - 1);   // STAGES is 1 or 2
         const int m0 = query_tiles.begin + m_step * BLOCK_M;
         const ScoreMod<MODS> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b,
                                  h_kv * group + h_step);
@@ -385,13 +394,17 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
                 dq_accum_add<HEAD_DIM>(dq_head, m0 + q_row0, q_col0 + c0, dq_part, lane);
             }
         }
+        if constexpr (STAGES == 1) {
+            __syncthreads();   // every warp is done with the stage (Q, dO, lse, delta)
+            load_next(s);
+        }
         if (++m_step == query_tiles.count) {
             m_step = 0;
             ++h_step;
         }
     }
     // Epilogue: dK (scaled) and dV staged as T in the Q/dO stages, then stored as 16-byte chunks.
-    static_assert(2 * BLOCK_N <= 4 * BLOCK_M, "dK and dV are staged where the Q and dO stages were");
+    static_assert(2 * BLOCK_N <= 2 * STAGES * BLOCK_M, "dK and dV are staged where the Q and dO stages were");
     cp_async_wait<0>();
     __syncthreads();   // every warp is done with the stages
     T* dk_stage = q_s;
