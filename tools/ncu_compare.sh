@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Nsight Compute on one bench cell per (impl, pass) pair: the sections that say where a kernel's time
 # goes (speed of light, pipes, shared-memory wavefronts and conflicts, warp stalls, issue slots).
-#   bash tools/ncu_compare.sh HEAD_DIM SEQLEN [--causal] [--feature NAME] -- IMPL:PASS ...
+#   bash tools/ncu_compare.sh HEAD_DIM SEQLEN [--causal] [--feature NAME] [--portable] -- IMPL:PASS ...
 # e.g. bash tools/ncu_compare.sh 128 4096 -- cuflash:fwd torch-flash:fwd cuflash:bwd torch-flash:bwd
 #      bash tools/ncu_compare.sh 128 8192 --feature dropout0.1 -- cuflash:fwd   (a features-suite column, causal)
+#      bash tools/ncu_compare.sh 256 8192 --portable -- cuflash:bwd   (cuflash without the Hopper kernels)
 # Writes $CUFLASH_OUT/ncu-<impl>-<pass>-d<head_dim>-<seqlen>[-<options>].txt (default ./ncu-out). The clocks
 # are left as the GPU runs them (--clock-control none), as the benchmark measures them.
 export PYTHONPATH=. PYTHONUNBUFFERED=1

@@ -2,12 +2,13 @@
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \\
         python3 tools/ncu_probe.py --impl cuflash --pass fwd --head-dim 128 --seqlen 4096 [--causal]
-        [--feature dropout0.1]
+        [--feature dropout0.1] [--portable]
 
 Shapes follow FlashAttention's grid (batch * seqlen = 16k tokens, heads * head_dim = 2048), as in
 ``python -m bench``. ``--feature`` takes a column of the features suite (``bench.features.FEATURES``: a
-window, softcap, ALiBi, sinks or dropout; every feature is causal). The profiled range holds exactly one call
-of the implementation, so ncu reports its kernels and nothing of the warm-up or the input generation.
+window, softcap, ALiBi, sinks or dropout; every feature is causal). ``--portable`` plans cuflash as on a GPU
+without tensor maps (the ``mma.sync`` kernels an A100 runs). The profiled range holds exactly one call of the
+implementation, so ncu reports its kernels and nothing of the warm-up or the input generation.
 """
 
 from __future__ import annotations
@@ -32,7 +33,11 @@ def main():
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--feature", choices=sorted(BY_NAME), help="a features-suite column (causal)")
+    parser.add_argument("--portable", action="store_true", help="cuflash without the Hopper kernels")
     args = parser.parse_args()
+    if args.portable:
+        from feature_ab import without_hopper_kernels
+        without_hopper_kernels("cuflash")
     feature = BY_NAME[args.feature] if args.feature else None
 
     heads = WIDTH // args.head_dim

@@ -5,9 +5,9 @@
 where given) in the compile check (``_config.all_specs`` of the A100 and H100 tables) in both
 trees, each tree a folder holding a ``cuflash`` package, and compares each spec's kernel body with
 parameter declarations and names, register numbers and labels normalized: a kernel whose parameter list
-grew but whose code did not compares equal. Specs are matched by their fields (a field the other tree's
-KernelSpec lacks counts where it is set). Prints each spec whose body differs and the counts; exits 1 when
-one does. Use it to show that a change left a kernel family's code alone (bench/NOTES.md, decoding).
+grew but whose code did not compares equal. Specs are matched by the fields set away from their defaults
+(so a field the other tree's KernelSpec lacks counts only where it is set). Prints each spec whose body
+differs and the counts; exits 1 when one does. Use it to show that a change left a kernel family's code alone (bench/NOTES.md, decoding).
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ found = {}
 for device in (_config.A100, _config.H100):
     for spec in _config.all_specs(device):
         if spec.kernel == sys.argv[2]:
-            fields = {k: (v.name if k == "dtype" else v) for k, v in dataclasses.asdict(spec).items()
-                      if v or k in ("mask", "mods")}
+            values = dataclasses.asdict(spec)
+            fields = {f.name: (values[f.name].name if f.name == "dtype" else values[f.name])
+                      for f in dataclasses.fields(spec)
+                      if values[f.name] != f.default or f.name in ("mask", "mods")}
             arch = "compute_90a" if getattr(spec, "arch_specific", False) else "compute_90"
             found[json.dumps(fields, sort_keys=True, default=str)] = (spec.name, spec.source_file, arch)
 print(json.dumps(found))
