@@ -418,3 +418,21 @@ def test_kvcache_tiles_halve_where_the_blocks_fill_the_gpu():
     assert block_n(96, 10**4) == 128  # two 128-key blocks fit an SM at head_dim 96
     assert block_n(64, 10**4) == 128  # three 128-key blocks fit an SM at head_dim 64
     assert block_n(256, 10**4) == 64  # past head_dim 128 the tile is 64 keys either way
+
+
+def test_the_test_plans_replace_what_they_name():
+    from tests.conftest import TEST_PLANS, _plan_as
+
+    hopper = _config.H100
+    assert TEST_PLANS["native"](hopper) == hopper
+    assert TEST_PLANS["portable"](hopper) == dataclasses.replace(hopper, tensor_maps=False)
+    a100 = TEST_PLANS["a100"](hopper)
+    assert (a100.tensor_maps, a100.max_smem_per_block, a100.compute_capability) == (
+        False, _config.A100.max_smem_per_block, hopper.compute_capability)
+    # the A100 plan on an H100 picks the A100's backward kernels wherever they follow shared memory
+    for head_dim in (128, 192, 224):
+        assert choose_config(head_dim, BFLOAT16, True, a100).bwd_dkdv == \
+            choose_config(head_dim, BFLOAT16, True, _config.A100).bwd_dkdv
+    with pytest.raises(pytest.UsageError, match="CUFLASH_TEST_PLAN"):
+        _plan_as("a10")
+

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One pass over a GPU machine: warm the kernel cache, run the whole test suite, then the given benchmark
 # command. Logs and the benchmark's results (results.tgz) land in $CUFLASH_OUT (default ./gpu-run-out).
-# The suite runs as eight pytest processes side by side, each under SUITE_TIMEOUT seconds (default 300): the
+# The suite runs as eleven pytest processes side by side, each under SUITE_TIMEOUT seconds (default 300): the
 # dropout cases of test_features, its fuzzed cases and the rest of it, test_attention, test_backward,
 # test_kvcache, test_gpu with test_varlen, then the rest (220-270 s on an H200 machine of 16 cores as seven
-# groups, the fuzzed features with the others; the float64 reference checks are CPU-bound). The compile check
-# is left out: it needs no GPU, and CI runs it.
+# groups, the fuzzed features with the others; the float64 reference checks are CPU-bound); then
+# test_backward, test_features without its fuzzed cases, and test_varlen once more with an A100's plan
+# (CUFLASH_TEST_PLAN=a100, tests/conftest.py: on a Hopper GPU, the portable kernels at an A100's tiles, which
+# its own plan leaves out). The compile check is left out: it needs no GPU, and CI runs it.
 # PYTEST_ARGS adds pytest options; SKIP_TESTS=1 skips the tests. Run from the repository's root:
 #   bash tools/gpu_run.sh [bench args...]      e.g. bash tools/gpu_run.sh grid memory
 set -o pipefail
@@ -25,12 +27,14 @@ if [ -z "$SKIP_TESTS" ]; then
   for f in $files; do rest="$rest --ignore=$f"; done
   status=0
   pids=()
-  group() {   # group INDEX PYTEST_ARGS...: one pytest process in the background, its pid in pids
+  # group INDEX PYTEST_ARGS...: one pytest process in the background, its pid in pids; PLAN=NAME before it
+  # sets its CUFLASH_TEST_PLAN
+  group() {
     local index=$1
     shift
     # shellcheck disable=SC2086  # PYTEST_ARGS may be several words
-    timeout "${SUITE_TIMEOUT:-300}" python3 -m pytest "$@" -q -p no:cacheprovider -rfE ${PYTEST_ARGS} \
-      > "$OUT/pytest.$index.log" 2>&1 &
+    CUFLASH_TEST_PLAN=${PLAN:-native} timeout "${SUITE_TIMEOUT:-300}" \
+      python3 -m pytest "$@" -q -p no:cacheprovider -rfE ${PYTEST_ARGS} > "$OUT/pytest.$index.log" 2>&1 &
     pids+=($!)
   }
   group 0 tests/test_features.py -k dropout
@@ -42,6 +46,9 @@ if [ -z "$SKIP_TESTS" ]; then
   group 5 tests/test_gpu.py tests/test_varlen.py
   # shellcheck disable=SC2086  # rest is several words
   group 6 tests $rest
+  PLAN=a100 group 8 tests/test_backward.py
+  PLAN=a100 group 9 tests/test_features.py -k "not fuzzed"
+  PLAN=a100 group 10 tests/test_varlen.py
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
   for log in "$OUT"/pytest.*.log; do
     echo "$log: $(tail -n 1 "$log")"
