@@ -130,9 +130,11 @@ __device__ __forceinline__ void store_tile_smem(T* tile, int row_elems, const fl
 // the five products of a step spreads over all 8 warps as a 2-D grid of warp tiles, so every fragment
 // read from shared memory feeds several mma instructions:
 //   S = Q K^T, dP = dO V^T : warps 2 (queries) x 4 (keys), tiles (BLOCK_M / 2) x (BLOCK_N / 4)
-//   dV += P^T dO, dK += dS^T Q : warps 4 (keys) x 2 (head dim), tiles (BLOCK_N / 4) x (HEAD_DIM / 2),
-//                            the accumulators live in registers for the whole block
-//   dQ += dS K             : warps 4 (queries) x 2 (head dim), tiles (BLOCK_M / 4) x (HEAD_DIM / 2)
+//   dV += P^T dO, dK += dS^T Q : warps 4 (keys) x 2 (head dim), tiles (BLOCK_N / 4) x (HEAD_DIM / 2), or
+//                            2 x 4 at 192 and 256 (kRowWarps); the accumulators live in registers for the
+//                            whole block
+//   dQ += dS K             : warps 4 (queries) x 2 (head dim), tiles (BLOCK_M / 4) x (HEAD_DIM / 2), or 2 x 4
+//                            as dK and dV
 // P and dS cross between the layouts through shared memory ([BLOCK_M][BLOCK_N], padded rows).
 //
 // Its shared memory, offsets in elements of T: K, V [BLOCK_N][kRow]; Q, dO [STAGES][BLOCK_M][kRow]; P, dS
