@@ -435,4 +435,3 @@ def test_the_test_plans_replace_what_they_name():
             choose_config(head_dim, BFLOAT16, True, _config.A100).bwd_dkdv
     with pytest.raises(pytest.UsageError, match="CUFLASH_TEST_PLAN"):
         _plan_as("a10")
-

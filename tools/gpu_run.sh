@@ -49,8 +49,8 @@ if [ -z "$SKIP_TESTS" ]; then
   group 6 tests $rest
   PLAN=a100 group 8 tests/test_backward.py
   PLAN=a100 group 9 tests/test_features.py -k "not fuzzed and not dropout"
-  PLAN=a100 group 11 tests/test_features.py -k "dropout and not fuzzed"
   PLAN=a100 group 10 tests/test_varlen.py
+  PLAN=a100 group 11 tests/test_features.py -k "dropout and not fuzzed"
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
   for log in "$OUT"/pytest.*.log; do
     echo "$log: $(tail -n 1 "$log")"

@@ -7,7 +7,8 @@ trees, each tree a folder holding a ``cuflash`` package, and compares each spec'
 parameter declarations and names, register numbers and labels normalized: a kernel whose parameter list
 grew but whose code did not compares equal. Specs are matched by the fields set away from their defaults
 (so a field the other tree's KernelSpec lacks counts only where it is set). Prints each spec whose body
-differs and the counts; exits 1 when one does. Use it to show that a change left a kernel family's code alone (bench/NOTES.md, decoding).
+differs and the counts; exits 1 when one does. Use it to show that a change left a kernel family's code
+alone (bench/NOTES.md, decoding).
 """
 
 from __future__ import annotations
