@@ -83,9 +83,6 @@ DKDV_TILED_THREADS = 256
 #: head dim only one of them fits, and dK and dV are computed by two launches. (bwd_dkdv_mma, 8 warps
 #: sharing them, serves every head dim where its tiles fit in shared memory.)
 MMA_BACKWARD_FUSED_HEAD_DIM = 128
-#: the largest head dim at which bwd_dkdv_mma runs with one query-tile stage where two do not fit: at 224 and
-#: 256 it spilled 4-48 bytes on sm_80 (NVRTC 13.0), where the rows kernel serves instead
-DKDV_ONE_STAGE_MAX_HEAD_DIM = 192
 DKDV_BOTH, DKDV_DV_ONLY, DKDV_DK_ONLY = 0, 1, 2
 #: the float32 dQ buffer of the backwards that add dQ with atomics pads each head's rows to a multiple of
 #: this (mirrors ``DqAccum::kRowMultiple`` in kernels/common.cuh; at least the block_m of every dK/dV kernel)
@@ -375,15 +372,23 @@ def dkdv_specs(kernel: str, dtype, head_dim: int, mask: int, block_m: int, block
                           mods=mods) for part, adds_dq in rows_dkdv_launches(head_dim, atomic_dq))
 
 
+def one_stage_dkdv_fits(head_dim: int, mask: int, mods: int) -> bool:
+    """Does bwd_dkdv_mma with one query-tile stage compile without a spill on sm_80 (where an A100 needs it)? At
+    head_dim 192; at 256 without a window or score modifiers (its dQ in slices of 16 columns, kernels/bwd_mma.cu).
+    Compiled for every mask and modifier, dense and packed, dQ added or not (NVRTC 13.0): 256 spilled 4-40 bytes
+    under a window or with any modifier, 224 4-48 bytes with either stage count (its 4 x 2 warp grid)."""
+    return head_dim == 192 or head_dim == 256 and mask != MASK_WINDOW and not mods
+
+
 def _tiled_dkdv_spec(dtype, head_dim: int, mask: int, device: DeviceProps,
                      atomic_dq: bool, mods: int = 0) -> KernelSpec | None:
     """bwd_dkdv_mma's spec, or None where it does not serve (too little shared memory for its tiles: A100
-    and RTX 4090 at head_dim 128, RTX 4090 past it). Two query-tile stages where they fit; past
-    MMA_BACKWARD_FUSED_HEAD_DIM one where two do not, up to DKDV_ONE_STAGE_MAX_HEAD_DIM (A100 at 192,
-    FlashAttention-2's answer there), rather than the rows kernel's two launches. Up to the fused head dim the
-    rows kernel's one launch stays (not measured against)."""
+    and RTX 4090 at head_dim 128, RTX 4090 past it). Two query-tile stages where they fit; one where two do
+    not and one_stage_dkdv_fits (an A100 at 192 and 256, FlashAttention-2's answer there), rather than the rows
+    kernel's two launches. Up to the fused head dim the rows kernel's one launch stays (not measured
+    against)."""
     block_m, block_n = _mma_backward_tiles("bwd_dkdv_mma", head_dim, mask, mods)
-    one_stage = MMA_BACKWARD_FUSED_HEAD_DIM < head_dim <= DKDV_ONE_STAGE_MAX_HEAD_DIM
+    one_stage = one_stage_dkdv_fits(head_dim, mask, mods)
     for stages in (2, 1) if one_stage else (2,):
         spec, = dkdv_specs("bwd_dkdv_mma", dtype, head_dim, mask, block_m, block_n, atomic_dq, mods, stages)
         if spec.smem_bytes <= device.max_smem_per_block:

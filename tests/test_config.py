@@ -143,15 +143,25 @@ def test_warp_pairs_serve_only_where_measured():
 
 
 def test_tiles_shrink_to_fit_shared_memory():
-    # head_dim 256, dK/dV: the tiled kernel's 64 x 64 needs 222208 bytes (an H100's 227 KB, not an A100's 163);
-    # the rows kernel's 16 x 64 101632, 2 KB past an RTX 4090's 99 KB; A100 keeps it
+    # head_dim 256, dK/dV: the tiled kernel's 64 x 64 needs 222208 bytes with two query-tile stages (an H100's
+    # 227 KB, not an A100's 163) and 154112 with one (an A100 takes it); the rows kernel's 16 x 64 101632, 2 KB
+    # past an RTX 4090's 99 KB
     h100 = choose_config(256, BFLOAT16, True, _config.H100).bwd_dkdv[0]
-    assert (h100.kernel, h100.block_m, h100.block_n, h100.smem_bytes) == ("bwd_dkdv_mma", 64, 64, 222208)
+    assert (h100.kernel, h100.stages, h100.block_m, h100.block_n, h100.smem_bytes) == ("bwd_dkdv_mma", 2, 64, 64,
+                                                                                         222208)
     a100 = choose_config(256, BFLOAT16, True, _config.A100).bwd_dkdv[0]
+    assert (a100.kernel, a100.stages, a100.block_m, a100.block_n, a100.smem_bytes) == ("bwd_dkdv_mma", 1, 64, 64,
+                                                                                         154112)
     rtx = choose_config(256, BFLOAT16, True, _config.RTX_4090).bwd_dkdv[0]
-    assert a100.kernel == rtx.kernel == "bwd_dkdv_rows_mma"
-    assert rtx.smem_bytes <= _config.RTX_4090.max_smem_per_block < a100.smem_bytes
-    assert rtx.block_m == a100.block_m == 16 and rtx.block_n < a100.block_n  # the streamed tile is at 16
+    assert rtx.kernel == "bwd_dkdv_rows_mma" and rtx.block_m == 16
+    assert rtx.smem_bytes <= _config.RTX_4090.max_smem_per_block
+    # where one stage spilled on sm_80 an A100 keeps the rows kernel (_config.one_stage_dkdv_fits): 224, and 256
+    # under a window or with a score modifier
+    for head_dim, mask, mods in ((224, True, 0), (256, _config.MASK_WINDOW, 0), (256, True, _config.MOD_ALIBI),
+                                 (256, False, _config.MOD_DROPOUT)):
+        assert choose_config(head_dim, BFLOAT16, mask, _config.A100, mods).bwd_dkdv[0].kernel == "bwd_dkdv_rows_mma"
+    assert choose_config(192, BFLOAT16, _config.MASK_WINDOW, _config.A100,
+                         _config.MOD_SOFTCAP | _config.MOD_DROPOUT).bwd_dkdv[0].stages == 1
 
 
 def test_small_smem_devices_get_smaller_simt_tiles():
@@ -194,9 +204,9 @@ def test_spec_names_are_template_instances():
     assert cfg.bwd_preprocess.name == "cuflash::bwd_preprocess<__half>"
     assert cfg.bwd_dkdv[0].name == "cuflash::bwd_dkdv_mma<__half, 64, 1, 0, 128, 128, 2, false, false>"
     assert cfg.bwd_dkdv_atomic[0].name.endswith(", 128, 128, 2, true, false>")
-    rows = choose_config(256, np.float16, True, _config.A100).bwd_dkdv_atomic
-    assert [s.name for s in rows] == ["cuflash::bwd_dkdv_rows_mma<__half, 256, 1, 0, 16, 64, 1, false, false>",
-                                      "cuflash::bwd_dkdv_rows_mma<__half, 256, 1, 0, 16, 64, 2, true, false>"]
+    rows = choose_config(224, np.float16, True, _config.A100).bwd_dkdv_atomic
+    assert [s.name for s in rows] == ["cuflash::bwd_dkdv_rows_mma<__half, 224, 1, 0, 16, 64, 1, false, false>",
+                                      "cuflash::bwd_dkdv_rows_mma<__half, 224, 1, 0, 16, 64, 2, true, false>"]
     assert cfg.bwd_dq_convert.name == "cuflash::bwd_dq_convert<__half, 64, false>"
     # the forward takes every modifier; the backward kernels all but the sinks (they read them through lse)
     mods = choose_config(64, np.float16, _config.MASK_WINDOW, H100_MMA, _config.SCORE_MODS | _config.MOD_SINKS)
@@ -351,7 +361,7 @@ def test_deterministic_dq_splits_leave_too_few_pairs_to_the_dq_kernel():
     assert _config.deterministic_dq_splits(cfg, 200, 128, 132) == 0   # one key block: no split to add
 
 
-@pytest.mark.parametrize("head_dim, device", [(256, _config.A100), (128, _config.A100)])
+@pytest.mark.parametrize("head_dim, device", [(224, _config.A100), (128, _config.A100)])
 def test_split_grid_needs_the_tiled_dkdv_kernel(head_dim, device):
     # the rows kernel (where the tiled one's shared memory does not fit) has one key block per thread block
     cfg = choose_config(head_dim, BFLOAT16, False, device)

@@ -374,10 +374,11 @@ __global__ void __launch_bounds__(kDkdvTiledThreads, 1) bwd_dkdv_mma(CUFLASH_PAR
 
         if constexpr (ATOMIC_DQ) {
             // dQ[query tile] += dS K over this block's keys, added into dq_accum (float32); past head_dim 128
-            // kDqCols columns of the warp's tile at a time (dq_slice_cols: at most 32 floats a thread), in a
-            // loop ptxas keeps rolled: the whole tile beside dK and dV, or its slices unrolled, spilled 16-64
-            // bytes at 256 (sm_80 and sm_90, NVRTC 13.0)
-            constexpr int kDqWide = HEAD_DIM <= 128 ? 64 : 64 * 16 / kQM;
+            // kDqCols columns of the warp's tile at a time (dq_slice_cols: at most 32 floats a thread, 16 at 256
+            // with one stage, which an A100 runs: 32 spilled 16-48 bytes there on sm_80), in a loop ptxas keeps
+            // rolled: the whole tile beside dK and dV, or its slices unrolled, spilled 16-64 bytes at 256 (sm_80
+            // and sm_90, NVRTC 13.0)
+            constexpr int kDqWide = (HEAD_DIM <= 128 ? 64 : 64 * 16 / kQM) / (STAGES == 1 && HEAD_DIM == 256 ? 2 : 1);
             constexpr int kDqCols = kQD <= kDqWide ? kQD : dq_slice_cols(kQD, kDqWide);
             float* const dq_head = dq_accum + DqAccum::head(blk.split, batch, b, heads, h_kv * group + h_step, seq,
                                                             seqlen_q, HEAD_DIM);
