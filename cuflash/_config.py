@@ -591,8 +591,7 @@ def wgmma_dkdv_smem_bytes(head_dim: int, itemsize: int = 2) -> int:
 def wgmma_dkdv_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: int = 0) -> KernelSpec | None:
     """The Hopper dK/dV kernel with atomic dQ (bwd_dkdv_wgmma), or None where it does not serve: as the Hopper
     forward (wgmma_forward_spec), and only at the padded head dims 64, 128 and 256 (33..64, 97..128 and 225..256,
-    multiples of 8). The deterministic backward runs its ordered form (ordered_dq_kernel) at 64 and 128, and it on
-    the split grid at 256 (split_grid_kernel)."""
+    multiples of 8). The deterministic backward runs its ordered form (ordered_dq_kernel)."""
     dtype = np.dtype(dtype)
     d = padded_head_dim(head_dim)
     if (device.compute_capability != 90 or not device.tensor_maps or dtype == np.float32
@@ -786,8 +785,8 @@ MIN_SPLIT_GRID_FILL = 0.9
 #: floats of the float32 dQ buffer per int32 count of the ordered form (DqAccum::kShare: 16 rows by 64 columns)
 DQ_ACCUM_SHARE = 16 * 64
 #: the head dims at which the deterministic backward runs bwd_dkdv_wgmma's ordered form (ordered_dq_kernel):
-#: those whose dQ leaves by the bulk adds (kBulkDq in bwd_wgmma.cu; at 256 the split grid serves)
-ORDERED_DQ_HEAD_DIMS = (64, 128)
+#: all of the kernel's (at 256 its dQ shares are staged in the step's Q and dO: kStagedDq in bwd_wgmma.cu)
+ORDERED_DQ_HEAD_DIMS = (64, 128, 256)
 #: the head dim at which bwd_dkdv_wgmma's consumers each add dQ of their own keys (kDqOwnKeys in bwd_wgmma.cu):
 #: two adds into each element of a launch, so the split grid cannot take the kernel there
 WGMMA_DQ_OWN_KEYS_HEAD_DIM = 64
@@ -798,9 +797,9 @@ def ordered_dq_kernel(cfg: AttentionConfig) -> KernelSpec | None:
     ordered form, which adds each 16 x 64 share of dQ in key-block order, counting the adds in one int32 per
     share (bwd_wgmma.cu); None where it does not serve (then ``deterministic_dq_splits``).
 
-    On the H200 its forward plus backward runs at 0.88-0.98x the default's at head_dim 64 and 0.92-1.02x at
-    128, where the split grid ran at 0.80-0.95x and 0.75-0.95x (FlashAttention's grid, seqlen 512-16k, causal
-    and not, bfloat16 and float16; bench/NOTES.md b10)."""
+    On the H200 its forward plus backward runs at 0.88-0.98x the default's at head_dim 64, 0.92-1.02x at 128
+    and 0.85-1.00x at 256, where the split grid ran at 0.80-0.95x, 0.75-0.95x and 0.43-0.79x (FlashAttention's
+    grid, seqlen 512-16k, causal and not, bfloat16 and float16; bench/NOTES.md b10, b16)."""
     hopper = cfg.bwd_dkdv_wgmma
     if hopper is not None and hopper.head_dim in ORDERED_DQ_HEAD_DIMS:
         return dataclasses.replace(hopper, ordered_dq=True)
@@ -946,8 +945,8 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
     device with tensor maps, both forwards: the Hopper kernel and its mma.sync fallback, and the Hopper
     forward's three-consumer head_dim 64 tile with dropout (WGMMA_SPILLING_MODS; the covering set's modifiers
     without dropout take it already), and beside each backward the deterministic backward's own form where it
-    has one (bwd_dkdv_wgmma's ordered form at head_dim 64 and 128). Not the cross product of the modifiers: 16
-    combinations per kernel. The KV-cache forward likewise (contiguous and on the smallest pages, plain and
+    has one (bwd_dkdv_wgmma's ordered form). Not the cross product of the modifiers: 16 combinations per
+    kernel. The KV-cache forward likewise (contiguous and on the smallest pages, plain and
     under a window with every modifier), the packed-batch kernels (below) with the Hopper forward's
     varlen_order per mask kind, merge_parts for each dtype and append_rotary for each dtype of the KV-cache
     forward."""

@@ -274,9 +274,10 @@ def test_all_specs_are_distinct_and_cover_the_table():
     # with and without dropout (bfloat16, 2 masks); packed: bfloat16, as the forward
     hopper_dkdv = [s for s in specs if s.kernel == "bwd_dkdv_wgmma"]
     assert {s.head_dim for s in hopper_dkdv} == {64, 128, 256}
-    # each at head_dim 64 and 128 also in the deterministic backward's ordered form
-    assert sum(not s.varlen for s in hopper_dkdv) == 5 * (2 * masks + 2 * 2)
-    assert sum(s.varlen for s in hopper_dkdv) == 5 * 3
+    # each also in the deterministic backward's ordered form
+    forms = 2 * len(_config.WGMMA_DKDV_HEAD_DIMS)
+    assert sum(not s.varlen for s in hopper_dkdv) == forms * (2 * masks + 2 * 2)
+    assert sum(s.varlen for s in hopper_dkdv) == forms * 3
     assert {s.head_dim for s in hopper_dkdv if s.ordered_dq} == set(_config.ORDERED_DQ_HEAD_DIMS)
     # the Hopper forward's item order of packed batches (varlen_order), one per mask kind
     assert sorted(s.mask for s in specs if s.kernel == "varlen_order") == sorted(_config.MASK_KINDS)

@@ -113,8 +113,16 @@ def test_features(xp, rng, shape, dtype, spec):
 
 
 @pytest.mark.parametrize("spec", [FEATURES["everything"], FEATURES["causal_window"]], ids=["everything", "causal_window"])
-def test_features_deterministic_backward_is_bitwise_reproducible(xp, rng, spec):
-    shape = (2, 150, 170, 4, 2, 64)
+@pytest.mark.parametrize("shape", [(2, 113, 203, 2, 2, 64), (1, 130, 130, 2, 2, 256)], ids=str)
+def test_features_deterministic_backward(xp, rng, shape, spec):
+    # on sm_90 the Hopper kernel's ordered form (at 256 with its dQ staged in the step's Q and dO)
+    check_features(xp, rng, shape, BF16, spec, deterministic=True)
+
+
+@pytest.mark.parametrize("spec", [FEATURES["everything"], FEATURES["causal_window"]], ids=["everything", "causal_window"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_features_deterministic_backward_is_bitwise_reproducible(xp, rng, spec, head_dim):
+    shape = (2, 150, 170, 4, 2, head_dim)
     q, k, v = make_qkv(xp, rng, shape[0], shape[1], shape[2], shape[3], shape[4], shape[5], BF16)
     options = make_options(xp, rng, shape[0], shape[3], spec)
     causal = spec.get("causal", False)

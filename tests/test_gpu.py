@@ -57,9 +57,9 @@ def _assert_reproducible(cp, args, runs, **options):
                          [(way, d) for way in ("split_grid", "dq_kernel") for d in (64, 128, 256)])
 def test_deterministic_backward_is_bitwise_reproducible(cp, rng, monkeypatch, request, way, head_dim):
     args = _large_backward_inputs(cp, rng, head_dim, causal=True)
-    # the Hopper kernel's ordered form serves at head_dim 64 and 128 on sm_90; elsewhere these 32 (batch, kv
-    # head) pairs take the split grid on GPUs of up to ~280 SMs (at head_dim 256 on sm_90, the Hopper
-    # kernel's); the dQ kernel serves where too few pairs would leave SMs idle. Each way forced here.
+    # the Hopper kernel's ordered form serves on sm_90; elsewhere these 32 (batch, kv head) pairs take the split
+    # grid on GPUs of up to ~280 SMs (on sm_90, forced, the Hopper kernel's at 128 and 256); the dQ kernel serves
+    # where too few pairs would leave SMs idle. Each way forced here.
     props = _cupy_path.device_props(cp.cuda.Device().id)
     cfg = _config.choose_config(head_dim, BF16, True, props)
     if way == "ordered" and _config.ordered_dq_kernel(cfg) is None:
@@ -76,7 +76,7 @@ def test_deterministic_backward_is_bitwise_reproducible(cp, rng, monkeypatch, re
     _assert_reproducible(cp, args, 50, causal=True)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", _config.ORDERED_DQ_HEAD_DIMS)
 def test_ordered_dq_is_bitwise_reproducible_under_a_window(cp, rng, head_dim):
     # a left window bound: a query tile's first key block is not block 0 (the ordered form counts from it), and
     # more keys than queries move the diagonal

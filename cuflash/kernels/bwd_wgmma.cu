@@ -2,15 +2,15 @@
 // specialization. The algorithm is bwd_dkdv_mma's (bwd_mma.cu) with dQ added into the float32 buffer (DqAccum)
 // and bwd_dq_convert after it;
 // head_dim 64, 128 and 256, float16/bfloat16, every mask, score modifier and dropout (the plan runs the
-// mma.sync kernels for the rest). deterministic=True runs its ordered form (ORDERED_DQ, below) up to head_dim
-// 128 and the split grid (KeyBlock) at 256.
+// mma.sync kernels for the rest). deterministic=True runs its ordered form (ORDERED_DQ, below).
 //
 // One thread block owns BLOCK_N keys of one (batch, kv head) (KeyBlock's banded grid) and walks the query tiles
 // of every head of its kv group that see them, BLOCK_M = 64 rows at a time (steps: head in group, query tile
 // fastest). Warpgroups:
 // - 0, the producer: thread 0 loads K and V once, then each step's Q and dO tiles by TMA into two stages;
 //   warp 1 copies the step's lse and delta (64 floats each) into the stage; the stage's "full" mbarrier
-//   completes on both, and it is refilled once both consumers have arrived on its "empty" one.
+//   completes on both, and it is refilled once both consumers (at 256: two lanes of the dQ writer, below) have
+//   arrived on its "empty" one.
 // - 1 and 2, the consumers, holding dK and dV of 64 keys in registers for the whole block. At head_dim 64 and
 //   128, BLOCK_N = 128 and each takes 64 keys (rows 64 cw.. of the block) and every column. At 256 (dK and dV
 //   of 64 keys would take 256 registers a thread), BLOCK_N = 64 and each takes every key and 128 columns (128
@@ -25,8 +25,12 @@
 //     dP does not reach it.
 //     dS^T into shared memory, then dQ = dS K (wgmma ss, both MN-major: dS^T's rows are keys, K's are keys),
 //     added into dq_accum (DqAccum's 16 x 8 tile order, in which a warp's share of 16 rows by 64 columns is
-//     contiguous): up to head_dim 128 each warp stores its share into its own shared buffer and one lane adds
-//     it by the TMA unit (one bulk reduce-add); at 256, where the buffers do not fit, with vector atomics.
+//     contiguous) by the TMA unit, one bulk reduce-add per share: up to head_dim 128 each warp stores its share
+//     into its own shared buffer and one lane adds it; at 256, where those buffers do not fit, each consumer
+//     stages its shares in its own column blocks of the step's Q (first pass) and dO (second pass), which its
+//     dK and dV products have read by then (the other consumer's read only its own blocks, and both S^T and
+//     dP^T are done before the consumers meet for dQ), and warp 2 of the producer warpgroup (the dQ writer)
+//     adds them and frees the stage once the adds have read it.
 //     At head_dim 128 the consumers meet (named barrier) and each takes 64 of the columns over all 128 keys;
 //     at 64 each takes its own 64 keys over all columns, and meets only its own warps; at 256 they meet and
 //     each takes its 128 columns over the 64 keys, 64 columns per pass.
@@ -36,12 +40,14 @@
 //   phase runs under the other's products.
 // Epilogue: dK times the softmax scale, and dV, stored from registers.
 //
-// The ordered form (deterministic, head_dim 64 and 128; after FlashAttention-3's dQ semaphores) keeps the
-// default's grid and its one dq_accum, and adds each share into it in key-block order: warp 2 of the producer
-// warpgroup, the dQ writer, takes the consumer warps' buffers (named barriers), waits until the share's count
-// in dq_order says that the key blocks below this one have added, adds, and counts. Key blocks wait only on
-// lower blockIdx.x (KeyBlock's banded grid numbers a head's key blocks upwards), which the GPU starts earlier.
+// The ordered form (deterministic; after FlashAttention-3's dQ semaphores) keeps the default's grid and its one
+// dq_accum, and adds each share into it in key-block order: warp 2 of the producer warpgroup, the dQ writer,
+// takes the consumer warps' buffers (named barriers), waits until the share's count in dq_order says that the
+// key blocks below this one have added, adds by the TMA unit, and counts (at head_dim 256 from the stage, as
+// the default's writer does). Key blocks wait only on lower blockIdx.x (KeyBlock's banded grid numbers a
+// head's key blocks upwards), which the GPU starts earlier.
 // The consumers never touch a count: on their path the round trips cost 20% (bench/NOTES.md b7).
+// The deterministic split grid (KeyBlock's dq_splits) runs the default's form at head_dim 128 and 256.
 #include "hopper.cuh"
 
 namespace cuflash {
@@ -51,11 +57,11 @@ constexpr int kBwdWgmmaStages = 2;   // Q/dO stages
 // bwd_dkdv_wgmma's shared memory, bytes (128-byte swizzled [rows][64] blocks as TMA writes them):
 // K, V [HEAD_DIM / 64][BLOCK_N][64]; Q, dO stages [2][HEAD_DIM / 64][BLOCK_M][64]; dS^T [2][BLOCK_N][BLOCK_M]
 // (BLOCK_M = 64: one 128-byte row per key); up to head_dim 128 (kBulkDq), each consumer warp's dQ share [16][64]
-// float in DqAccum's tile order; lse, delta stages [2][BLOCK_M] float; then the mbarriers: kv_full, q_full[2],
-// q_empty[2].
+// float in DqAccum's tile order (at 256 the shares are staged in the Q and dO stages: kStagedDq); lse, delta
+// stages [2][BLOCK_M] float; then the mbarriers: kv_full, q_full[2], q_empty[2].
 template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct BwdWgmmaSmem {
-    // dQ leaves through shared memory, added into dq_accum by the TMA unit, where it fits (at 256 two consumers'
-    // 32 KB do not fit beside the rest; there each thread adds its share with vector atomics)
+    // dQ leaves through buffers of its own, added into dq_accum by the TMA unit, where they fit (at 256 two
+    // consumers' 32 KB do not fit beside the rest; there the shares are staged in the step's Q and dO)
     static constexpr bool kBulkDq = HEAD_DIM <= 128;
     static constexpr int kColBlocks = HEAD_DIM / kSwizzleElems;
     static constexpr int kKVBlock = BLOCK_N * kSwizzleRowBytes, kKV = kColBlocks * kKVBlock;
@@ -87,7 +93,12 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     using Smem = BwdWgmmaSmem<HEAD_DIM, BLOCK_M, BLOCK_N>;
     constexpr int kConsumers = 2;
     constexpr bool kOrdered = ORDERED_DQ;
-    static_assert(!kOrdered || Smem::kBulkDq, "the ordered adds leave by the bulk adds' buffers (head_dim <= 128)");
+    // at head_dim 256 each consumer's dQ shares of a step (two passes of 4 warps' 16 x 64 floats) are staged in
+    // its column blocks of the step's Q and dO, one tensor per pass, and the dQ writer adds them
+    constexpr bool kStagedDq = !Smem::kBulkDq;
+    constexpr int kConsumerColBlocks = Smem::kColBlocks / kConsumers;
+    static_assert(!kStagedDq || (!kKeySplit && 4 * Smem::kDqWarp == kConsumerColBlocks * Smem::kQBlock),
+                  "a consumer's 4 warps' shares of one pass fill its column blocks of a Q or dO stage");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned k_s = smem_addr(smem_raw), v_s = k_s + Smem::kV, q_s = k_s + Smem::kQ, do_s = k_s + Smem::kDo;
     const unsigned ds_s = k_s + Smem::kDs, bars = k_s + Smem::kBarriers;
@@ -95,6 +106,11 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     const unsigned kv_full = bars;
     auto q_full = [&](int stage) { return bars + 8 * (1 + stage); };
     auto q_empty = [&](int stage) { return bars + 8 * (1 + kBwdWgmmaStages + stage); };
+    // kStagedDq: where warp `warp` of consumer `consumer` stages its share of dQ pass `pass` of a step in `stage`
+    auto staged_dq = [&](int stage, int consumer, int pass, int warp) {
+        return (pass == 0 ? q_s : do_s) + stage * Smem::kQStage + consumer * kConsumerColBlocks * Smem::kQBlock +
+               warp * Smem::kDqWarp;
+    };
 
     // the banded grid (dq_splits 0), or the deterministic split grid: block `split` adds into its own copy of
     // dq_accum, and one thread adds each element there (head_dim 128 and 256), so the sums are reproducible
@@ -108,10 +124,17 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     const QueryTiles<BLOCK_M, kOrdered && Window<MASK>::kMasked> query_tiles(window, n0, BLOCK_N, seq.seqlen_q, group);
     const int steps = query_tiles.steps;
     // dQ's named barriers in the ordered form: consumer warpgroup i of those whose warps' buffers the dQ writer
-    // adds (both at 128; at 64, where consumer 0 hands its part over, consumer 1) arrives on kDqFullBarrier + i
-    // once its buffers hold a step's shares, the writer on kDqEmptyBarrier + i once it has read them
+    // adds (both at 128 and 256; at 64, where consumer 0 hands its part over, consumer 1) arrives on
+    // dq_full(i, s) once its buffers hold step s's shares, the writer on kDqEmptyBarrier + i once it has read
+    // them. Staged (256), the stage is the buffer and the writer frees it (q_empty): with nothing to hold a
+    // consumer until the writer has taken step s, it may arrive for step s + 1 first, so dq_full alternates
+    // between two barriers by step (step s + 2 needs the stage that the writer frees after taking step s).
     constexpr int kDqWriters = HEAD_DIM == 64 ? 1 : kConsumers, kDqFullBarrier = 4;
-    constexpr int kDqEmptyBarrier = kDqFullBarrier + kDqWriters, kDqBarrierThreads = 128 + 32;
+    constexpr int kDqFullBarriers = kDqWriters * (kStagedDq ? kBwdWgmmaStages : 1);
+    constexpr int kDqEmptyBarrier = kDqFullBarrier + kDqFullBarriers, kDqBarrierThreads = 128 + 32;
+    auto dq_full = [&](int writer, int s) {
+        return kDqFullBarrier + writer * (kStagedDq ? kBwdWgmmaStages : 1) + (kStagedDq ? s % kBwdWgmmaStages : 0);
+    };
 
     const int warpgroup = threadIdx.x / 128, tid_wg = threadIdx.x % 128;
     if (threadIdx.x == 0) {
@@ -163,43 +186,60 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                 __syncwarp();
                 if (lane == 0) mbarrier_arrive(q_full(stage));   // release: the stores above are visible
             }
-        } else if (kOrdered && tid_wg / 32 == 2) {   // warp 2: the dQ writer
+        } else if ((kOrdered || kStagedDq) && tid_wg / 32 == 2) {   // warp 2: the dQ writer
             // Lane l < 4 kDqWriters adds the share of warp l % 4 of writing consumer l / 4 (16 rows by 64
-            // columns, in that warp's buffer) into dq_accum once the key blocks before this one that add into
-            // the share have (its count in dq_order reaches them: the lowest of them holds the first key that
-            // the tile's first row sees), and counts this block's add once it is performed.
-            const int lane = tid_wg % 32, writer = lane / 4, writer_warp = lane % 4;
-            const bool adds = lane < 4 * kDqWriters;
+            // columns, in that warp's buffer) into dq_accum; in the ordered form once the key blocks before this
+            // one that add into the share have (its count in dq_order reaches them: the lowest of them holds the
+            // first key that the tile's first row sees), counting this block's add once it is performed. Staged
+            // (256), lane l < 16 adds pass l / 8 of warp l % 4 of consumer l / 4 % 2 from the stage.
+            const int lane = tid_wg % 32, writer = kStagedDq ? lane / 4 % kConsumers : lane / 4;
+            const int writer_warp = lane % 4, dq_pass = kStagedDq ? lane / 8 : 0;
+            const bool adds = lane < 4 * kDqWriters * (kStagedDq ? 2 : 1);
             const int consumer = HEAD_DIM == 64 ? 1 : writer;
-            const unsigned buffer = k_s + Smem::kDq + (4 * consumer + writer_warp) * Smem::kDqWarp;
-            const int dq_col = HEAD_DIM == 64 ? 0 : 64 * consumer, key_block = n0 / BLOCK_N;
-            for (int i = 0; i < kDqWriters && steps > 0; ++i)
-                named_barrier_arrive(kDqEmptyBarrier + i, kDqBarrierThreads);   // the buffers start free
+            // the lane's buffer: its warp's (stage 0's where staged: the step's stage adds kQStage times it)
+            const unsigned buffer = kStagedDq ? staged_dq(0, consumer, dq_pass, writer_warp)
+                                              : k_s + Smem::kDq + (4 * consumer + writer_warp) * Smem::kDqWarp;
+            const int dq_col = HEAD_DIM == 64 ? 0 : kStagedDq ? 128 * consumer + 64 * dq_pass : 64 * consumer;
+            // the lane's share of step s: first_share (the group's first head, row 0) plus s's head and rows
+            const int key_block = n0 / BLOCK_N, h0 = h_kv * group;
+            const long long first_share = DqAccum::head(blk.split, batch, b, heads, h0, seq, seqlen_q, HEAD_DIM) +
+                                          DqAccum::tile(16 * writer_warp, dq_col, HEAD_DIM);
+            const long long head_floats = DqAccum::head(blk.split, batch, b, heads, h0 + 1, seq, seqlen_q, HEAD_DIM) -
+                                          DqAccum::head(blk.split, batch, b, heads, h0, seq, seqlen_q, HEAD_DIM);
+            if constexpr (!kStagedDq)
+                for (int i = 0; i < kDqWriters && steps > 0; ++i)
+                    named_barrier_arrive(kDqEmptyBarrier + i, kDqBarrierThreads);   // the buffers start free
             for (int s = 0; s < steps; ++s) {
-                for (int i = 0; i < kDqWriters; ++i) named_barrier_sync(kDqFullBarrier + i, kDqBarrierThreads);
+                const int stage = s % kBwdWgmmaStages;
+                for (int i = 0; i < kDqWriters; ++i) named_barrier_sync(dq_full(i, s), kDqBarrierThreads);
                 const int m0 = query_tiles.row(s);
-                const long long share = DqAccum::head(0, batch, b, heads, query_tiles.head(s, h_kv, group), seq,
-                                                      seqlen_q, HEAD_DIM) +
-                                        DqAccum::tile(m0 + 16 * writer_warp, dq_col, HEAD_DIM);
-                int* const count = dq_order + share / DqAccum::kShare;
+                const long long share = first_share + (s / query_tiles.count) * head_floats + DqAccum::tile(m0, 0, HEAD_DIM);
+                int* const count = kOrdered ? dq_order + share / DqAccum::kShare : nullptr;
                 if (adds) {
-                    const int before = key_block - window.key_begin(m0) / BLOCK_N;
-                    while (load_acquire_gpu(count) < before) {
+                    if constexpr (kOrdered) {
+                        const int before = key_block - window.key_begin(m0) / BLOCK_N;
+                        while (load_acquire_gpu(count) < before) {
+                        }
                     }
-                    bulk_reduce_add(dq_accum + share, buffer, Smem::kDqWarp);
+                    bulk_reduce_add(dq_accum + share, buffer + (kStagedDq ? stage * Smem::kQStage : 0), Smem::kDqWarp);
                     bulk_commit();
                     bulk_wait_read<0>();
                 }
                 __syncwarp();
-                // the buffers are free for the next step's shares (not after the last: no one waits then)
-                if (s + 1 < steps)
+                if constexpr (kStagedDq) {
+                    // the stage is read: Q, dO, lse and delta by the consumers, the staged shares by the adds
+                    if (lane < kConsumers) mbarrier_arrive(q_empty(stage));
+                } else if (s + 1 < steps) {
+                    // the buffers are free for the next step's shares (not after the last: no one waits then)
                     for (int i = 0; i < kDqWriters; ++i) named_barrier_arrive(kDqEmptyBarrier + i, kDqBarrierThreads);
-                if (adds) {
+                }
+                if (kOrdered && adds) {
                     bulk_wait<0>();
                     fence_proxy_async_global();
                     add_release_gpu(count, 1);
                 }
             }
+            if (adds) bulk_wait<0>();   // the adds done before the block ends (their source is its shared memory)
         }
         return;
     }
@@ -380,7 +420,8 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
             pin_registers(dk_acc);
             pin_registers(p_frag);    // read by the products until the wait: live until here
             pin_registers(ds_frag);
-            if (pass == 0) release(q_empty(stage));   // Q, dO, lse and delta of the stage are read
+            // Q, dO, lse and delta of the stage are read (staged, the dQ writer frees it once it has added)
+            if (!kStagedDq && pass == 0) release(q_empty(stage));
             if (dq_accum != nullptr) {
                 float* head = dq_accum + DqAccum::head(blk.split, batch, b, heads, h, seq, seqlen_q, HEAD_DIM);
                 // the warp's share: 16 rows by 64 columns, 8 16 x 8 tiles, contiguous in dq_accum
@@ -422,7 +463,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                             named_barrier_sync(kDqEmptyBarrier + writer, kDqBarrierThreads);
                             store_dq(own);
                             fence_proxy_async_shared();
-                            named_barrier_arrive(kDqFullBarrier + writer, kDqBarrierThreads);
+                            named_barrier_arrive(dq_full(writer, s), kDqBarrierThreads);
                         } else {
                             // into the warp's buffer in the same order, then one bulk add of it by lane 0; the
                             // buffer is free again once the previous step's add has read it
@@ -439,10 +480,19 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                         }
                     }
                 } else {
+                    // staged: into this warp's share of the stage in DqAccum's order, for the dQ writer (both
+                    // passes, then one arrival): staged_dq(stage, cw, pass, warp), from the tile addresses at hand
 #pragma unroll
                     for (int nb = 0; nb < kDq / 4; ++nb)
-                        atomicAdd(reinterpret_cast<float4*>(share + nb * 128 + lane * 4),
-                                  make_float4(dq[4 * nb], dq[4 * nb + 1], dq[4 * nb + 2], dq[4 * nb + 3]));
+                        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                                         (pass == 0 ? q_tile : do_tile) + col_block0 + warp * Smem::kDqWarp +
+                                         (nb * 128 + lane * 4) * 4),
+                                     "f"(dq[4 * nb]), "f"(dq[4 * nb + 1]), "f"(dq[4 * nb + 2]), "f"(dq[4 * nb + 3])
+                                     : "memory");
+                    if (last_pass) {
+                        fence_proxy_async_shared();
+                        named_barrier_arrive(dq_full(cw, s), kDqBarrierThreads);
+                    }
                 }
             }
         }
