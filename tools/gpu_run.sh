@@ -6,8 +6,8 @@
 # test_kvcache, test_gpu with test_varlen, then the rest; then test_backward, test_features without its fuzzed
 # cases (two groups) and test_varlen once more with an A100's plan (CUFLASH_TEST_PLAN=a100, tests/conftest.py:
 # on a Hopper GPU, the portable kernels at an A100's tiles, which its own plan leaves out). On an H200 machine
-# of 16 cores the twelve take about 310 s, the longest group (test_gpu with test_varlen) about 310 s of it; the
-# float64 reference checks are CPU-bound. The compile check is left out: it needs no GPU, and CI runs it.
+# of 16 cores the twelve take 310-390 s, bound by the longest group (test_gpu with test_varlen, over 330 s in
+# one run); the float64 reference checks are CPU-bound. The compile check is left out: it needs no GPU, and CI runs it.
 # PYTEST_ARGS adds pytest options; SKIP_TESTS=1 skips the tests. Run from the repository's root:
 #   bash tools/gpu_run.sh [bench args...]      e.g. bash tools/gpu_run.sh grid memory
 set -o pipefail
