@@ -25,13 +25,16 @@ CASES = {
     "hopper-bwd-64": dict(shape=(1, 150, 260, 4, 2, 64), backward=True),
     "hopper-bwd-128-causal": dict(shape=(1, 77, 300, 2, 2, 128), causal=True, backward=True),
     "hopper-bwd-256-window": dict(shape=(1, 300, 129, 2, 1, 232), window_size=(40, 7), backward=True),
-    # the ordered dQ adds (head_dim 64 and 128): GQA, the causal mask's downward walk, a window's first key
-    # blocks above 0
+    # the ordered dQ adds: GQA, the causal mask's downward walk, a window's first key blocks above 0; at 256
+    # from the staged Q and dO
     "hopper-bwd-64-ordered-causal": dict(shape=(2, 150, 300, 4, 2, 64), causal=True, backward=True,
                                          deterministic=True),
     "hopper-bwd-128-ordered-window": dict(shape=(1, 300, 400, 4, 2, 128), window_size=(100, 7), backward=True,
                                           deterministic=True),
-    # the split grid, forced (these shapes are too small to choose it): 2 splits, a last pass with one idle
+    "hopper-bwd-256-ordered-causal": dict(shape=(2, 150, 300, 4, 2, 256), causal=True, backward=True,
+                                          deterministic=True),
+    # the split grid, forced (the ordered form serves on sm_90, and these shapes are too small to choose it): 2
+    # splits, a last pass with one idle
     "hopper-bwd-256-deterministic": dict(shape=(2, 150, 300, 4, 2, 256), backward=True, deterministic=True,
                                          dq_splits=2),
     "hopper-dropout-128-window": dict(shape=(1, 150, 260, 4, 2, 128), window_size=(50, 20), dropout=True,
@@ -101,15 +104,16 @@ def run_case(xp, rng, spec: dict) -> list:
     out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
     if not spec.get("backward"):
         return [out, lse]
-    chosen = _config.deterministic_dq_splits
+    chosen, ordered = _config.deterministic_dq_splits, _config.ordered_dq_kernel
     if "dq_splits" in spec:
         _config.deterministic_dq_splits = lambda cfg, *_: spec["dq_splits"] if _config.split_grid_serves(cfg) else 0
+        _config.ordered_dq_kernel = lambda cfg: None
         cuflash.clear_plans()
     try:
         return [out, lse, *cuflash.attention_backward(dout, q, k, v, out, lse,
                                                       deterministic=spec.get("deterministic", False), **options)]
     finally:
-        _config.deterministic_dq_splits = chosen
+        _config.deterministic_dq_splits, _config.ordered_dq_kernel = chosen, ordered
         cuflash.clear_plans()
 
 
