@@ -786,7 +786,7 @@ MIN_SPLIT_GRID_FILL = 0.9
 DQ_ACCUM_SHARE = 16 * 64
 #: the head dims at which the deterministic backward runs bwd_dkdv_wgmma's ordered form (ordered_dq_kernel):
 #: all of the kernel's (at 256 its dQ shares are staged in the step's Q and dO: kStagedDq in bwd_wgmma.cu)
-ORDERED_DQ_HEAD_DIMS = (64, 128, 256)
+ORDERED_DQ_HEAD_DIMS = WGMMA_DKDV_HEAD_DIMS
 #: the head dim at which bwd_dkdv_wgmma's consumers each add dQ of their own keys (kDqOwnKeys in bwd_wgmma.cu):
 #: two adds into each element of a launch, so the split grid cannot take the kernel there
 WGMMA_DQ_OWN_KEYS_HEAD_DIM = 64
@@ -801,9 +801,7 @@ def ordered_dq_kernel(cfg: AttentionConfig) -> KernelSpec | None:
     and 0.85-1.00x at 256, where the split grid ran at 0.80-0.95x, 0.75-0.95x and 0.43-0.79x (FlashAttention's
     grid, seqlen 512-16k, causal and not, bfloat16 and float16; bench/NOTES.md b10, b16)."""
     hopper = cfg.bwd_dkdv_wgmma
-    if hopper is not None and hopper.head_dim in ORDERED_DQ_HEAD_DIMS:
-        return dataclasses.replace(hopper, ordered_dq=True)
-    return None
+    return dataclasses.replace(hopper, ordered_dq=True) if hopper is not None else None
 
 
 def split_grid_kernel(cfg: AttentionConfig) -> KernelSpec | None:
