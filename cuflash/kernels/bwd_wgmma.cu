@@ -130,11 +130,9 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     // consumer until the writer has taken step s, it may arrive for step s + 1 first, so dq_full alternates
     // between two barriers by step (step s + 2 needs the stage that the writer frees after taking step s).
     constexpr int kDqWriters = HEAD_DIM == 64 ? 1 : kConsumers, kDqFullBarrier = 4;
-    constexpr int kDqFullBarriers = kDqWriters * (kStagedDq ? kBwdWgmmaStages : 1);
-    constexpr int kDqEmptyBarrier = kDqFullBarrier + kDqFullBarriers, kDqBarrierThreads = 128 + 32;
-    auto dq_full = [&](int writer, int s) {
-        return kDqFullBarrier + writer * (kStagedDq ? kBwdWgmmaStages : 1) + (kStagedDq ? s % kBwdWgmmaStages : 0);
-    };
+    constexpr int kDqFullPerWriter = kStagedDq ? kBwdWgmmaStages : 1;
+    constexpr int kDqEmptyBarrier = kDqFullBarrier + kDqWriters * kDqFullPerWriter, kDqBarrierThreads = 128 + 32;
+    auto dq_full = [&](int writer, int s) { return kDqFullBarrier + writer * kDqFullPerWriter + s % kDqFullPerWriter; };
 
     const int warpgroup = threadIdx.x / 128, tid_wg = threadIdx.x % 128;
     if (threadIdx.x == 0) {
@@ -213,7 +211,8 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                 const int stage = s % kBwdWgmmaStages;
                 for (int i = 0; i < kDqWriters; ++i) named_barrier_sync(dq_full(i, s), kDqBarrierThreads);
                 const int m0 = query_tiles.row(s);
-                const long long share = first_share + (s / query_tiles.count) * head_floats + DqAccum::tile(m0, 0, HEAD_DIM);
+                const long long share =
+                    first_share + (s / query_tiles.count) * head_floats + DqAccum::tile(m0, 0, HEAD_DIM);
                 int* const count = kOrdered ? dq_order + share / DqAccum::kShare : nullptr;
                 if (adds) {
                     if constexpr (kOrdered) {
