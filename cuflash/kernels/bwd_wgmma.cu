@@ -425,21 +425,21 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                 float* head = dq_accum + DqAccum::head(blk.split, batch, b, heads, h, seq, seqlen_q, HEAD_DIM);
                 // the warp's share: 16 rows by 64 columns, 8 16 x 8 tiles, contiguous in dq_accum
                 float* share = head + DqAccum::tile(m0 + 16 * warp, dq_col, HEAD_DIM);
-                if constexpr (Smem::kBulkDq) {
-                    // fragment element 4 nb + i of lane l sits at nb * 128 + 4 l + i of the share (DqAccum)
-                    auto buffer_at = [&](int warp_buffer, int nb) {
-                        return k_s + Smem::kDq + warp_buffer * Smem::kDqWarp + (nb * 128 + lane * 4) * 4;
-                    };
-                    auto store_dq = [&](int warp_buffer) {   // this lane's dq into a warp's buffer
+                // this lane's dq into a share in shared memory: fragment element 4 nb + i of lane l sits at
+                // nb * 128 + 4 l + i of the share (DqAccum's order)
+                auto store_dq = [&](unsigned share_s) {
 #pragma unroll
-                        for (int nb = 0; nb < kDq / 4; ++nb)
-                            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(buffer_at(warp_buffer, nb)),
-                                         "f"(dq[4 * nb]), "f"(dq[4 * nb + 1]), "f"(dq[4 * nb + 2]), "f"(dq[4 * nb + 3])
-                                         : "memory");
-                    };
+                    for (int nb = 0; nb < kDq / 4; ++nb)
+                        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n"
+                                     ::"r"(share_s + (nb * 128 + lane * 4) * 4),
+                                     "f"(dq[4 * nb]), "f"(dq[4 * nb + 1]), "f"(dq[4 * nb + 2]), "f"(dq[4 * nb + 3])
+                                     : "memory");
+                };
+                if constexpr (Smem::kBulkDq) {
+                    auto dq_buffer = [&](int warp_buffer) { return k_s + Smem::kDq + warp_buffer * Smem::kDqWarp; };
                     if (hands_over && cw == 0) {   // into its buffer, once consumer 1 has read the last part
                         named_barrier_sync(kTakenBarrier + warp, kPairThreads);
-                        store_dq(warp);
+                        store_dq(dq_buffer(warp));
                         named_barrier_arrive(kHandedBarrier + warp, kPairThreads);
                     } else {
                         if (hands_over) {   // consumer 1: consumer 0's part added to its own
@@ -449,7 +449,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                                 float part[4];
                                 asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
                                              : "=f"(part[0]), "=f"(part[1]), "=f"(part[2]), "=f"(part[3])
-                                             : "r"(buffer_at(warp, nb)) : "memory");
+                                             : "r"(dq_buffer(warp) + (nb * 128 + lane * 4) * 4) : "memory");
 #pragma unroll
                                 for (int i = 0; i < 4; ++i) dq[4 * nb + i] += part[i];
                             }
@@ -460,7 +460,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                         if constexpr (kOrdered) {   // into the warp's buffer once free, for the dQ writer
                             const int writer = kDqWriters == 1 ? 0 : cw;
                             named_barrier_sync(kDqEmptyBarrier + writer, kDqBarrierThreads);
-                            store_dq(own);
+                            store_dq(dq_buffer(own));
                             fence_proxy_async_shared();
                             named_barrier_arrive(dq_full(writer, s), kDqBarrierThreads);
                         } else {
@@ -468,26 +468,20 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                             // buffer is free again once the previous step's add has read it
                             if (lane == 0) bulk_wait_read<0>();
                             __syncwarp();
-                            store_dq(own);
+                            store_dq(dq_buffer(own));
                             fence_proxy_async_shared();
                             __syncwarp();
                             if (lane == 0) {
-                                bulk_reduce_add(share, k_s + Smem::kDq + own * Smem::kDqWarp, Smem::kDqWarp);
+                                bulk_reduce_add(share, dq_buffer(own), Smem::kDqWarp);
                                 bulk_commit();
                             }
                             __syncwarp();
                         }
                     }
                 } else {
-                    // staged: into this warp's share of the stage in DqAccum's order, for the dQ writer (both
-                    // passes, then one arrival): staged_dq(stage, cw, pass, warp), from the tile addresses at hand
-#pragma unroll
-                    for (int nb = 0; nb < kDq / 4; ++nb)
-                        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                                         (pass == 0 ? q_tile : do_tile) + col_block0 + warp * Smem::kDqWarp +
-                                         (nb * 128 + lane * 4) * 4),
-                                     "f"(dq[4 * nb]), "f"(dq[4 * nb + 1]), "f"(dq[4 * nb + 2]), "f"(dq[4 * nb + 3])
-                                     : "memory");
+                    // staged: into this warp's share of the stage, for the dQ writer (both passes, then one
+                    // arrival)
+                    store_dq(staged_dq(stage, cw, pass, warp));
                     if (last_pass) {
                         fence_proxy_async_shared();
                         named_barrier_arrive(dq_full(cw, s), kDqBarrierThreads);
