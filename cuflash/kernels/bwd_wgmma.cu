@@ -37,7 +37,9 @@
 //   dS^T is double-buffered: the step s + 1 barrier orders step s's dQ reads before step s + 2's writes.
 //   At head_dim 64, where the consumers never meet and registers allow, step s + 1's S^T and dP^T are issued
 //   right after step s's dQ product, and the consumers take turns to issue (ping-pong): one's element-wise
-//   phase runs under the other's products.
+//   phase runs under the other's products. At 128 (FlashAttention-3's order within a step): S^T and dP^T are two
+//   groups, P^T computed while dP^T runs (not under the softcap); dV is issued before the consumers meet, dK after
+//   dQ, and dQ is stored and added while dK runs.
 // Epilogue: dK times the softmax scale, and dV, stored from registers.
 //
 // The ordered form (deterministic; after FlashAttention-3's dQ semaphores) keeps the default's grid and its one
@@ -295,6 +297,12 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     // the start of step s. Each step is one whole sequence for ptxas (the last one a second copy without the
     // look-ahead): products in flight across a join of branches make it serialize every wgmma (C7514/C7518).
     constexpr bool kLookahead = HEAD_DIM == 64;
+    // FlashAttention-3's order where dQ is one pass and there is no look-ahead (head_dim 128): dK is issued after
+    // dQ, and dQ is stored and added while dK runs; and S^T and dP^T are two groups, P^T = exp2(score - lse)
+    // computed while dP^T is in flight (not under the softcap, whose d score / d (scale q.k) per element would have
+    // to be held from the first pass to the second)
+    constexpr bool kDkAfterDq = !kLookahead && kDqPasses == 1;
+    constexpr bool kSplitScores = kDkAfterDq && (MODS & kModSoftcap) == 0;
     float st[kSq], dpt[kSq];
     auto issue_scores = [&](int s) {
         const int stage = s % kBwdWgmmaStages;
@@ -303,6 +311,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         pin_registers(dpt);
         wgmma_fence();
         issue_rows_by_rows(st, k_rows, q_s + stage * Smem::kQStage);
+        if constexpr (kSplitScores) wgmma_commit();
         issue_rows_by_rows(dpt, v_rows, do_s + stage * Smem::kQStage);
         wgmma_commit();
     };
@@ -327,6 +336,27 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         const ScoreMod<MODS> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
         const Dropout<kDropout> dropout(dropout_seed, dropout_offset, dropout_threshold, b * heads + h);
         if constexpr (!kLookahead) issue_scores(s);
+        if constexpr (kSplitScores) {
+            const bool need_mask = m0 + BLOCK_M > seq.seqlen_q || key_wg0 + 64 > seq.seqlen_k ||
+                                   !window.covers(m0, m0 + BLOCK_M, key_wg0, key_wg0 + 64);
+            wgmma_wait<1>();   // S^T done, dP^T in flight
+            pin_registers(st);
+            // P^T of element e of n8 tile nb (key key0 + 8 (e / 2), query 8 nb + 2 t + e % 2), masked, not dropped
+            // (the element loop below computes the same where the scores are one group: one lambda for both, defined
+            // outside this block, changed the PTX of the other head dims)
+            auto probability = [&](float score_t, int nb, int e, float& grad) {
+                const int query = 8 * nb + 2 * t + (e & 1), key = key0 + 8 * (e / 2);
+                float p = exp2f(mod.score(score_t, m0 + query, key, seq.diagonal, grad) - lse_tile[query] * kLog2e);
+                if (need_mask && !window.sees(m0 + query, key, seq.seqlen_k)) p = 0.f;
+                if (need_mask && m0 + query >= seq.seqlen_q) p = 0.f;
+                return p;
+            };
+#pragma unroll
+            for (int i = 0; i < kSq; ++i) {
+                float grad;
+                st[i] = probability(st[i], i / 4, i % 4, grad);   // st holds P^T from here
+            }
+        }
         wgmma_wait<0>();   // step s's S^T and dP^T, the only group in flight
         pin_registers(st);
         pin_registers(dpt);
@@ -347,9 +377,15 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
             for (int e = 0; e < 4; ++e) {
                 const int query = 8 * nb + 2 * t + (e & 1), key = key0 + 8 * (e / 2);
                 float grad;   // d score / d (scale q.k)
-                p[e] = exp2f(mod.score(st[4 * nb + e], m0 + query, key, seq.diagonal, grad) - lse_tile[query] * kLog2e);
-                if (need_mask && !window.sees(m0 + query, key, seq.seqlen_k)) p[e] = 0.f;
-                if (need_mask && m0 + query >= seq.seqlen_q) p[e] = 0.f;
+                if constexpr (kSplitScores) {
+                    grad = 1.f;
+                    p[e] = st[4 * nb + e];
+                } else {
+                    p[e] = exp2f(mod.score(st[4 * nb + e], m0 + query, key, seq.diagonal, grad) -
+                                 lse_tile[query] * kLog2e);
+                    if (need_mask && !window.sees(m0 + query, key, seq.seqlen_k)) p[e] = 0.f;
+                    if (need_mask && m0 + query >= seq.seqlen_q) p[e] = 0.f;
+                }
                 const bool kept = Dropout<kDropout>::transposed_keeps(keep, nb, e, g);
                 const float dp = kDropout ? (kept ? dpt[4 * nb + e] * dropout_scale : 0.f) : dpt[4 * nb + e];
                 ds[e] = p[e] * (dp - delta_tile[query]) * grad;
@@ -383,10 +419,13 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         for (int kk = 0; kk < kPSteps; ++kk)
             wgmma_rs<T, kCols>(dv_acc, p_frag[kk],
                                smem_descriptor(do_tile + col_block0 + kk * 16 * kSwizzleRowBytes, Smem::kQBlock), 1);
+        auto issue_dk = [&] {
 #pragma unroll
-        for (int kk = 0; kk < kPSteps; ++kk)
-            wgmma_rs<T, kCols>(dk_acc, ds_frag[kk],
-                               smem_descriptor(q_tile + col_block0 + kk * 16 * kSwizzleRowBytes, Smem::kQBlock), 1);
+            for (int kk = 0; kk < kPSteps; ++kk)
+                wgmma_rs<T, kCols>(dk_acc, ds_frag[kk],
+                                   smem_descriptor(q_tile + col_block0 + kk * 16 * kSwizzleRowBytes, Smem::kQBlock), 1);
+        };
+        if constexpr (!kDkAfterDq) issue_dk();
         wgmma_commit();
 
         // dQ = dS K over this consumer's share (dS^T of both consumers at head_dim 128, consumer 0's at 256:
@@ -406,21 +445,27 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                                    kk > 0);
             }
             wgmma_commit();
+            if constexpr (kDkAfterDq) {   // dK runs while dQ is stored and added
+                wgmma_fence();
+                issue_dk();
+                wgmma_commit();
+            }
             const bool last_pass = pass == kDqPasses - 1;
             if (look_ahead && last_pass) issue_scores(s + 1);
             if (last_pass) pass_turn();
-            if (look_ahead && last_pass) {
-                wgmma_wait<1>();   // all but step s + 1's S^T and dP^T
+            if (kDkAfterDq || (look_ahead && last_pass)) {
+                wgmma_wait<1>();   // all but dK, or all but step s + 1's S^T and dP^T
             } else {
                 wgmma_wait<0>();
             }
             pin_registers(dq);
             pin_registers(dv_acc);
-            pin_registers(dk_acc);
+            if constexpr (!kDkAfterDq) pin_registers(dk_acc);
             pin_registers(p_frag);    // read by the products until the wait: live until here
-            pin_registers(ds_frag);
-            // Q, dO, lse and delta of the stage are read (staged, the dQ writer frees it once it has added)
-            if (!kStagedDq && pass == 0) release(q_empty(stage));
+            if constexpr (!kDkAfterDq) pin_registers(ds_frag);
+            // Q, dO, lse and delta of the stage are read (staged, the dQ writer frees it once it has added;
+            // with dK after dQ, once dK is done, below)
+            if (!kStagedDq && !kDkAfterDq && pass == 0) release(q_empty(stage));
             if (dq_accum != nullptr) {
                 float* head = dq_accum + DqAccum::head(blk.split, batch, b, heads, h, seq, seqlen_q, HEAD_DIM);
                 // the warp's share: 16 rows by 64 columns, 8 16 x 8 tiles, contiguous in dq_accum
@@ -488,6 +533,12 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                     }
                 }
             }
+        }
+        if constexpr (kDkAfterDq) {
+            wgmma_wait<0>();   // dK
+            pin_registers(dk_acc);
+            pin_registers(ds_frag);
+            release(q_empty(stage));
         }
     };
 
