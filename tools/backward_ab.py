@@ -5,7 +5,9 @@
 
 A case is ``head_dim:causal:seqlen`` on FlashAttention's grid (16k tokens, model width 2048), bfloat16. Per
 round and case, on fresh inputs: FA2's backward, then each tree's ``attention_backward`` on its own forward's
-out and lse, each as ``bench.timing.EventTimer`` does (L2 flushed before each repeat). With ``--portable`` both
+out and lse, each as ``bench.timing.EventTimer`` does (L2 flushed before each repeat); the two trees take turns
+to run first, round by round (on the H200 the tree run second in a round measured up to 10% slower, whichever
+it was: bench/NOTES.md b17), so an even number of rounds weighs both orders alike. With ``--portable`` both
 trees plan as on a GPU without tensor maps (the ``mma.sync`` kernels an A100 runs), and with ``--smem`` as on
 one with that much shared memory a block (an A100's 166912 bytes picks its tiles). Prints how far the two
 trees' gradients are apart (max |new - base| over max |base|), then the medians in ms with each tree's ratio
@@ -62,7 +64,8 @@ def main():
             with flash.context():
                 times.setdefault(f"{key}:fa2", []).append(float(np.median(timer(flash.make_call("bwd", x, causal)))))
             grads = {}
-            for name, module in trees.items():
+            order = list(trees.items())
+            for name, module in order if round_ % 2 == 0 else order[::-1]:
                 out, lse = module.attention(x.q, x.k, x.v, causal=causal, return_lse=True)
 
                 def backward(module=module, out=out, lse=lse):
