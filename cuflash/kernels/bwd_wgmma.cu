@@ -470,13 +470,15 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                 float* head = dq_accum + DqAccum::head(blk.split, batch, b, heads, h, seq, seqlen_q, HEAD_DIM);
                 // the warp's share: 16 rows by 64 columns, 8 16 x 8 tiles, contiguous in dq_accum
                 float* share = head + DqAccum::tile(m0 + 16 * warp, dq_col, HEAD_DIM);
-                // this lane's dq into a share in shared memory: fragment element 4 nb + i of lane l sits at
-                // nb * 128 + 4 l + i of the share (DqAccum's order)
+                // fragment element 4 nb + i of lane l sits at nb * 128 + 4 l + i of a share (DqAccum's order): the
+                // byte offset of this lane's four of n8 tile nb
+                auto lane_bytes = [&](int nb) { return (nb * 128 + lane * 4) * 4; };
+                // this lane's dq into a share in shared memory
                 auto store_dq = [&](unsigned share_s) {
 #pragma unroll
                     for (int nb = 0; nb < kDq / 4; ++nb)
                         asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n"
-                                     ::"r"(share_s + (nb * 128 + lane * 4) * 4),
+                                     ::"r"(share_s + lane_bytes(nb)),
                                      "f"(dq[4 * nb]), "f"(dq[4 * nb + 1]), "f"(dq[4 * nb + 2]), "f"(dq[4 * nb + 3])
                                      : "memory");
                 };
@@ -494,7 +496,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                                 float part[4];
                                 asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
                                              : "=f"(part[0]), "=f"(part[1]), "=f"(part[2]), "=f"(part[3])
-                                             : "r"(dq_buffer(warp) + (nb * 128 + lane * 4) * 4) : "memory");
+                                             : "r"(dq_buffer(warp) + lane_bytes(nb)) : "memory");
 #pragma unroll
                                 for (int i = 0; i < 4; ++i) dq[4 * nb + i] += part[i];
                             }
