@@ -159,8 +159,9 @@ def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
         else:
             accum_shape = (copies, p.batch, p.heads, _config.dq_accum_rows(p.seqlen_q), cfg.bwd_dq_convert.head_dim)
         spec = cfg.bwd_dq_convert
-        tile_rows = math.prod(accum_shape[1:]) // 8  # a thread per row of a 16 x 8 tile
-        dq = Launch(spec, grid(-(-tile_rows // spec.threads)))
+        pairs_per_copy = math.prod(accum_shape[1:-2])   # (batch, head) pairs, or a packed batch's heads
+        tile_rows = math.prod(accum_shape[-2:]) // 8  # of one pair: a thread per row of a 16 x 8 tile
+        dq = Launch(spec, (grid(-(-tile_rows // spec.threads))[0], min(pairs_per_copy, _config.MAX_GRID_Y)))
         order_ints = math.prod(accum_shape) // _config.DQ_ACCUM_SHARE if ordered is not None else 0
     else:
         accum_shape, order_ints = None, 0

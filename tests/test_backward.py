@@ -56,6 +56,14 @@ def test_backward_shapes(xp, rng, shape, dtype, deterministic):
     check_backward(xp, rng, *shape, dtype, deterministic=deterministic)
 
 
+@requires_gpu
+def test_backward_past_the_grid_rows_of_the_dq_conversion(rng):
+    """More (batch, head) pairs than a grid has rows (65535): bwd_dq_convert walks the pairs past them."""
+    import cupy
+
+    check_backward(cupy, rng, 65_600, 2, 3, 1, 1, 64, True, BF16)
+
+
 # The deterministic backward's split grid (one launch per pass, one float32 dQ copy per split), forced at
 # shapes too small to choose it: key blocks that do not fill the last one, the causal mask, GQA and MQA,
 # and last passes in which some splits have no key block left (3 splits of 2 or 3 key blocks).

@@ -104,8 +104,10 @@ def test_default_backward_adds_dq_in_the_banded_dkdv_launch():
     assert tiles * bands == key_blocks * 4 and tiles % key_blocks == 0  # whole heads per band
     assert plan.accum_shape == (1, 2, 8, _config.dq_accum_rows(1000), 128)
     assert plan.dq.spec == cfg.bwd_dq_convert and plan.dq.tail == ()
-    # one thread per row of every 16 x 8 tile of the buffer
-    assert plan.dq.grid[0] * plan.dq.spec.threads >= 2 * 8 * _config.dq_accum_rows(1000) * 128 // 8
+    # one thread per row of every 16 x 8 tile of a (batch, head) pair's rows, a grid row per pair
+    assert plan.dq.grid[0] * plan.dq.spec.threads >= _config.dq_accum_rows(1000) * 128 // 8
+    assert (plan.dq.grid[0] - 1) * plan.dq.spec.threads < _config.dq_accum_rows(1000) * 128 // 8
+    assert plan.dq.grid[1] == 2 * 8
     lanes = _config.preprocess_lanes(128, 2)
     assert plan.preprocess_lanes == lanes and plan.preprocess.grid == (-(-2 * 8 * 1000 * lanes // 256),)
 
@@ -225,6 +227,14 @@ def test_kvcache_splits_rule(blocks, key_tiles, splits):
     assert _config.kvcache_splits(blocks, key_tiles, 1, 132) == splits
 
 
+def test_dq_conversion_walks_pairs_past_the_grid_limit():
+    """bwd_dq_convert takes a grid row per (batch, head) pair and walks the pairs past CUDA's 65535 rows."""
+    p = problem(batch=70_000, seqlen_q=3, seqlen_k=3, heads=2, heads_kv=2, head_dim=64)
+    plan = _plan.backward(p, H100, deterministic=False)
+    assert plan.adds_dq and plan.accum_shape[1:3] == (70_000, 2)
+    assert plan.dq.grid == (-(-_config.dq_accum_rows(3) * 64 // 8 // plan.dq.spec.threads), _config.MAX_GRID_Y)
+
+
 def test_packed_backward_walks_the_packed_rows():
     """A packed batch (attention_varlen): the packed kernels on the dense tiles, bwd_preprocess over the packed
     rows, and the dQ buffer per head of DqAccum's packed rows, each sequence's from a multiple of 128."""
@@ -236,7 +246,7 @@ def test_packed_backward_walks_the_packed_rows():
     assert [launch.grid for launch in plan.dkdv] == [launch.grid for launch in dense.dkdv]
     rows = _config.dq_accum_packed_rows(3, total_q)
     assert rows == (1700 // 128 + 3) * 128 and plan.accum_shape == (1, 8, rows, 128)
-    assert plan.dq.grid[0] * plan.dq.spec.threads >= 8 * rows * 128 // 8
+    assert plan.dq.grid[0] * plan.dq.spec.threads >= rows * 128 // 8 and plan.dq.grid[1] == 8   # a row per head
     lanes = plan.preprocess_lanes
     assert not plan.preprocess.spec.varlen and plan.preprocess.grid == (-(-8 * total_q * lanes // 256),)
     assert _plan.forward(p, H100, packed=True).spec == dataclasses.replace(_plan.forward(p, H100).spec, varlen=True)

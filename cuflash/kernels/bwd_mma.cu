@@ -832,34 +832,36 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_PARAMS(CUFLA
                   dq_acc, scale, lane);
 }
 
-// dq = dq_accum * scale, cast to T: the last step of the backwards that add dQ into dq_accum. One thread
-// per row of a 16 x 8 tile of dq_accum (DqAccum layout), the 16 rows of a tile on consecutive threads:
-// a warp reads two whole tiles (the four lanes of a tile row gave two floats each), and writes its row's
-// 8 columns as one 16-byte store, the two tiles' stores of a row side by side. (One thread per tile
-// lane wrote 4-byte pieces: 1.5x FlashAttention-2's time, bench/NOTES.md backward v7.) With several
-// copies (the deterministic split grid, KeyBlock), each thread sums its values over the copies in copy
-// order, so the sum is the same on every run. In a packed batch a thread finds the sequence of its row by a
-// binary search of the prefix sums; there the launch bounds ask for 2 blocks per SM (up to 128 registers; it
-// takes 80-90): without a minimum ptxas aimed at 40 and spilled 8 bytes (sm_80), with 4 (64) it spilled 4
-// (sm_90).
+// dq = dq_accum * scale, cast to T: the last step of the backwards that add dQ into dq_accum. blockIdx.y walks
+// the (batch, head) pairs of a copy (in a packed batch its heads), blockIdx.x and the thread one pair's rows:
+// one thread per row of a 16 x 8 tile of dq_accum (DqAccum layout), the 16 rows of a tile on consecutive
+// threads: a warp reads two whole tiles (the four lanes of a tile row gave two floats each), and writes its
+// row's 8 columns as one 16-byte store, the two tiles' stores of a row side by side. (One thread per tile lane
+// wrote 4-byte pieces: 1.5x FlashAttention-2's time, bench/NOTES.md backward v7.) Within a pair the index
+// math is 32-bit by constants: a 64-bit division by the pair's rows took more time than the bytes (bench/NOTES.md
+// "The dQ conversion"). With several copies (the deterministic split grid, KeyBlock), each thread sums its
+// values over the copies in copy order, so the sum is the same on every run. In a packed batch a thread finds
+// the sequence of its row by a binary search of the prefix sums; there the launch bounds ask for 2 blocks per
+// SM (up to 128 registers): without a minimum ptxas aimed at 40 and spilled 8 bytes (sm_80), with 4 (64) it
+// spilled 4 (sm_90).
 template <typename T, int HEAD_DIM, bool VARLEN>
 __global__ void __launch_bounds__(256, VARLEN ? 2 : 0)
 bwd_dq_convert(const float* __restrict__ dq_accum, T* __restrict__ dq, const int* __restrict__ cu_seqlens_q,
                long long dq_sb, long long dq_ss, long long dq_sh, int batch, int heads, int seqlen_q, int head_dim,
                float scale, int copies) {
     constexpr int kColTiles = HEAD_DIM / 8;
-    // a copy's (batch, head) pairs of DqAccum::rows(seqlen_q) rows, or in a packed batch its heads of
-    // DqAccum::packed_rows rows
-    const long long row_tiles =
-        (VARLEN ? DqAccum::packed_rows(batch, cu_seqlens_q[batch]) : DqAccum::rows(seqlen_q)) / 16;
-    const long long tiles = static_cast<long long>(VARLEN ? heads : batch * heads) * row_tiles * kColTiles;
-    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < tiles * 16;
-         i += static_cast<long long>(gridDim.x) * blockDim.x) {
-        const int r = static_cast<int>(i % 16);
-        const long long tile = i / 16;   // (b, h, row tile, column tile) flattened, DqAccum's order
-        const int col0 = static_cast<int>(tile % kColTiles) * 8;
-        int row = static_cast<int>(tile / kColTiles % row_tiles) * 16 + r;
-        const long long bh = tile / kColTiles / row_tiles;   // in a packed batch, the head
+    // a pair's rows: DqAccum::rows(seqlen_q), or in a packed batch a head's DqAccum::packed_rows
+    const long long pair_rows = VARLEN ? DqAccum::packed_rows(batch, cu_seqlens_q[batch]) : DqAccum::rows(seqlen_q);
+    const int pair_threads = static_cast<int>(pair_rows / 16) * kColTiles * 16;   // a thread per tile row
+    const int pairs = VARLEN ? heads : batch * heads;
+    const long long copy_floats = static_cast<long long>(pairs) * pair_rows * HEAD_DIM;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= pair_threads) return;
+    const int r = i % 16, tile = i / 16;   // the thread's row in its tile; the tile in the pair, DqAccum's order
+    const int col0 = tile % kColTiles * 8;
+    const int pair_row = tile / kColTiles * 16 + r;
+    for (int bh = blockIdx.y; bh < pairs; bh += gridDim.y) {   // in a packed batch, bh is the head
+        int row = pair_row;
         T* dst;
         if constexpr (VARLEN) {   // the sequence whose rows hold packed row `row`: the last starting at or before it
             int lo = 0, hi = batch - 1;
@@ -877,7 +879,8 @@ bwd_dq_convert(const float* __restrict__ dq_accum, T* __restrict__ dq, const int
         }
         // lane g * 4 + t of the tile holds (row g, columns 2t, 2t + 1) at floats 0, 1 and (row g + 8, the
         // same columns) at floats 2, 3
-        const float* src = dq_accum + tile * 128 + (r % 8) * 16 + (r / 8) * 2;
+        const float* src = dq_accum + (static_cast<long long>(bh) * pair_rows * HEAD_DIM + static_cast<long long>(tile) * 128) +
+                           (r % 8) * 16 + (r / 8) * 2;
         float vals[8];
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
@@ -888,7 +891,7 @@ bwd_dq_convert(const float* __restrict__ dq_accum, T* __restrict__ dq, const int
         for (int c = 1; c < copies; ++c) {
 #pragma unroll
             for (int t = 0; t < 4; ++t) {
-                const float2 x = *reinterpret_cast<const float2*>(src + c * tiles * 128 + t * 4);
+                const float2 x = *reinterpret_cast<const float2*>(src + c * copy_floats + t * 4);
                 vals[2 * t] += x.x;
                 vals[2 * t + 1] += x.y;
             }
