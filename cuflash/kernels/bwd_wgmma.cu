@@ -40,7 +40,8 @@
 //   phase runs under the other's products. At 128 (FlashAttention-3's order within a step): S^T and dP^T are two
 //   groups, P^T computed while dP^T runs (not under the softcap); dV is issued before the consumers meet, dK after
 //   dQ, and dQ is stored and added while dK runs.
-// Epilogue: dK times the softmax scale, and dV, stored from registers.
+// Epilogue: dK times the softmax scale, and dV, staged in shared memory where K and V were and stored in whole
+// 16-byte chunks of key rows.
 //
 // The ordered form (deterministic; after FlashAttention-3's dQ semaphores) keeps the default's grid and its one
 // dq_accum, and adds each share into it in key-block order: warp 2 of the producer warpgroup, the dQ writer,
@@ -569,22 +570,55 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     const float dv_scale = kDropout ? dropout_scale : 1.f;
     const Sequence<VARLEN> out_seq =
         VARLEN ? Sequence<VARLEN>::reread(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal) : seq;
+    auto out_row = [&](T* tensor, int key) {
+        return tensor + b * dk_sb + (out_seq.k_start + key) * dk_ss + h_kv * dk_sh;
+    };
+    // dK and dV leave through shared memory, so that each store to global memory is a whole 16-byte chunk of a key
+    // row and a warp's cover 256-512 contiguous bytes (each thread's 4-byte stores of its fragments took 3-8 us of
+    // a block's end: bench/NOTES.md, session 24). The staging tiles sit where K and V were, once the products of
+    // every consumer that reads this consumer's rows of them are done (ds_barrier: at 64 only its own, at 128 and
+    // 256 both): the tile of K's or V's place is this consumer's 64 keys by kCols columns, as regions of 64 rows
+    // of 128 bytes (this consumer's rows of a column block at 64 and 128, its column blocks at 256); its 16-byte
+    // chunk c of row r sits in region c / 8 at chunk c % 8 ^ r % 8 (conflict-free both ways).
+    constexpr int kChunks = kCols / 8;   // of a tile row: 8 at head_dim 64, 16 at 128 and 256
+    constexpr int kOwnThreads = 128;
+    auto chunk_at = [&](unsigned place, int r, int c) {
+        const int region = c / 8;
+        const unsigned at = place + (kKeySplit ? region * Smem::kKVBlock + key_row0 * kSwizzleRowBytes
+                                               : (kConsumerColBlocks * cw + region) * Smem::kKVBlock);
+        return at + r * kSwizzleRowBytes + ((c % 8) ^ (r % 8)) * 16;
+    };
+    // this thread's fragments of acc times factor into the tile at place (k_s or v_s)
+    auto stage_tile = [&](const float (&acc)[kAcc], float factor, unsigned place) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int key = key0 + 8 * half;
-        if (key >= out_seq.seqlen_k) continue;
-        T* dk_row = dk + b * dk_sb + (out_seq.k_start + key) * dk_ss + h_kv * dk_sh;
-        T* dv_row = dv + b * dk_sb + (out_seq.k_start + key) * dk_ss + h_kv * dk_sh;
+        for (int half = 0; half < 2; ++half) {
+            const int r = 16 * warp + g + 8 * half;
 #pragma unroll
-        for (int nb = 0; nb < kAcc / 4; ++nb) {
-            const int col = col0 + 8 * nb + 2 * t;
-            if (col >= head_dim) continue;
-            *reinterpret_cast<unsigned*>(dk_row + col) =
-                pack2<T>(dk_acc[4 * nb + 2 * half] * scale, dk_acc[4 * nb + 2 * half + 1] * scale);
-            *reinterpret_cast<unsigned*>(dv_row + col) =
-                pack2<T>(dv_acc[4 * nb + 2 * half] * dv_scale, dv_acc[4 * nb + 2 * half + 1] * dv_scale);
+            for (int nb = 0; nb < kAcc / 4; ++nb) {
+                const unsigned word = pack2<T>(acc[4 * nb + 2 * half] * factor, acc[4 * nb + 2 * half + 1] * factor);
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(chunk_at(place, r, nb) + 4 * t), "r"(word) : "memory");
+            }
         }
-    }
+    };
+    // the tile at place into `tensor`: thread i takes chunk i % kChunks of rows i / kChunks, + 128 / kChunks, ...
+    auto store_tile = [&](T* tensor, unsigned place) {
+        const int c = tid_wg % kChunks, col = col0 + 8 * c;
+#pragma unroll
+        for (int r = tid_wg / kChunks; r < 64; r += kOwnThreads / kChunks) {
+            const int key = key_wg0 + r;
+            uint4 chunk;
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(chunk.x), "=r"(chunk.y), "=r"(chunk.z), "=r"(chunk.w)
+                         : "r"(chunk_at(place, r, c)) : "memory");
+            if (key < out_seq.seqlen_k && col < head_dim) *reinterpret_cast<uint4*>(out_row(tensor, key) + col) = chunk;
+        }
+    };
+    named_barrier_sync(ds_barrier, kDsThreads);
+    stage_tile(dk_acc, scale, k_s);
+    stage_tile(dv_acc, dv_scale, v_s);
+    named_barrier_sync(2 + cw, kOwnThreads);   // this consumer's warps (at 64 its ds_barrier; free at 128 and 256)
+    store_tile(dk, k_s);
+    store_tile(dv, v_s);
 }
 
 }  // namespace cuflash
