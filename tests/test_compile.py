@@ -244,3 +244,17 @@ def test_the_wgmma_wrappers_are_the_generators_output():
     result = subprocess.run([sys.executable, str(root / "tools" / "gen_wgmma.py"), "--check"], capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_block_timeline_stamps_the_hopper_backward():
+    # tools/block_timeline.py stamps kernels/bwd_wgmma.cu at places it finds by their text and compiles the stamped
+    # kernel: an edit that moves one of those places fails here (update the tool's _STAMPS with it)
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, str(root / "tools" / "block_timeline.py"), "--check"], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "stamped, " in result.stdout, result.stdout
