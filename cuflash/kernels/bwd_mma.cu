@@ -879,8 +879,9 @@ bwd_dq_convert(const float* __restrict__ dq_accum, T* __restrict__ dq, const int
         }
         // lane g * 4 + t of the tile holds (row g, columns 2t, 2t + 1) at floats 0, 1 and (row g + 8, the
         // same columns) at floats 2, 3
-        const float* src = dq_accum + (static_cast<long long>(bh) * pair_rows * HEAD_DIM + static_cast<long long>(tile) * 128) +
-                           (r % 8) * 16 + (r / 8) * 2;
+        const float* src =
+            dq_accum + (static_cast<long long>(bh) * pair_rows * HEAD_DIM + static_cast<long long>(tile) * 128) +
+            (r % 8) * 16 + (r / 8) * 2;
         float vals[8];
 #pragma unroll
         for (int t = 0; t < 4; ++t) {

@@ -282,8 +282,9 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     const int dq_key0 = kDqOwnKeys ? 64 * cw : 0, dq_col0 = kDqOwnKeys ? 0 : kKeySplit ? 64 * cw : col0;
     // the consumers that store dS^T: both (their own keys), or at head_dim 256 consumer 0 (both hold all of it)
     const bool stores_ds = kKeySplit || cw == 0;
-    // the barrier before dQ reads dS^T: both consumers' (id 1), or this consumer's own (id 2 + cw)
-    const int ds_barrier = kDqOwnKeys ? 2 + cw : 1;
+    // this consumer's own named barrier (its 128 threads); the barrier before dQ reads dS^T: both consumers' (id 1),
+    // or this consumer's own
+    const int own_barrier = 2 + cw, ds_barrier = kDqOwnKeys ? own_barrier : 1;
     // In the ordered form at head_dim 64, where both consumers hold a part of each dQ element of a step,
     // consumer 0's warp w hands its part to consumer 1's warp w through its dQ buffer, and consumer 1 adds the
     // sum: one add per element and block (named barrier kHandedBarrier + w: handed over, kTakenBarrier + w:
@@ -616,7 +617,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     named_barrier_sync(ds_barrier, kDsThreads);
     stage_tile(dk_acc, scale, k_s);
     stage_tile(dv_acc, dv_scale, v_s);
-    named_barrier_sync(2 + cw, kOwnThreads);   // this consumer's warps (at 64 its ds_barrier; free at 128 and 256)
+    named_barrier_sync(own_barrier, kOwnThreads);   // this consumer's warps (at 64 also its ds_barrier)
     store_tile(dk, k_s);
     store_tile(dv, v_s);
 }
