@@ -208,6 +208,11 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     warpgroup_registers_increase<Roles::kConsumerRegisters>();
     const int cw = warpgroup - 1, warp = tid_wg / 32, lane = tid_wg % 32, g = lane / 4, t = lane % 4;
     constexpr int kS = BLOCK_N / 2, kO = HEAD_DIM / 2, kPSteps = BLOCK_N / 16;
+    // O stored in whole 16-byte chunks (`store`) by two consumers of 232 registers: it gained 4-11% at head_dim 128
+    // and 6-19% at 256 at seqlen 512-2k. Three consumers of 160 (head_dim 64's 192-row blocks) spill 8-360 bytes
+    // with it under the modifiers and gained nothing measurable (-4..+2%; bench/NOTES.md, session 25): they store
+    // each thread's column pairs.
+    constexpr bool kChunkedStore = Roles::kConsumers == 2;
     using Mod = ScoreMod<MODS>;
     // The factor the exponent's FMA applies to a score as softmax leaves it: the plain product's scale and the
     // softcap's output factor are positive, so the row max may be taken before them
@@ -310,17 +315,57 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         }
         return rows;
     };
+    // A quad's four lanes hold the four column pairs of each 8-column chunk of a row (a word each). Where the
+    // consumers have the registers (kChunkedStore), each group of four chunks is transposed within the quad, so
+    // that lane t holds the group's chunk t and stores it whole (head_dim is a multiple of 8 and out contiguous,
+    // from the pool: wgmma_forward_spec), a warp's store writing 64 contiguous bytes in each of 8 rows. Round i
+    // (1..3) of the transpose sends the word of chunk t ^ i and receives the partner's word of chunk t, column
+    // pair t ^ i; both indices depend on the lane, so the words are put in lane order by two conditional swaps
+    // before the rounds and two after (no indexed register array). Every lane takes part in the shuffles.
+    auto swap_by_lane = [&](unsigned (&w)[4]) {     // w[i] <- w[i ^ t]
+        if (t & 1) {
+            const unsigned w0 = w[0], w2 = w[2];
+            w[0] = w[1]; w[1] = w0; w[2] = w[3]; w[3] = w2;
+        }
+        if (t & 2) {
+            const unsigned w0 = w[0], w1 = w[1];
+            w[0] = w[2]; w[1] = w[3]; w[2] = w0; w[3] = w1;
+        }
+    };
     auto store = [&](const Rows& rows) {
+        if constexpr (kChunkedStore) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            if (!rows.stored[r]) continue;
-            T* dst = rows.out_row + 8 * r * o_ss;
+            for (int group = 0; group < kO / 16; ++group) {
 #pragma unroll
-            for (int nb = 0; nb < kO / 4; ++nb) {
-                const int col = 8 * nb + 2 * t;
-                if (col < head_dim)
-                    *reinterpret_cast<unsigned*>(dst + col) =
-                        pack2<T>(o[4 * nb + 2 * r] * rows.inv_l[r], o[4 * nb + 2 * r + 1] * rows.inv_l[r]);
+                for (int r = 0; r < 2; ++r) {
+                    unsigned w[4];  // w[c]: this lane's column pair of chunk 4 * group + c
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        const int nb = 4 * group + c;
+                        w[c] = pack2<T>(o[4 * nb + 2 * r] * rows.inv_l[r], o[4 * nb + 2 * r + 1] * rows.inv_l[r]);
+                    }
+                    swap_by_lane(w);    // w[i]: the word of chunk t ^ i
+#pragma unroll
+                    for (int i = 1; i < 4; ++i) w[i] = __shfl_xor_sync(0xffffffffu, w[i], i);
+                    swap_by_lane(w);    // w[j]: column pair j of chunk 4 * group + t
+                    const int col = 8 * (4 * group + t);
+                    if (rows.stored[r] && col < head_dim)
+                        *reinterpret_cast<uint4*>(rows.out_row + 8 * r * o_ss + col) =
+                            make_uint4(w[0], w[1], w[2], w[3]);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                if (!rows.stored[r]) continue;
+                T* dst = rows.out_row + 8 * r * o_ss;
+#pragma unroll
+                for (int nb = 0; nb < kO / 4; ++nb) {
+                    const int col = 8 * nb + 2 * t;
+                    if (col < head_dim)
+                        *reinterpret_cast<unsigned*>(dst + col) =
+                            pack2<T>(o[4 * nb + 2 * r] * rows.inv_l[r], o[4 * nb + 2 * r + 1] * rows.inv_l[r]);
+                }
             }
         }
     };
