@@ -246,9 +246,9 @@ def test_the_wgmma_wrappers_are_the_generators_output():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_the_block_timeline_stamps_the_hopper_backward():
-    # tools/block_timeline.py stamps kernels/bwd_wgmma.cu at places it finds by their text and compiles the stamped
-    # kernel: an edit that moves one of those places fails here (update the tool's _STAMPS with it)
+def test_the_block_timeline_stamps_the_hopper_kernels():
+    # tools/block_timeline.py stamps kernels/bwd_wgmma.cu and fwd_wgmma.cu at places it finds by their text and
+    # compiles the stamped kernels: an edit that moves one of those places fails here (update the tool's _STAMPS)
     import pathlib
     import subprocess
     import sys
@@ -257,4 +257,4 @@ def test_the_block_timeline_stamps_the_hopper_backward():
     result = subprocess.run([sys.executable, str(root / "tools" / "block_timeline.py"), "--check"], capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "stamped, " in result.stdout, result.stdout
+    assert result.stdout.count("stamped, ") == 2, result.stdout

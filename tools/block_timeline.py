@@ -1,14 +1,24 @@
-"""Where a block of the Hopper dK/dV kernel spends its time: clock64 stamps per block, on the GPU.
+"""Where the Hopper kernels spend their time: clock64 stamps per block (dK/dV) or per work item (forward), on the GPU.
 
-``python tools/block_timeline.py [--head-dim 128] [--seqlens 512 1024 4096] [--causal] [--dtype bfloat16]``
-copies the ``cuflash`` package into a temporary folder and stamps ``bwd_dkdv_wgmma`` there (kernels/bwd_wgmma.cu)
-at four places: the block's entry, once its K and V have landed, after its last step, and after its last dK/dV
-store. It runs the default backward's dK/dV launch at FlashAttention's grid shape (batch * seqlen = 16384,
-heads * head_dim = 2048) and prints, per block, medians and the 10th-90th percentiles of the prologue, the steps,
-the epilogue and the gap to the next block on the same SM (``%smid``), in microseconds from the longest SM's
-cycle count over the launch's time. The stamps travel in ``dq_order``, which the default form leaves null.
-Needs a GPU of compute capability 9.0. ``--check`` only stamps the source and compiles one specialization with
-NVRTC (no GPU): tests/test_compile.py runs it, so that the stamps' places stay in the kernel.
+``python tools/block_timeline.py [--pass bwd|fwd] [--head-dim 128] [--seqlens 512 1024 4096] [--causal]
+[--window LEFT] [--dtype bfloat16]`` copies the ``cuflash`` package into a temporary folder, stamps the kernels
+there and runs one launch at FlashAttention's grid shape (batch * seqlen = 16384, heads * head_dim = 2048), the
+last of three, L2 flushed before each. Times are in microseconds from the longest block's cycle count over the
+launch's time; figures are medians with the 10th-90th percentiles.
+
+- ``--pass bwd`` (default): ``bwd_dkdv_wgmma`` (kernels/bwd_wgmma.cu), the default backward's dK/dV launch,
+  stamped at the block's entry, once its K and V have landed, after its last step and after its last dK/dV
+  store. Per block: the prologue, the steps, the epilogue and the gap to the next block on the same SM
+  (``%smid``). The stamps travel in ``dq_order``, which the default form leaves null.
+- ``--pass fwd``: ``fwd_wgmma`` (kernels/fwd_wgmma.cu), stamped by consumer warpgroup 0 when it takes an item,
+  once the item's Q has landed, after its walk's last softmax (its last P V and epilogue run with the next
+  item's first turn, or at the block's end). Per count of key tiles: the items' time from one take to the
+  next take in the block, the wait for Q and the time from the walk's end to the next take; then a fit of
+  the item's time to a fixed cost plus a cost per key tile. The stamps travel in ``out_partial``, which
+  fwd_wgmma does not read.
+
+Needs a GPU of compute capability 9.0. ``--check`` only stamps the sources and compiles one specialization of
+each kernel with NVRTC (no GPU): tests/test_compile.py runs it, so that the stamps' places stay in the kernels.
 """
 
 from __future__ import annotations
@@ -21,11 +31,14 @@ import tempfile
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TOKENS, WIDTH = 16384, 2048  # FlashAttention's grid: batch * seqlen, heads * head_dim
-STAMPS = 8  # int64 per block: smid, entry, K and V landed, last step done, consumer 0 and 1 done, steps
-CHECK_SPEC = "cuflash::bwd_dkdv_wgmma<__nv_bfloat16, 128, 0, 0, 64, 128, false, false>"
+STAMPS = 8  # int64 per block (bwd): smid, entry, K and V landed, last step done, consumer 0 and 1 done, steps
+# int64 per item (fwd): smid, taken, Q landed, walk done, key tiles, block, the block's end (its last item's)
+ITEM_STAMPS = 8
+CHECK_SPECS = ("cuflash::bwd_dkdv_wgmma<__nv_bfloat16, 128, 0, 0, 64, 128, false, false>",
+               "cuflash::fwd_wgmma<__nv_bfloat16, 128, 1, 0, 128, 128, false>")
 
-# (text in the kernel, text that replaces it): each must occur exactly once
-_STAMPS = [
+# per kernel source, (text in the kernel, text that replaces it): each must occur exactly once
+_BWD_STAMPS = [
     ("    const int warpgroup = threadIdx.x / 128, tid_wg = threadIdx.x % 128;\n",
      "    unsigned long long* const stamps =\n"
      "        reinterpret_cast<unsigned long long*>(dq_order) + 8 * (blockIdx.y * gridDim.x + blockIdx.x);\n"
@@ -46,33 +59,64 @@ _STAMPS = [
     ("\n}\n\n}  // namespace cuflash",
      "\n    if (tid_wg == 0) stamps[4 + cw] = clock64();\n}\n\n}  // namespace cuflash"),
 ]
+_FWD_STAMPS = [
+    ("    for (int handed = 0;; ++handed) {\n        const int slot = handed % 2;\n",
+     "    unsigned long long* last_stamps = nullptr;   // the last item's\n"
+     "    for (int handed = 0;; ++handed) {\n        const int slot = handed % 2;\n"),
+    ("        const Item w = item(index);\n        if (w.idle()) continue;\n",
+     "        const Item w = item(index);\n        if (w.idle()) continue;\n"
+     "        unsigned long long* const stamps = reinterpret_cast<unsigned long long*>(out_partial) + 8 * index;\n"
+     "        if (cw == 0 && tid_wg == 0) {\n"
+     "            unsigned smid;\n"
+     "            asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));\n"
+     "            stamps[0] = smid;\n"
+     "            stamps[1] = clock64();\n"
+     "            stamps[4] = w.n_tiles;\n"
+     "            stamps[5] = blockIdx.x;\n"
+     "            last_stamps = stamps;\n"
+     "        }\n"),
+    ("        mbarrier_wait(q_full, q_uses & 1);\n",
+     "        mbarrier_wait(q_full, q_uses & 1);\n"
+     "        if (cw == 0 && tid_wg == 0) stamps[2] = clock64();\n"),
+    ("        pending = true;\n        pending_rows = finish(w);\n",
+     "        pending = true;\n        pending_rows = finish(w);\n"
+     "        if (cw == 0 && tid_wg == 0) stamps[3] = clock64();\n"),
+    ("    if (pending) flush();\n    if (kPingPong",
+     "    if (pending) flush();\n"
+     "    if (cw == 0 && tid_wg == 0 && last_stamps != nullptr) last_stamps[6] = clock64();\n    if (kPingPong"),
+]
+_STAMPS = {"bwd_wgmma.cu": _BWD_STAMPS, "fwd_wgmma.cu": _FWD_STAMPS}
 
 
 def stamped_package(into: pathlib.Path) -> pathlib.Path:
-    """A copy of the cuflash package under ``into`` with bwd_wgmma.cu stamped; ValueError where a place moved."""
+    """A copy of the cuflash package under ``into`` with the kernels stamped; ValueError where a place moved."""
     package = into / "cuflash"
     shutil.copytree(REPO / "cuflash", package, ignore=shutil.ignore_patterns("__pycache__"))
-    source = package / "kernels" / "bwd_wgmma.cu"
-    text = source.read_text()
-    for place, stamped in _STAMPS:
-        if text.count(place) != 1:
-            raise ValueError(f"bwd_wgmma.cu holds {text.count(place)} copies of the stamp's place {place!r}, not 1")
-        text = text.replace(place, stamped)
-    source.write_text(text)
+    for name, stamps in _STAMPS.items():
+        source = package / "kernels" / name
+        text = source.read_text()
+        for place, stamped in stamps:
+            if text.count(place) != 1:
+                raise ValueError(f"{name} holds {text.count(place)} copies of the stamp's place {place!r}, not 1")
+            text = text.replace(place, stamped)
+        source.write_text(text)
     return into
 
 
 def check() -> int:
-    """Stamp and compile CHECK_SPEC with NVRTC; 0 where it compiles."""
+    """Stamp and compile CHECK_SPECS with NVRTC; 0 where they compile."""
     with tempfile.TemporaryDirectory() as folder:
         sys.path.insert(0, str(stamped_package(pathlib.Path(folder))))
         from cuflash import _compile, _config
 
         if not pathlib.Path(_compile.__file__).is_relative_to(folder):
             raise SystemExit(f"cuflash came from {_compile.__file__}, not the stamped copy")
-        spec = next(s for s in _config.all_specs(_config.H100) if s.name == CHECK_SPEC)
-        report, = _compile.compile_offline([spec], "sm_90")
-        print(f"{spec.name}: stamped, {report.registers} registers, {report.spill_store_bytes} bytes spilled")
+        specs = [s for s in _config.all_specs(_config.H100) if s.name in CHECK_SPECS]
+        if len(specs) != len(CHECK_SPECS):
+            raise SystemExit(f"the H100 table lacks one of {CHECK_SPECS}")
+        for report in (r for spec in specs for r in _compile.compile_offline([spec], "sm_90")):
+            print(f"{report.spec.name}: stamped, {report.registers} registers, {report.spill_store_bytes} bytes "
+                  "spilled")
         return 0
 
 
@@ -82,7 +126,7 @@ def percentiles(values) -> str:
     return f"{np.median(values):6.2f} [{np.percentile(values, 10):.2f}, {np.percentile(values, 90):.2f}]"
 
 
-def measure(head_dim: int, seqlens: list[int], causal: bool, dtype: str) -> None:
+def measure_backward(head_dim: int, seqlens: list[int], causal: bool, dtype: str) -> None:
     import cupy as cp
     import numpy as np
 
@@ -137,11 +181,71 @@ def measure(head_dim: int, seqlens: list[int], causal: bool, dtype: str) -> None
               f"to the next block {percentiles(np.array(gaps) / cycles)}")
 
 
+def measure_forward(head_dim: int, seqlens: list[int], causal: bool, window_left: int, dtype: str) -> None:
+    import cupy as cp
+    import numpy as np
+
+    from cuflash import _cupy_path, _validate
+
+    flush = cp.empty(256 << 20, cp.uint8)
+    window = (window_left, 0 if causal else -1)
+    print(f"head_dim {head_dim}, {'causal' if causal else 'full'}, window {window}, {dtype}; us per item, "
+          "median [p10, p90]")
+    plain_fields = _cupy_path.NO_CACHE_FIELDS
+    for seqlen in seqlens:
+        batch, heads = TOKENS // seqlen, WIDTH // head_dim
+        q, k, v = (cp.random.standard_normal((batch, seqlen, heads, head_dim), dtype=cp.float32)
+                   .astype(cp.dtype(dtype)) for _ in range(3))
+        problem = _validate.check_forward(q, k, v, causal, None, window)
+        # every item's stamps (at most one item per 64 query rows), in out_partial's place
+        stamps = cp.zeros((-(-seqlen // 64) * batch * heads, ITEM_STAMPS), cp.uint64)
+        _cupy_path.NO_CACHE_FIELDS = {**plain_fields, "out_partial": stamps}
+        try:
+            plan = _cupy_path.ForwardPlan(problem, q.data.device_id, q, k, v)
+        finally:
+            _cupy_path.NO_CACHE_FIELDS = plain_fields
+        if plan.maps is None:
+            raise SystemExit("the plan does not run fwd_wgmma here (a GPU of compute capability 9.0 runs it)")
+        for _ in range(3):   # the last of three launches, L2 flushed before each
+            flush.fill(0)
+            stamps.fill(0)
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            plan.run(q, k, v, with_lse=False)
+            stop.record()
+            stop.synchronize()
+        us = cp.cuda.get_elapsed_time(start, stop) * 1000
+        t = stamps.get().astype(np.int64)
+        t = t[t[:, 1] > 0]
+        taken, q_landed, walked, tiles, block = t[:, 1], t[:, 2], t[:, 3], t[:, 4], t[:, 5]
+        spans, duration, tail = [], np.zeros(len(t)), np.zeros(len(t))
+        for b in np.unique(block):
+            rows = np.flatnonzero(block == b)
+            rows = rows[np.argsort(taken[rows])]
+            ends = np.append(taken[rows[1:]], t[rows[-1], 6])   # the next take, or the block's end
+            duration[rows], tail[rows] = ends - taken[rows], ends - walked[rows]
+            spans.append(ends[-1] - taken[rows[0]])
+        cycles = max(spans) / us   # per microsecond
+        walking = walked > 0   # items that walked keys (the rest saw none)
+        print(f"seqlen {seqlen}: {len(t)} items in {len(np.unique(block))} blocks, launch {us:.0f} us, "
+              f"{cycles:.0f} cycles/us")
+        for n in np.unique(tiles[walking]):
+            at = walking & (tiles == n)
+            print(f"  {n:3d} key tiles, {at.sum():6d} items: item {percentiles(duration[at] / cycles)}, "
+                  f"Q wait {percentiles((q_landed[at] - taken[at]) / cycles)}, walk end to next "
+                  f"{percentiles(tail[at] / cycles)}")
+        if len(np.unique(tiles[walking])) > 1:
+            per_tile, fixed = np.polyfit(tiles[walking], duration[walking] / cycles, 1)
+            print(f"  fit: {fixed:.2f} us per item + {per_tile:.3f} us per key tile")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python tools/block_timeline.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--pass", dest="pass_", default="bwd", choices=("bwd", "fwd"))
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
     parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 4096])
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--window", type=int, default=-1, help="the window's left side (fwd; -1: none)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--check", action="store_true", help="stamp and compile only (no GPU)")
     args = parser.parse_args(argv)
@@ -149,7 +253,10 @@ def main(argv=None) -> int:
         return check()
     with tempfile.TemporaryDirectory() as folder:
         sys.path.insert(0, str(stamped_package(pathlib.Path(folder))))
-        measure(args.head_dim, args.seqlens, args.causal, args.dtype)
+        if args.pass_ == "fwd":
+            measure_forward(args.head_dim, args.seqlens, args.causal, args.window, args.dtype)
+        else:
+            measure_backward(args.head_dim, args.seqlens, args.causal, args.dtype)
     return 0
 
 
