@@ -11,7 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import _kvcache, _numpy_path, _varlen, reference
-from ._config import HEAD_DIMS, MAX_HEAD_DIM, SUPPORTED_DTYPES
+from ._config import FLOAT8_E4M3, HEAD_DIMS, MAX_HEAD_DIM, SUPPORTED_DTYPES
+from ._fp8 import hadamard_rotation, quantize_qkv
+from ._fp8 import quantize as quantize_fp8
 from ._merge import merge_states
 from ._philox import dropout_mask
 from ._validate import (array_module, check_backward, check_cache_indices, check_cache_length, check_dropout,
@@ -19,7 +21,8 @@ from ._validate import (array_module, check_backward, check_cache_indices, check
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_with_kvcache",
-           "dropout_mask", "merge_states", "reference", "HEAD_DIMS", "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "__version__"]
+           "dropout_mask", "hadamard_rotation", "merge_states", "quantize_fp8", "quantize_qkv", "reference",
+           "FLOAT8_E4M3", "HEAD_DIMS", "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "__version__"]
 
 #: Plans of the calls seen, keyed on everything validation and the kernel choice read: each array's class,
 #: shape, strides, dtype and device, and the options with their types (``causal=1`` is refused where
@@ -50,13 +53,18 @@ def clear_plans():
     _plans.clear()
 
 
-def _plan_forward(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p, alignment):
+def _plan_forward(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p, alignment,
+                  descales=(None, None, None), out_dtype=None):
     """Validate a forward call and return the function that runs it:
-    ``(q, k, v, alibi_slopes, sinks, seed, offset, with_lse) -> (out, lse)`` (lse may be None where
-    ``with_lse`` is False)."""
-    xp = array_module(q=q, k=k, v=v, **_optional_arrays(alibi_slopes=alibi_slopes, sinks=sinks))
+    ``(q, k, v, alibi_slopes, sinks, seed, offset, with_lse[, descales]) -> (out, lse)`` (lse may be None where
+    ``with_lse`` is False; ``descales``, a float8 call's (q_descale, k_descale, v_descale), NumPy only)."""
+    xp = array_module(q=q, k=k, v=v, **_optional_arrays(alibi_slopes=alibi_slopes, sinks=sinks, q_descale=descales[0],
+                                                         k_descale=descales[1], v_descale=descales[2]))
     problem = check_forward(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p,
-                            alignment)
+                            alignment, descales, out_dtype)
+    if problem.out_dtype is not None and xp is not np:
+        raise TypeError("float8_e4m3fn q, k and v run on NumPy arrays in this version (the GPU kernels take "
+                        "float16, bfloat16 and float32): pass their values times their descale factors in bfloat16")
     if xp is np or problem.is_empty or problem.seqlen_k == 0:
         return _array_forward(xp, problem)
     from . import _cupy_path
@@ -69,10 +77,10 @@ def _array_forward(xp, problem, batch_index: int = 0):
     no row sees a key (on either array module), else the NumPy path; ``batch_index`` picks the dropout streams
     (a packed sequence's, computed on its own: _numpy_path.forward)."""
     if problem.is_empty or problem.seqlen_k == 0:
-        return lambda q, k, v, alibi_slopes, sinks, seed, offset, with_lse: _no_keys(
-            xp, q, (problem.batch, problem.heads, problem.seqlen_q), sinks)
-    return lambda q, k, v, alibi_slopes, sinks, seed, offset, with_lse: _numpy_path.forward(
-        q, k, v, problem, alibi_slopes, sinks, seed, offset, batch_index=batch_index)
+        return lambda q, k, v, alibi_slopes, sinks, seed, offset, with_lse, descales=None: _no_keys(
+            xp, q, (problem.batch, problem.heads, problem.seqlen_q), sinks, problem.output_dtype)
+    return lambda q, k, v, alibi_slopes, sinks, seed, offset, with_lse, descales=(None, None, None): (
+        _numpy_path.forward(q, k, v, problem, alibi_slopes, sinks, seed, offset, batch_index, descales))
 
 
 def _plan_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, window_size, softcap,
@@ -101,12 +109,12 @@ def _array_backward(xp, problem, batch_index: int = 0):
         dout, q, k, v, out, lse, problem, alibi_slopes, sinks, seed, offset, batch_index=batch_index)
 
 
-def _no_keys(xp, q, lse_shape, sinks):
-    """out and lse of a call in which no row sees a key: out 0, lse -inf, or with sinks the sink alone (lse_shape's
-    last two axes are heads and rows)."""
+def _no_keys(xp, q, lse_shape, sinks, dtype=None):
+    """out (of ``dtype``, default q's) and lse of a call in which no row sees a key: out 0, lse -inf, or with sinks
+    the sink alone (lse_shape's last two axes are heads and rows)."""
     lse = (xp.full(lse_shape, -xp.inf, xp.float32) if sinks is None else
            xp.ascontiguousarray(xp.broadcast_to(sinks[:, None], lse_shape)))
-    return xp.zeros(q.shape, q.dtype), lse
+    return xp.zeros(q.shape, q.dtype if dtype is None else dtype), lse
 
 
 def _zero_gradients(xp, q, k, v, sinks):
@@ -125,7 +133,8 @@ def _optional_key(x):
 
 def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False, *,
               window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
-              dropout_p: float = 0.0, seed: int | None = None, offset: int = 0, alignment: str = "bottom_right"):
+              dropout_p: float = 0.0, seed: int | None = None, offset: int = 0, alignment: str = "bottom_right",
+              q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """Exact softmax attention, ``softmax(scale * q k^T) v``, per (batch, head).
 
     Parameters
@@ -168,10 +177,17 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
         ones in its backward.
     alignment : "bottom_right" or "top_left"
         Where the diagonal of ``causal``, the window and ALiBi lies (PyTorch's ``is_causal`` is top_left).
+    q_descale, k_descale, v_descale : arrays of the kind of q, float32, (1,) or () or (batch, heads_kv), optional
+        For float8_e4m3fn q, k and v (FlashAttention-3's FP8 interface; NumPy arrays in this version): each
+        array stands for its values times its factor, one per tensor or one per (batch, kv head) (query
+        head ``h`` takes kv head ``h // (heads // heads_kv)``'s); None is 1. :func:`quantize_fp8` and
+        :func:`quantize_qkv` make them. No backward takes float8 inputs.
+    out_dtype : bfloat16 or float16, optional
+        The output dtype of float8 inputs (default bfloat16); other inputs give their own dtype.
 
     Returns
     -------
-    out : array, (batch, seqlen_q, heads, head_dim), dtype of q
+    out : array, (batch, seqlen_q, heads, head_dim), dtype of q (float8 inputs: ``out_dtype``)
     lse : array, float32, (batch, heads, seqlen_q), only with ``return_lse``
         Natural log of sum_j exp(score_j) over the keys row i sees (and exp(sink) with sinks).
 
@@ -189,16 +205,21 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     try:
         key = (_FORWARD, _array_key(q), _array_key(k), _array_key(v), causal, causal.__class__, softmax_scale,
                softmax_scale.__class__, window_size, softcap, softcap.__class__, _optional_key(alibi_slopes),
-               _optional_key(sinks), dropout_p, dropout_p.__class__, alignment)
+               _optional_key(sinks), dropout_p, dropout_p.__class__, alignment, _optional_key(q_descale),
+               _optional_key(k_descale), _optional_key(v_descale), out_dtype)
         plan = _plans.get(key)
     except (AttributeError, TypeError):  # not an array, an unhashable option: validation says what is wrong
         key = plan = None
+    descales = (q_descale, k_descale, v_descale)
     if plan is None:
         plan = _remember(key, _plan_forward(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes,
-                                            sinks, dropout_p, alignment))
+                                            sinks, dropout_p, alignment, descales, out_dtype))
     if return_lse.__class__ is not bool:
         check_flag("return_lse", return_lse)
-    out, lse = plan(q, k, v, alibi_slopes, sinks, seed, offset, return_lse)
+    if q_descale is None and k_descale is None and v_descale is None:
+        out, lse = plan(q, k, v, alibi_slopes, sinks, seed, offset, return_lse)
+    else:   # a float8 call's factors (a NumPy plan: planning refused them anywhere else)
+        out, lse = plan(q, k, v, alibi_slopes, sinks, seed, offset, return_lse, descales)
     return (out, lse) if return_lse else out
 
 

@@ -24,6 +24,10 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 #: numpy dtype -> CUDA element type
 CUDA_TYPES = {np.dtype(np.float16): "__half", BFLOAT16: "__nv_bfloat16", np.dtype(np.float32): "float"}
 SUPPORTED_DTYPES = tuple(CUDA_TYPES)
+#: float8 e4m3 (FlashAttention-3's FP8 forward): ``attention``'s q, k and v may have it, with descale factors;
+#: its output is one of FLOAT8_OUTPUT_DTYPES (bfloat16 by default). Forward only.
+FLOAT8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+FLOAT8_OUTPUT_DTYPES = (BFLOAT16, np.dtype(np.float16))
 
 #: threads of every SIMT (CUDA-core) kernel; mirrors ``kSimtThreads`` in kernels/simt.cu
 SIMT_THREADS = 256

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _philox
+from . import _fp8, _philox
 from ._validate import Problem
 
 LOG2E = float(np.log2(np.e))
@@ -106,9 +106,12 @@ def _grouped_sinks(sinks, p: Problem):
 
 
 def forward(q, k, v, p: Problem, alibi_slopes=None, sinks=None, seed: int = 0, offset: int = 0,
-            batch_index: int = 0):
-    """out (dtype of q), lse float32 (batch, heads, seqlen_q). ``batch_index``: the dropout stream of batch entry
-    0 is that of entry ``batch_index`` (a packed sequence's, computed on its own)."""
+            batch_index: int = 0, descales=(None, None, None)):
+    """out (p.output_dtype), lse float32 (batch, heads, seqlen_q). ``batch_index``: the dropout stream of batch
+    entry 0 is that of entry ``batch_index`` (a packed sequence's, computed on its own). ``descales``: a float8
+    call's (q_descale, k_descale, v_descale): q, k and v are dequantized to float32 first."""
+    q, k, v = (x if descale is None else _fp8.dequantize(x, descale, p.heads_kv, np.float32)
+               for x, descale in zip((q, k, v), descales))
     qg = _grouped(q, p.heads_kv)  # (b, hk, g, sq, d)
     kg = k.astype(np.float32).transpose(0, 2, 1, 3)[:, :, None]  # (b, hk, 1, sk, d)
     vg = v.astype(np.float32).transpose(0, 2, 1, 3)[:, :, None]
@@ -140,7 +143,7 @@ def forward(q, k, v, p: Problem, alibi_slopes=None, sinks=None, seed: int = 0, o
         out = np.where(l_i[..., None] == 0, np.float32(0), acc / l_i[..., None])
         lse = np.where(l_i == 0, np.float32(-np.inf), (m_i + np.log2(l_i)) * np.float32(LN2))
     b, hk, g, sq = lse.shape
-    return _ungrouped(out).astype(q.dtype), lse.reshape(b, hk * g, sq).astype(np.float32)
+    return _ungrouped(out).astype(p.output_dtype), lse.reshape(b, hk * g, sq).astype(np.float32)
 
 
 def backward(dout, q, k, v, out, lse, p: Problem, alibi_slopes=None, sinks=None, seed: int = 0, offset: int = 0,

@@ -12,8 +12,8 @@ import numbers
 
 import numpy as np
 
-from ._config import (MASK_CAUSAL, MASK_NONE, MASK_WINDOW, MAX_HEAD_DIM, MOD_ALIBI, MOD_DROPOUT, MOD_SINKS,
-                      MOD_SOFTCAP, SUPPORTED_DTYPES)
+from ._config import (FLOAT8_E4M3, FLOAT8_OUTPUT_DTYPES, MASK_CAUSAL, MASK_NONE, MASK_WINDOW, MAX_HEAD_DIM,
+                      MOD_ALIBI, MOD_DROPOUT, MOD_SINKS, MOD_SOFTCAP, SUPPORTED_DTYPES)
 from ._philox import MAX_OFFSET, MAX_SEED
 
 BOTTOM_RIGHT, TOP_LEFT = "bottom_right", "top_left"
@@ -85,6 +85,14 @@ class Problem:
     alibi_shape: tuple | None = None
     sinks: bool = False
     dropout_p: float = 0.0
+    #: a float8 call's output dtype (FLOAT8_OUTPUT_DTYPES); None: the output has the inputs' dtype
+    out_dtype: np.dtype | None = None
+    #: a float8 call's descale factors' shapes (q, k, v): (1,), () or (batch, heads_kv), None where not given
+    descale_shapes: tuple = ()
+
+    @property
+    def output_dtype(self) -> np.dtype:
+        return self.dtype if self.out_dtype is None else self.out_dtype
 
     @property
     def masked(self) -> bool:
@@ -126,9 +134,50 @@ def _check_4d(name: str, a, layout: str):
         raise ValueError(f"{name} must have 4 dimensions {layout}, got {a.ndim} (shape {tuple(a.shape)})")
 
 
-def _check_dtype(name: str, a):
-    if np.dtype(a.dtype) not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}, got {a.dtype}")
+def _check_dtype(name: str, a, float8: bool = False):
+    """``float8``: the call takes float8_e4m3fn too (attention's forward)."""
+    if np.dtype(a.dtype) in SUPPORTED_DTYPES or (float8 and np.dtype(a.dtype) == FLOAT8_E4M3):
+        return
+    if np.dtype(a.dtype) == FLOAT8_E4M3:
+        raise TypeError(f"{name} is float8_e4m3fn, which only attention() (the forward) takes; this call takes "
+                        f"{_DTYPE_NAMES}")
+    raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}{', float8_e4m3fn' if float8 else ''}, got {a.dtype}")
+
+
+def check_float8(q, descales, out_dtype, batch: int, heads_kv: int) -> tuple:
+    """(the output dtype or None, the descales' shapes) of a forward that may take float8_e4m3fn (``descales``:
+    its (q_descale, k_descale, v_descale)): float8 inputs take descales None (1) or float32 of shape (1,), ()
+    or (batch, heads_kv) on q's device, and give out_dtype None (bfloat16) or one of FLOAT8_OUTPUT_DTYPES;
+    other inputs take neither."""
+    names = ("q_descale", "k_descale", "v_descale")
+    if np.dtype(q.dtype) != FLOAT8_E4M3:
+        for name, descale in zip(names, descales):
+            if descale is not None:
+                raise ValueError(f"{name} applies to float8_e4m3fn inputs only; q, k and v are {q.dtype}")
+        if out_dtype is not None and _as_dtype("out_dtype", out_dtype) != q.dtype:
+            raise ValueError(f"out_dtype is for float8_e4m3fn inputs, whose output is bfloat16 or float16; "
+                             f"with {q.dtype} inputs the output is {q.dtype}, got out_dtype {out_dtype!r}")
+        return None, ()
+    output = FLOAT8_OUTPUT_DTYPES[0] if out_dtype is None else _as_dtype("out_dtype", out_dtype)
+    if output not in FLOAT8_OUTPUT_DTYPES:
+        raise TypeError(f"out_dtype of float8_e4m3fn inputs must be one of "
+                        f"{', '.join(d.name for d in FLOAT8_OUTPUT_DTYPES)}, got {output}")
+    shapes = []
+    for name, descale in zip(names, descales):
+        if descale is None:
+            shapes.append(None)
+            continue
+        shapes.append(check_float32_vector(name, descale, ((1,), (), (batch, heads_kv)),
+                                           "(1,) or () (per tensor) or (batch, heads_kv)"))
+        check_same_device(q=q, **{name: descale})
+    return output, tuple(shapes)
+
+
+def _as_dtype(name: str, value) -> np.dtype:
+    try:
+        return np.dtype(value)
+    except TypeError:
+        raise TypeError(f"{name} must name a dtype, got {value!r}") from None
 
 
 def check_heads(heads: int, heads_kv: int, head_dim: int, kv_head_dim: int, kv_name: str, empty_ok: bool = False):
@@ -146,14 +195,15 @@ def check_heads(heads: int, heads_kv: int, head_dim: int, kv_head_dim: int, kv_n
 
 
 def check_forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                  sinks=None, dropout_p=0.0, alignment=BOTTOM_RIGHT) -> Problem:
+                  sinks=None, dropout_p=0.0, alignment=BOTTOM_RIGHT, descales=None, out_dtype=None) -> Problem:
     """Validate the forward's inputs and options and resolve the defaults (seed and offset, which change per
-    call, are checked by check_dropout)."""
+    call, are checked by check_dropout). ``descales``: (q_descale, k_descale, v_descale) of a call that takes
+    float8_e4m3fn inputs (attention's; check_float8), None for a call that does not."""
     for name, a, layout in (("q", q, "(batch, seqlen_q, heads, head_dim)"),
                             ("k", k, "(batch, seqlen_k, heads_kv, head_dim)"),
                             ("v", v, "(batch, seqlen_k, heads_kv, head_dim)")):
         _check_4d(name, a, layout)
-        _check_dtype(name, a)
+        _check_dtype(name, a, float8=descales is not None)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     batch, seqlen_q, heads, head_dim = q.shape
@@ -174,10 +224,11 @@ def check_forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=
         raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
     alibi_shape = check_head_vectors(q, alibi_slopes, sinks, batch, heads)
     dropout_p, _, _ = check_dropout(dropout_p, 0, 0)
+    output, descale_shapes = (None, ()) if descales is None else check_float8(q, descales, out_dtype, batch, heads_kv)
     return Problem(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, np.dtype(q.dtype), bool(causal),
                    resolve_scale(softmax_scale, head_dim), left, right,
                    seqlen_k - seqlen_q if alignment == BOTTOM_RIGHT else 0, check_softcap(softcap), alibi_shape,
-                   sinks is not None, dropout_p)
+                   sinks is not None, dropout_p, output, descale_shapes)
 
 
 def check_head_vectors(q, alibi_slopes, sinks, batch: int, heads: int) -> tuple | None:

@@ -26,7 +26,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from . import _kvcache, _varlen
+from . import _fp8, _kvcache, _varlen
 from ._kvcache import to_host as _host  # a CuPy argument comes to the host
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_with_kvcache",
@@ -153,8 +153,8 @@ def _backward(dout, q, k, v, out, causal, softmax_scale, options, rnd, work):
 
 def attention(q, k, v, causal: bool = False, softmax_scale=None, *, window_size=(-1, -1), softcap: float = 0.0,
               alibi_slopes=None, sinks=None, dropout_p: float = 0.0, dropout_mask=None,
-              alignment: str = "bottom_right"):
-    """Exact attention in float64.
+              alignment: str = "bottom_right", q_descale=None, k_descale=None, v_descale=None):
+    """Exact attention in float64 (of float8 inputs: of their values times their descale factors).
 
     Parameters
     ----------
@@ -170,6 +170,8 @@ def attention(q, k, v, causal: bool = False, softmax_scale=None, *, window_size=
     dropout_mask : bool array (batch, heads, seqlen_q, seqlen_k), needed where dropout_p > 0
         True where a probability is kept (:func:`cuflash.dropout_mask` gives cuflash's); kept ones are
         scaled by ``1 / (1 - dropout_p)``. The lse does not see dropout.
+    q_descale, k_descale, v_descale : float32 arrays (1,), () or (batch, heads_kv), optional
+        As in :func:`cuflash.attention`: q, k and v stand for their values times these (None: 1).
 
     Returns
     -------
@@ -178,6 +180,9 @@ def attention(q, k, v, causal: bool = False, softmax_scale=None, *, window_size=
         Natural-log logsumexp of the scores over the visible keys (and the sink); -inf where nothing is
         visible.
     """
+    heads_kv = k.shape[2]
+    q, k, v = (x if descale is None else _fp8.dequantize(_host(x), _host(descale), heads_kv)
+               for x, descale in zip((q, k, v), (q_descale, k_descale, v_descale)))
     options = dict(window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
                    dropout_p=dropout_p, dropout_mask=dropout_mask, alignment=alignment)
     out, lse, _ = _forward(q, k, v, causal, softmax_scale, options, _keep_all, np.float64)

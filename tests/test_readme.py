@@ -32,6 +32,8 @@ def test_example_runs(index):
     for name in ("out", "lse", "dq", "dk", "dv"):
         assert name in scope
     assert scope["dq"].shape == scope["q"].shape and scope["dk"].shape == scope["k"].shape
+    if index == 0:   # and the float8 forward's
+        assert scope["out8"].shape == scope["q"].shape and scope["out8"].dtype.name == "bfloat16"
 
 
 @requires_gpu

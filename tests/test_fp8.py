@@ -1,0 +1,196 @@
+"""float8_e4m3fn inputs: quantization and its descale factors, the Hadamard rotation, and the forward on them
+against the float64 reference of their dequantized values (NumPy path; the GPU kernels take no float8 yet)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _fp8, reference
+
+from ._checks import BF16, assert_fa_close, lowp_attention, max_abs_finite
+
+E4M3 = cuflash.FLOAT8_E4M3
+# (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim): both seqlen orders, GQA and MQA, odd head dims
+FLOAT8_SHAPES = [
+    (2, 70, 90, 4, 2, 64),
+    (1, 129, 65, 2, 2, 128),
+    (1, 33, 200, 4, 1, 40),
+    (1, 1, 130, 2, 1, 256),
+]
+# attention's options under which the float8 forward runs (every mask and score modifier)
+FLOAT8_OPTIONS = {
+    "plain": {},
+    "causal": dict(causal=True),
+    "window": dict(window_size=(24, 3)),
+    "softcap": dict(softcap=4.0, causal=True),
+    "alibi": dict(alibi_slopes="heads"),
+    "sinks": dict(sinks=True, causal=True),
+}
+
+
+def _inputs(rng, shape, dtype=np.float32):
+    batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim = shape
+    draw = lambda *s: rng.standard_normal(s).astype(dtype)  # noqa: E731
+    return (draw(batch, seqlen_q, heads, head_dim), draw(batch, seqlen_k, heads_kv, head_dim),
+            draw(batch, seqlen_k, heads_kv, head_dim))
+
+
+def _options(rng, heads, spec):
+    options = dict(spec)
+    if options.get("alibi_slopes") == "heads":
+        options["alibi_slopes"] = rng.uniform(0.01, 0.5, heads).astype(np.float32)
+    if options.pop("sinks", False):
+        options["sinks"] = (2 * rng.standard_normal(heads)).astype(np.float32)
+    return options
+
+
+@pytest.mark.parametrize("granularity", _fp8.GRANULARITIES)
+@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32, np.float64])
+def test_quantization_rounds_each_element_to_e4m3(rng, granularity, dtype):
+    x = (rng.standard_normal((2, 37, 6, 40)) * rng.uniform(0.01, 100, (2, 1, 6, 1))).astype(dtype)
+    x8, descale = cuflash.quantize_fp8(x, granularity, heads_kv=3)
+    assert x8.dtype == E4M3 and x8.shape == x.shape
+    assert descale.dtype == np.float32 and descale.shape == ((1,) if granularity == "tensor" else (2, 3))
+    values = x.astype(np.float64)
+    restored = _fp8.dequantize(x8, descale, heads_kv=3)
+    factors = _fp8._grouped_factors(descale, 2, 6, 3)
+    # within half an e4m3 ulp: 2**-4 of the magnitude in the normal range, 2**-10 of the factor below it
+    assert (np.abs(restored - values) <= 2.0**-4 * np.abs(values) + 2.0**-10 * factors * (1 + 1e-6)).all()
+    # each block's largest magnitude maps to the format's largest value (the whole range is used)
+    blocks = np.abs(x8.astype(np.float64)).reshape(2, 37, 3, 2, 40).max(axis=(1, 3, 4))
+    assert blocks.max() == _fp8.E4M3_MAX
+    if granularity == "head":
+        assert (blocks == _fp8.E4M3_MAX).all()
+
+
+def test_quantization_of_zeros_takes_factor_one():
+    x8, descale = cuflash.quantize_fp8(np.zeros((1, 4, 2, 8), np.float32), "head")
+    assert (x8.astype(np.float32) == 0).all() and (descale == 1).all()
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    (dict(x=np.full((1, 2, 2, 8), np.inf, np.float32)), ValueError, "infinity"),
+    (dict(x=np.zeros((2, 8), np.float32)), ValueError, "4 dimensions"),
+    (dict(x=np.zeros((1, 2, 2, 8), np.int32)), TypeError, "floating-point"),
+    (dict(granularity="row"), ValueError, "granularity"),
+    (dict(granularity="head", heads_kv=3), ValueError, "heads_kv"),
+    (dict(x=[[[[1.0]]]]), TypeError, "numpy.ndarray"),
+])
+def test_quantization_refuses_what_it_cannot_scale(bad, error, words):
+    arguments = dict(x=np.ones((1, 2, 4, 8), np.float32), granularity="tensor", heads_kv=None) | bad
+    with pytest.raises(error, match=words):
+        cuflash.quantize_fp8(arguments["x"], arguments["granularity"], arguments["heads_kv"])
+
+
+@pytest.mark.parametrize("head_dim", [1, 3, 40, 64, 96, 128, 256])
+def test_the_hadamard_rotation_is_orthogonal_and_keeps_the_scores(rng, head_dim):
+    rotation = cuflash.hadamard_rotation(head_dim, seed=int(rng.integers(1 << 30)))
+    np.testing.assert_allclose(rotation @ rotation.T, np.eye(head_dim), atol=1e-12)
+    q, k = rng.standard_normal((2, 5, head_dim)), rng.standard_normal((2, 7, head_dim))
+    np.testing.assert_allclose((q @ rotation) @ (k @ rotation).swapaxes(-1, -2), q @ k.swapaxes(-1, -2), atol=1e-11)
+    # channels mix in blocks of the largest power of two dividing head_dim: every entry of a block is +-1/sqrt(n)
+    n = head_dim & -head_dim
+    np.testing.assert_allclose(np.abs(rotation[:n, :n]), np.full((n, n), n**-0.5))
+    # the signs are the seed's: another seed, another rotation
+    assert head_dim == 1 or not np.array_equal(rotation, cuflash.hadamard_rotation(head_dim, seed=1 + (1 << 30)))
+
+
+def test_the_hadamard_rotation_spreads_outlier_channels():
+    # FlashAttention-3's case for incoherent processing: a few channels of q and k 30x the rest set the factor of
+    # their block, and the other channels lose their bits. Rotated first, the error falls (measured: 3x in RMS)
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 256, 4, 128)) for _ in range(3))
+    for x in (q, k):
+        x[..., :4] *= 30
+        x /= 3 * 128**0.25
+    exact, _ = reference.attention(q, k, v)
+    errors = {}
+    for hadamard in (False, True):
+        q8, k8, v8, *descales = cuflash.quantize_qkv(q, k, v, "head", hadamard=hadamard)
+        out, _ = reference.attention(q8, k8, v8, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
+        errors[hadamard] = np.sqrt(((out - exact) ** 2).mean())
+    assert errors[True] < 0.5 * errors[False], errors
+
+
+@pytest.mark.parametrize("granularity", _fp8.GRANULARITIES)
+@pytest.mark.parametrize("option", FLOAT8_OPTIONS)
+@pytest.mark.parametrize("shape", FLOAT8_SHAPES, ids=str)
+def test_float8_forward_matches_the_reference_of_its_values(rng, shape, option, granularity):
+    q, k, v = _inputs(rng, shape)
+    q8, k8, v8, q_descale, k_descale, v_descale = cuflash.quantize_qkv(q, k, v, granularity)
+    options = _options(rng, shape[3], FLOAT8_OPTIONS[option])
+    kept = [x.copy() for x in (q8, k8, v8, q_descale, k_descale, v_descale)]
+    out, lse = cuflash.attention(q8, k8, v8, return_lse=True, q_descale=q_descale, k_descale=k_descale,
+                                 v_descale=v_descale, **options)
+    assert out.dtype == BF16 and lse.dtype == np.float32
+    for before, after in zip(kept, (q8, k8, v8, q_descale, k_descale, v_descale)):
+        assert before.tobytes() == after.tobytes()   # the caller's arrays are never written
+    ref, ref_lse = reference.attention(q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                       **options)
+    values = [_fp8.dequantize(x, d, shape[4], np.float32) for x, d in ((q8, q_descale), (k8, k_descale),
+                                                                          (v8, v_descale))]
+    lowp, lowp_lse = lowp_attention(*values, options.pop("causal", False), None, BF16, **options)
+    max_score = max_abs_finite(ref_lse)
+    assert_fa_close(out, ref, lowp, BF16, 2, "out", max_score)
+    assert_fa_close(lse, ref_lse, lowp_lse, np.float32, 2, "lse", max_score)
+
+
+def test_descale_factors_are_read_on_every_call(rng):
+    # the factors are values of each call, not of its plan: a second call of the same shapes with other factors
+    # scales its output by them
+    q, k, v = _inputs(rng, FLOAT8_SHAPES[0])
+    q8, k8, v8, q_descale, k_descale, v_descale = cuflash.quantize_qkv(q, k, v, "tensor")
+    first = cuflash.attention(q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    doubled = cuflash.attention(q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=2 * v_descale)
+    np.testing.assert_array_equal(doubled.astype(np.float32), 2 * first.astype(np.float32))
+
+
+def test_float8_output_dtype(rng):
+    q8, k8, v8, *_ = cuflash.quantize_qkv(*_inputs(rng, FLOAT8_SHAPES[0]))
+    assert cuflash.attention(q8, k8, v8).dtype == BF16   # factors of 1
+    assert cuflash.attention(q8, k8, v8, out_dtype=np.float16).dtype == np.float16
+    assert cuflash.attention(q8, k8, v8, out_dtype="bfloat16").dtype == BF16
+    out, lse = cuflash.attention(q8, k8[:, :0], v8[:, :0], return_lse=True)   # no keys: zeros in out_dtype
+    assert out.dtype == BF16 and (out.astype(np.float32) == 0).all() and (lse == -np.inf).all()
+
+
+def _float8_call(rng, **changes):
+    q8, k8, v8, q_descale, k_descale, v_descale = cuflash.quantize_qkv(*_inputs(rng, FLOAT8_SHAPES[0]))
+    arguments = dict(q=q8, k=k8, v=v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale) | changes
+    return cuflash.attention(**arguments)
+
+
+@pytest.mark.parametrize("changes, error, words", [
+    (dict(q_descale=np.ones(3, np.float32)), ValueError, "q_descale must have shape"),
+    (dict(k_descale=np.ones((1,), np.float64)), TypeError, "k_descale must be float32"),
+    (dict(v_descale=1.0), TypeError, "v_descale must be a numpy.ndarray"),
+    (dict(out_dtype=np.float32), TypeError, "out_dtype of float8_e4m3fn inputs"),
+    (dict(out_dtype="float9"), TypeError, "out_dtype must name a dtype"),
+    (dict(k=np.zeros((2, 90, 2, 64), BF16)), TypeError, "share one dtype"),
+])
+def test_bad_float8_arguments_are_refused(rng, changes, error, words):
+    with pytest.raises(error, match=words):
+        _float8_call(rng, **changes)
+
+
+def test_descales_and_out_dtype_belong_to_float8_inputs(rng):
+    q, k, v = _inputs(rng, FLOAT8_SHAPES[0])
+    with pytest.raises(ValueError, match="q_descale applies to float8_e4m3fn inputs only"):
+        cuflash.attention(q, k, v, q_descale=np.ones(1, np.float32))
+    with pytest.raises(ValueError, match="out_dtype is for float8_e4m3fn inputs"):
+        cuflash.attention(q, k, v, out_dtype=np.float16)
+    assert cuflash.attention(q, k, v, out_dtype=np.float32).dtype == np.float32   # its own dtype: allowed
+
+
+def test_only_the_forward_takes_float8(rng):
+    q8, k8, v8, *_ = cuflash.quantize_qkv(*_inputs(rng, FLOAT8_SHAPES[0]))
+    lse = np.zeros((2, 4, 70), np.float32)
+    with pytest.raises(TypeError, match=r"only attention\(\)"):
+        cuflash.attention_backward(q8, q8, k8, v8, q8, lse)
+    with pytest.raises(TypeError, match=r"only attention\(\)"):
+        cuflash.attention_with_kvcache(q8, k8, v8)
+    cu = np.array([0, 70], np.int32)
+    with pytest.raises(TypeError, match=r"only attention\(\)"):
+        cuflash.attention_varlen(q8[0], k8[0, :70], v8[0, :70], cu, cu)
