@@ -126,6 +126,24 @@ def percentiles(values) -> str:
     return f"{np.median(values):6.2f} [{np.percentile(values, 10):.2f}, {np.percentile(values, 90):.2f}]"
 
 
+def stamped_launch(launch, stamps, flush, *buffers) -> tuple:
+    """(microseconds, the stamps as int64) of the last of three calls of ``launch`` (no arguments), L2 flushed and
+    ``stamps`` and ``buffers`` zeroed before each."""
+    import cupy as cp
+    import numpy as np
+
+    for _ in range(3):
+        flush.fill(0)
+        for buffer in (stamps, *buffers):
+            buffer.fill(0)
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        launch()
+        stop.record()
+        stop.synchronize()
+    return cp.cuda.get_elapsed_time(start, stop) * 1000, stamps.get().astype(np.int64)
+
+
 def measure_backward(head_dim: int, seqlens: list[int], causal: bool, dtype: str) -> None:
     import cupy as cp
     import numpy as np
@@ -154,17 +172,7 @@ def measure_backward(head_dim: int, seqlens: list[int], causal: bool, dtype: str
         # BACKWARD_PER_CALL, the stamps in dq_order's place
         args = (q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, stamps, _cupy_path._NULL,
                 *_cupy_path._dropout_args(problem, 0, 0), _cupy_path._VECTOR_OK[1])
-        for _ in range(3):   # the last of three launches, L2 flushed before each
-            flush.fill(0)
-            dq_accum.fill(0)
-            stamps.fill(0)
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            start.record()
-            dkdv(args)
-            stop.record()
-            stop.synchronize()
-        us = cp.cuda.get_elapsed_time(start, stop) * 1000
-        t = stamps.get().astype(np.int64)
+        us, t = stamped_launch(lambda: dkdv(args), stamps, flush, dq_accum)
         t = t[t[:, 1] > 0]
         sm, entry, landed, stepped, steps = t[:, 0], t[:, 1], t[:, 2], t[:, 3], t[:, 7]
         done = np.maximum(t[:, 4], t[:, 5])
@@ -206,16 +214,7 @@ def measure_forward(head_dim: int, seqlens: list[int], causal: bool, window_left
             _cupy_path.NO_CACHE_FIELDS = plain_fields
         if plan.maps is None:
             raise SystemExit("the plan does not run fwd_wgmma here (a GPU of compute capability 9.0 runs it)")
-        for _ in range(3):   # the last of three launches, L2 flushed before each
-            flush.fill(0)
-            stamps.fill(0)
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            start.record()
-            plan.run(q, k, v, with_lse=False)
-            stop.record()
-            stop.synchronize()
-        us = cp.cuda.get_elapsed_time(start, stop) * 1000
-        t = stamps.get().astype(np.int64)
+        us, t = stamped_launch(lambda: plan.run(q, k, v, with_lse=False), stamps, flush)
         t = t[t[:, 1] > 0]
         taken, q_landed, walked, tiles, block = t[:, 1], t[:, 2], t[:, 3], t[:, 4], t[:, 5]
         spans, duration, tail = [], np.zeros(len(t)), np.zeros(len(t))
