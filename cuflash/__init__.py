@@ -57,14 +57,12 @@ def _plan_forward(q, k, v, causal, softmax_scale, window_size, softcap, alibi_sl
                   descales=(None, None, None), out_dtype=None):
     """Validate a forward call and return the function that runs it:
     ``(q, k, v, alibi_slopes, sinks, seed, offset, with_lse[, descales]) -> (out, lse)`` (lse may be None where
-    ``with_lse`` is False; ``descales``, a float8 call's (q_descale, k_descale, v_descale), NumPy only)."""
+    ``with_lse`` is False; ``descales``, a float8 call's (q_descale, k_descale, v_descale): NumPy arrays only,
+    CuPy holding no float8 dtype)."""
     xp = array_module(q=q, k=k, v=v, **_optional_arrays(alibi_slopes=alibi_slopes, sinks=sinks, q_descale=descales[0],
                                                          k_descale=descales[1], v_descale=descales[2]))
     problem = check_forward(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p,
                             alignment, descales, out_dtype)
-    if problem.out_dtype is not None and xp is not np:
-        raise TypeError("float8_e4m3fn q, k and v run on NumPy arrays in this version (the GPU kernels take "
-                        "float16, bfloat16 and float32): pass their values times their descale factors in bfloat16")
     if xp is np or problem.is_empty or problem.seqlen_k == 0:
         return _array_forward(xp, problem)
     from . import _cupy_path
@@ -218,7 +216,7 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
         check_flag("return_lse", return_lse)
     if q_descale is None and k_descale is None and v_descale is None:
         out, lse = plan(q, k, v, alibi_slopes, sinks, seed, offset, return_lse)
-    else:   # a float8 call's factors (a NumPy plan: planning refused them anywhere else)
+    else:   # a float8 call's factors (a NumPy plan: CuPy holds no float8 array)
         out, lse = plan(q, k, v, alibi_slopes, sinks, seed, offset, return_lse, descales)
     return (out, lse) if return_lse else out
 

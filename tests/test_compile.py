@@ -234,27 +234,26 @@ def test_the_softmax_exponential_is_one_instruction(kernel):
     assert "ex2.approx.f32" not in ptx
 
 
-def test_the_wgmma_wrappers_are_the_generators_output():
-    # kernels/wgmma_ops.cuh is written by tools/gen_wgmma.py: an edit by hand (or a stale header) fails here
+def check_tool(name: str):
+    """tools/<name> --check, run with this interpreter: its output where it exits 0 (the assertion shows both
+    streams otherwise)."""
     import pathlib
     import subprocess
     import sys
 
-    root = pathlib.Path(__file__).resolve().parent.parent
-    result = subprocess.run([sys.executable, str(root / "tools" / "gen_wgmma.py"), "--check"], capture_output=True,
-                            text=True)
+    tool = pathlib.Path(__file__).resolve().parent.parent / "tools" / name
+    result = subprocess.run([sys.executable, str(tool), "--check"], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_the_wgmma_wrappers_are_the_generators_output():
+    # kernels/wgmma_ops.cuh is written by tools/gen_wgmma.py: an edit by hand (or a stale header) fails here
+    check_tool("gen_wgmma.py")
 
 
 def test_the_block_timeline_stamps_the_hopper_kernels():
     # tools/block_timeline.py stamps kernels/bwd_wgmma.cu and fwd_wgmma.cu at places it finds by their text and
     # compiles the stamped kernels: an edit that moves one of those places fails here (update the tool's _STAMPS)
-    import pathlib
-    import subprocess
-    import sys
-
-    root = pathlib.Path(__file__).resolve().parent.parent
-    result = subprocess.run([sys.executable, str(root / "tools" / "block_timeline.py"), "--check"], capture_output=True,
-                            text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("stamped, ") == 2, result.stdout
+    output = check_tool("block_timeline.py")
+    assert output.count("stamped, ") == 2, output
