@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _kvcache, _numpy_path, _varlen, reference
+from . import _kvcache, _numpy_path, _varlen, distributed, reference
 from ._config import FLOAT8_E4M3, HEAD_DIMS, MAX_HEAD_DIM, SUPPORTED_DTYPES
 from ._fp8 import hadamard_rotation, quantize_qkv
 from ._fp8 import quantize as quantize_fp8
@@ -21,7 +21,7 @@ from ._validate import (array_module, check_backward, check_cache_indices, check
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_with_kvcache",
-           "dropout_mask", "hadamard_rotation", "merge_states", "quantize_fp8", "quantize_qkv", "reference",
+           "distributed", "dropout_mask", "hadamard_rotation", "merge_states", "quantize_fp8", "quantize_qkv", "reference",
            "FLOAT8_E4M3", "HEAD_DIMS", "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "__version__"]
 
 #: Plans of the calls seen, keyed on everything validation and the kernel choice read: each array's class,

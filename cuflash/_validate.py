@@ -101,9 +101,9 @@ class Problem:
 
     @property
     def kernel_window(self) -> tuple[int, int]:
-        """(left, right) as the kernels' Window takes them: an unbounded side as seqlen_q + seqlen_k, which no
-        |key - row - diagonal| reaches."""
-        unbounded = self.seqlen_q + self.seqlen_k
+        """(left, right) as the kernels' Window takes them: an unbounded side as seqlen_q + seqlen_k + |diagonal|,
+        which no |key - row - diagonal| reaches."""
+        unbounded = self.seqlen_q + self.seqlen_k + abs(self.diagonal)
         return tuple(unbounded if side < 0 else min(side, unbounded) for side in (self.window_left, self.window_right))
 
     @property

@@ -19,16 +19,28 @@ from hypothesis import HealthCheck, settings
 from cuflash import _config
 
 
-def _gpu_available() -> bool:
+def _gpu_count() -> int:
     try:
         import cupy
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
+        return cupy.cuda.runtime.getDeviceCount()
     except Exception:  # no cupy, no driver, or no device: all mean "no GPU here"
+        return 0
+
+
+def _nccl_available() -> bool:
+    try:
+        from cupy.cuda import nccl
+
+        return bool(nccl.available)
+    except Exception:  # no cupy, or a CuPy built without NCCL
         return False
 
 
-GPU = _gpu_available()
+GPU_COUNT = _gpu_count()
+GPU = GPU_COUNT > 0
+#: CuPy's NCCL bindings load (the NCCL library is found)
+NCCL = _nccl_available()
 requires_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and CuPy")
 
 #: CUFLASH_TEST_PLAN's plans: what each makes of the GPU's own properties before cuflash plans a call
