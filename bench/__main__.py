@@ -9,7 +9,7 @@ from cuflash._env import gpu_unavailable_reason
 
 from .impls import IMPL_NAMES
 from .records import make_header, merge_records, read_json, results_dir, write_json
-from .suites import SUITES, suite_cells
+from .suites import ON_REQUEST, SUITES, suite_cells
 
 DEFAULT_OUT = "bench/results"
 
@@ -22,10 +22,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "inputs and outputs), overhead (host ms per call at tiny shapes), compile (first call "
                     "with a cold and a warm kernel cache), features (masks and score modifiers against "
                     "FlexAttention), decode (one step against a KV cache), varlen (packed batches of mixed "
-                    "lengths against padded peers).",
+                    "lengths against padded peers), scaling (ring attention over the host's GPUs, 128k-1M "
+                    "tokens; only when named).",
         epilog="Regenerate tables and plots from a results file: python -m bench.report RESULTS.json")
     parser.add_argument("suites", nargs="*", metavar="SUITE", help=f"suites to run, of {', '.join(SUITES)} "
-                        "(default: all)")
+                        f"(default: all but {', '.join(ON_REQUEST)})")
     parser.add_argument("--suite", action="append", default=[], metavar="SUITE", help="a suite to run (repeatable)")
     parser.add_argument("--quick", action="store_true", help="smoke run: few shapes, few repeats (~1 minute)")
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
@@ -43,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "of the same cell and implementation is replaced); with --head-dim, a suite can "
                              "run in parts")
     args = parser.parse_args(argv)
-    args.suites = list(dict.fromkeys(args.suites + args.suite)) or list(SUITES)
+    args.suites = list(dict.fromkeys(args.suites + args.suite)) or [s for s in SUITES if s not in ON_REQUEST]
     unknown = [s for s in args.suites if s not in SUITES]
     if unknown:
         parser.error(f"unknown suite(s) {', '.join(unknown)}; choose from {', '.join(SUITES)}")

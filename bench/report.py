@@ -74,6 +74,8 @@ LAYOUTS = {
                      "below 1: cuflash is faster", log_y=True),
     "varlen": Layout("tflops", "seqlen_q", ("pass", "head_dim", "causal"), "TFLOP/s on the real tokens",
                      "TFLOP/s", fmt_rate, True, "above 1: cuflash is faster"),
+    "scaling": Layout("tflops", "seqlen_q", ("pass", "causal"), "TFLOP/s per GPU", "TFLOP/s per GPU", fmt_rate,
+                      False),
 }
 
 
@@ -180,6 +182,13 @@ def markdown(header: dict, records: list[dict], suite: str) -> str:
                      "non-causal; heads = query heads (kv heads in the file). GPU time, launch hidden, L2 "
                      "flushed (bench/decode.py). Under each table: the cache read rate, TB/s (the copy: bytes "
                      "read and written).")
+    if suite == "scaling":
+        lines.append("Columns: tokens of the whole sequence, sharded over the GPUs (zigzag), bfloat16, batch 1, 32 "
+                     "heads x 128; rows: GPUs, one process each, NCCL. FLOPs: 4 * heads * head_dim * the score "
+                     "entries (causal: n (n + 1) / 2), fwd+bwd 3.5x, over the slowest rank's time and the GPU count. "
+                     "'no moves': the same calls on a communicator that moves nothing. Under each table: the rate "
+                     "per GPU over one GPU's at those tokens, and the share of the time the moves cost "
+                     "(1 - no moves / ring).")
     groups = _group(records, layout.panel + ("dtype",))
     for key in _sorted_keys(layout.panel + ("dtype",), groups):
         lines += ["", f"## {_panel_title(layout.panel + ('dtype',), key)}", "",
@@ -188,6 +197,8 @@ def markdown(header: dict, records: list[dict], suite: str) -> str:
             lines += ["", bandwidth_table(groups[key])]
         if suite == "varlen":
             lines += ["", packing_table(groups[key])]
+        if suite == "scaling":
+            lines += ["", scaling_table(groups[key])]
     return "\n".join(lines) + "\n"
 
 
@@ -222,6 +233,24 @@ def packing_table(records: list[dict]) -> str:
              "efficiency": r["tflops"] / padded[r["seqlen_q"]]}
             for r in records if r["impl"] == SUBJECT and r["status"] == "ok" and r["seqlen_q"] in padded]
     layout = Layout("efficiency", "seqlen_q", (), "", "", lambda x: f"{x:.2f}x", False)
+    return markdown_table(rows, layout)
+
+
+def scaling_table(records: list[dict]) -> str:
+    """The scaling suite's efficiency per GPU count and token count: the rate per GPU over one GPU's rate
+    ("N GPUs / 1 GPU") and the share of the ring's time that its moves cost ("N GPUs, moves")."""
+    ok = {(r["impl"], r["seqlen_q"]): r for r in records if r["status"] == "ok" and r["ms_median"]}
+    rows = []
+    for (impl, tokens), r in ok.items():
+        if impl.endswith("no moves"):
+            continue
+        one = ok.get(("1 GPU", tokens))
+        if one is not None and impl != "1 GPU":
+            rows.append({**r, "impl": f"{impl} / 1 GPU", "ratio": r["tflops"] / one["tflops"]})
+        still = ok.get((f"{impl}, no moves", tokens))
+        if still is not None:
+            rows.append({**r, "impl": f"{impl}, moves", "ratio": 1 - still["ms_median"] / r["ms_median"]})
+    layout = Layout("ratio", "seqlen_q", (), "", "", lambda x: f"{x:.2f}", False)
     return markdown_table(rows, layout)
 
 

@@ -22,10 +22,15 @@ from .varlen import BATCHES as BATCHES_OF_VARLEN
 from .varlen import VARLEN_DTYPE, padded_shape, varlen_cells
 from .features import BY_NAME, FEATURES
 from .records import COMPILE_PASSES, Shape, make_record
+from .scaling import SCALING_DTYPE, SCALING_GPUS, scaling_cells, shape_of
 
-SUITES = ("grid", "memory", "overhead", "compile", "features", "decode", "varlen")
-#: the suites that check cuflash against the reference themselves (their cells are not the dense call's)
-SELF_CHECKED = ("compile", "decode", "varlen")
+SUITES = ("grid", "memory", "overhead", "compile", "features", "decode", "varlen", "scaling")
+#: the suites that check cuflash against the reference themselves, or leave it to the tests (their cells are
+#: not the dense call's)
+SELF_CHECKED = ("compile", "decode", "varlen", "scaling")
+#: the suites that run only when named (a run without suites runs the others): scaling takes every GPU of
+#: the host for many minutes
+ON_REQUEST = ("scaling",)
 
 # grid: FlashAttention's benchmark grid, a fixed token count and model width for every seqlen/head_dim
 TOKENS = 16384  # batch * seqlen
@@ -86,7 +91,7 @@ class Cell:
     dtype: str
     causal: bool
     pass_: str
-    feature: str = ""  # the features suite's mask or modifier (bench.features.BY_NAME); varlen's batch
+    feature: str = ""  # the features suite's mask or modifier (bench.features.BY_NAME); varlen's batch; scaling's GPUs
 
     def describe(self) -> str:
         s = self.shape
@@ -153,6 +158,9 @@ def _all_suite_cells(suite: str, quick: bool) -> list[Cell]:
     if suite == "varlen":  # bench.varlen: packed batches of mixed lengths; the shape is the padded batch's
         return [Cell(padded_shape(BATCHES_OF_VARLEN[name], d), VARLEN_DTYPE, causal, pass_, name)
                 for name, d, causal, pass_ in varlen_cells(quick)]
+    if suite == "scaling":  # bench.scaling: ring attention over 1-8 GPUs (those the host has)
+        return [Cell(shape_of(tokens), SCALING_DTYPE, causal, pass_, f"{gpus} GPUs")
+                for gpus, tokens, causal, pass_ in scaling_cells(quick, max(SCALING_GPUS))]
     raise ValueError(f"unknown suite {suite!r}; choose from {SUITES}")
 
 
@@ -253,6 +261,10 @@ def run_suite(suite: str, impl_names: list[str], quick: bool = False, repeats: i
         from . import varlen
 
         return varlen.run(impl_names, quick, settings.warmup, settings.repeats, head_dims)
+    if suite == "scaling":
+        from . import scaling
+
+        return scaling.run(quick, settings.warmup, settings.repeats)
 
     from .impls import Cuflash, make_impls, make_inputs, release_memory
     from .timing import EventTimer

@@ -14,7 +14,8 @@ import sys
 import numpy as np
 import pytest
 
-from bench import accuracy, features, naive, report
+from bench import accuracy, features, naive, report, scaling
+from bench.__main__ import parse_args
 from bench.flops import attention_flops, tflops
 from bench.records import (RECORD_FIELDS, Shape, make_header, make_record, merge_records, read_json, record_key,
                            results_dir, slug, write_json)
@@ -420,3 +421,29 @@ def test_the_readme_table_is_the_committed_grid():
     # never edited by hand: a table that drifted from grid.json fails here
     _, records = read_json(REPO_ROOT / "bench" / "results" / "nvidia-h200" / "grid.json")
     assert report.readme_table(records) in (REPO_ROOT / "README.md").read_text()
+
+
+def test_scaling_cells_fit_a_gpu_and_the_host():
+    """Every GPU count up to the host's, shards no longer than MAX_TOKENS_PER_GPU; --quick: causal forward."""
+    cells = scaling.scaling_cells(False, 8)
+    assert {c[0] for c in cells} == {1, 2, 4, 8}
+    assert all(tokens // gpus <= scaling.MAX_TOKENS_PER_GPU for gpus, tokens, _, _ in cells)
+    assert (1, 1048576, True, "fwd") not in cells and (2, 1048576, True, "fwd") in cells
+    assert {c[0] for c in scaling.scaling_cells(False, 3)} == {1, 2}
+    assert scaling.scaling_cells(True, 8) == [(g, 524288, True, "fwd") for g in (1, 2, 4, 8)]
+    assert "scaling" not in parse_args([]).suites and parse_args(["scaling"]).suites == ["scaling"]
+
+
+def test_scaling_report_shows_rate_per_gpu_efficiency_and_moves(tmp_path):
+    """Rates per GPU from the slowest rank's times; under the table, N GPUs over 1 GPU and the moves' share."""
+    tokens = 131072
+    assert scaling.slowest([[1.0, 5.0], [2.0, 3.0]]) == [2.0, 5.0]
+    records = (scaling.records_of(1, tokens, True, "fwd", [100.0], None)
+               + scaling.records_of(4, tokens, True, "fwd", [30.0], [25.0]))
+    one, four, still = records
+    assert four["impl"] == "4 GPUs" and still["impl"] == "4 GPUs, no moves"
+    assert four["tflops"] == pytest.approx(one["tflops"] * 100 / 30 / 4)
+    path = write_json(tmp_path / "scaling.json", make_header("scaling", False, gpu="test"), records)
+    text = report.markdown(*read_json(path), "scaling")
+    assert "| 4 GPUs / 1 GPU | 0.83 |" in text and "| 4 GPUs, moves | 0.17 |" in text
+    report.write_reports(path)
