@@ -1,5 +1,6 @@
 """The scaling suite: ring attention (``cuflash.distributed``) over 1, 2, 4 and 8 GPUs of one host, one process
-per GPU with a NCCL communicator, at 128k-1M tokens, causal (zigzag shards) and not.
+per GPU with a NCCL communicator (one GPU: a local one, nothing moves, no NCCL needed), at 128k-1M tokens,
+causal (zigzag shards) and not.
 
 A record's impl is the GPU count ("4 GPUs"); its TFLOP/s are per GPU: the whole sequence's FLOPs (4 * heads *
 head_dim * score entries, causal n (n + 1) / 2; fwd+bwd 3.5x) over the time, divided by the GPU count. The time
@@ -79,19 +80,26 @@ def _rank_main(rank: int, gpus: int, nccl_id, cells, warmup: int, repeats: int, 
     """One rank: per cell, the slowest-rank timing needs every rank's times, so each rank puts its own
     (cell index, rank, ring ms, still ms) on ``results``."""
     import cupy
-    from cupy.cuda import nccl
 
     from cuflash import distributed
 
     from .impls import make_inputs
 
     cupy.cuda.Device(rank).use()
-    comm = nccl.NcclCommunicator(gpus, nccl_id, rank)
-    barrier_word = cupy.zeros(1, cupy.float32)
+    if gpus == 1:   # nothing moves: no NCCL needed (one GPU's baseline runs where CuPy has no NCCL)
+        comm = distributed.local_communicators(1)[0]
 
-    def barrier():
-        comm.allReduce(barrier_word.data.ptr, barrier_word.data.ptr, 1, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
-                       cupy.cuda.get_current_stream().ptr)
+        def barrier():
+            pass
+    else:
+        from cupy.cuda import nccl
+
+        comm = nccl.NcclCommunicator(gpus, nccl_id, rank)
+        barrier_word = cupy.zeros(1, cupy.float32)
+
+        def barrier():
+            comm.allReduce(barrier_word.data.ptr, barrier_word.data.ptr, 1, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                           cupy.cuda.get_current_stream().ptr)
 
     still = StillCommunicator(rank, gpus)
     for index, (_, tokens, causal, pass_) in enumerate(cells):
@@ -128,7 +136,6 @@ def slowest(per_rank: list[list[float]]) -> list[float]:
 def run(quick: bool, warmup: int, repeats: int) -> list[dict]:
     """Every cell this host can run, a process per GPU per GPU count; the records."""
     import cupy
-    from cupy.cuda import nccl
     from tqdm import tqdm
 
     cells = scaling_cells(quick, cupy.cuda.runtime.getDeviceCount())
@@ -137,7 +144,11 @@ def run(quick: bool, warmup: int, repeats: int) -> list[dict]:
     for gpus in sorted({c[0] for c in cells}):
         mine = [c for c in cells if c[0] == gpus]
         results = context.Queue()
-        nccl_id = nccl.get_unique_id()
+        nccl_id = None
+        if gpus > 1:
+            from cupy.cuda import nccl
+
+            nccl_id = nccl.get_unique_id()
         ranks = [context.Process(target=_rank_main, args=(r, gpus, nccl_id, mine, warmup, repeats, results))
                  for r in range(gpus)]
         for p in ranks:
