@@ -13,6 +13,7 @@ on one GPU), :func:`local_communicators` and :func:`run_local`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -539,13 +540,6 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, causal: bool = False,
     return (*grads, dsinks)
 
 
-class _NoDevice:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _on_device(xp, device_id):
-    return _NoDevice() if xp is np else xp.cuda.Device(device_id)
+    """The context a call's CuPy work runs in: its arrays' device (nothing for NumPy)."""
+    return contextlib.nullcontext() if xp is np else xp.cuda.Device(device_id)
