@@ -277,18 +277,21 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_sc
 
 
 def _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size, softcap,
-                  alibi_slopes, sinks, num_splits, rotary_cos, rotary_sin, rotary_interleaved, check_indices):
+                  alibi_slopes, sinks, num_splits, rotary_cos, rotary_sin, rotary_interleaved, check_indices,
+                  descales=(None, None, None), out_dtype=None):
     """Validate an attention_with_kvcache call and return the function that runs it: ``(q, k_cache, v_cache, k,
-    v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin, with_lse) -> (out, lse)``,
-    which checks an int ``cache_seqlens`` (its value is not part of the plan), and with ``check_indices`` the
-    values of a cache_seqlens array and of block_table, before anything is written."""
+    v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin, with_lse[, descales]) -> (out,
+    lse)``, which checks an int ``cache_seqlens`` (its value is not part of the plan), and with
+    ``check_indices`` the values of a cache_seqlens array and of block_table, before anything is written.
+    ``descales``: a float8 call's (q_descale, k_descale, v_descale), NumPy arrays (CuPy holds no float8)."""
     arrays = _optional_arrays(k=k, v=v, block_table=block_table, alibi_slopes=alibi_slopes, sinks=sinks,
                               cache_seqlens=cache_seqlens if hasattr(cache_seqlens, "dtype") else None,
-                              rotary_cos=rotary_cos, rotary_sin=rotary_sin)
+                              rotary_cos=rotary_cos, rotary_sin=rotary_sin, q_descale=descales[0],
+                              k_descale=descales[1], v_descale=descales[2])
     xp = array_module(q=q, k_cache=k_cache, v_cache=v_cache, **arrays)
     problem = check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
                             window_size, softcap, alibi_slopes, sinks, num_splits, rotary_cos, rotary_sin,
-                            rotary_interleaved)
+                            rotary_interleaved, descales, out_dtype)
     a = problem.attn
     interleaved = bool(rotary_interleaved)
     check_flag("check_indices", check_indices)
@@ -303,20 +306,22 @@ def _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
 
     if xp is np or a.is_empty:
         def run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin,
-                with_lse):
+                with_lse, descales=(None, None, None)):
             check_call(cache_seqlens, block_table)
             q = _kvcache.rotate_and_append(xp, q, k, v, k_cache, v_cache, cache_seqlens, block_table, rotary_cos,
                                            rotary_sin, interleaved, a.masked)
             if a.is_empty:
-                return _no_keys(xp, q, (a.batch, a.heads, a.seqlen_q), sinks)
+                return _no_keys(xp, q, (a.batch, a.heads, a.seqlen_q), sinks, a.output_dtype)
             keys = _kvcache.lengths_of(cache_seqlens, a.batch, a.seqlen_k) + problem.seqlen_new
 
-            def attend(q_b, k_b, v_b, slopes):
+            def attend(b, q_b, k_b, v_b):
+                q_d, k_d, v_d = (_kvcache.sequence_descale(d, b) for d in descales)
                 return attention(q_b, k_b, v_b, a.causal, a.softmax_scale, True,
-                                 window_size=(a.window_left, a.window_right), softcap=a.softcap, alibi_slopes=slopes,
-                                 sinks=sinks)
+                                 window_size=(a.window_left, a.window_right), softcap=a.softcap,
+                                 alibi_slopes=_kvcache.sequence_slopes(alibi_slopes, b), sinks=sinks, q_descale=q_d,
+                                 k_descale=k_d, v_descale=v_d, out_dtype=out_dtype)
 
-            return _kvcache.per_sequence(attend, q, k_cache, v_cache, keys, block_table, alibi_slopes)
+            return _kvcache.per_sequence(attend, q, k_cache, v_cache, keys, block_table)
         return run
     from . import _cupy_path
 
@@ -337,7 +342,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                            rotary_cos=None, rotary_sin=None, rotary_interleaved: bool = True, causal: bool = False,
                            softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
                            softcap: float = 0.0, alibi_slopes=None, sinks=None, num_splits: int = 0,
-                           return_lse: bool = False, check_indices: bool = False):
+                           return_lse: bool = False, check_indices: bool = False, q_descale=None, k_descale=None,
+                           v_descale=None, out_dtype=None):
     """Attention of new queries against a KV cache (decoding), optionally appending new keys and values to it
     first: FlashAttention's ``flash_attn_with_kvcache``. Forward only.
 
@@ -388,9 +394,16 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         ``ValueError`` naming the first bad one. On CuPy this copies them to the host, which synchronizes the
         device. Default False.
 
+    q_descale, k_descale, v_descale, out_dtype
+        Of float8_e4m3fn q, caches (and k, v), as in :func:`attention`: ``k_descale`` and ``v_descale`` are
+        the factors of the cache and of the new keys and values alike (they join it unchanged); factors per
+        (batch, kv head) are sequence b's at row b, also in a paged cache. No rotary embeddings with float8
+        (rotate before quantizing). NumPy arrays in this version.
+
     Returns
     -------
-    out : array (batch, seqlen_q, heads, head_dim), dtype of q; and lse with ``return_lse``.
+    out : array (batch, seqlen_q, heads, head_dim), dtype of q (of float8 inputs: bfloat16, or ``out_dtype``);
+    and lse with ``return_lse``.
 
     On the GPU the query heads that share a kv head are rows of one tile, so each kv head's cache is read once
     per step (except under ALiBi, whose slope the kernel takes per query head).
@@ -401,18 +414,25 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                lengths_key, _optional_key(block_table), _optional_key(rotary_cos), _optional_key(rotary_sin),
                rotary_interleaved, rotary_interleaved.__class__, causal, causal.__class__, softmax_scale,
                softmax_scale.__class__, window_size, softcap, softcap.__class__, _optional_key(alibi_slopes),
-               _optional_key(sinks), num_splits, num_splits.__class__, check_indices, check_indices.__class__)
+               _optional_key(sinks), num_splits, num_splits.__class__, check_indices, check_indices.__class__,
+               _optional_key(q_descale), _optional_key(k_descale), _optional_key(v_descale), out_dtype)
         plan = _plans.get(key)
     except (AttributeError, TypeError):
         key = plan = None
+    descales = (q_descale, k_descale, v_descale)
     if plan is None:
         plan = _remember(key, _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
                                             softmax_scale, window_size, softcap, alibi_slopes, sinks, num_splits,
-                                            rotary_cos, rotary_sin, rotary_interleaved, check_indices))
+                                            rotary_cos, rotary_sin, rotary_interleaved, check_indices, descales,
+                                            out_dtype))
     if return_lse.__class__ is not bool:
         check_flag("return_lse", return_lse)
-    out, lse = plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin,
-                    return_lse)
+    if q_descale is None and k_descale is None and v_descale is None:
+        out, lse = plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos,
+                        rotary_sin, return_lse)
+    else:   # a float8 call's factors (a NumPy plan: CuPy holds no float8 array)
+        out, lse = plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos,
+                        rotary_sin, return_lse, descales)
     return (out, lse) if return_lse else out
 
 

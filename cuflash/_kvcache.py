@@ -23,6 +23,12 @@ def sequence_slopes(alibi_slopes, b: int):
     return None if alibi_slopes is None else alibi_slopes[b] if alibi_slopes.ndim == 2 else alibi_slopes
 
 
+def sequence_descale(descale, b: int):
+    """Sequence ``b``'s float8 descale factors: (1, heads_kv) from factors per (batch, kv head), per-tensor
+    factors ((1,) or ()) as they are; None without."""
+    return descale[b:b + 1] if descale is not None and descale.ndim == 2 else descale
+
+
 def positions(xp, cache_seqlens, batch: int, count: int, advance: bool = True):
     """(batch, count) int32: ``cache_seqlens[b] + i`` for i < count, or ``cache_seqlens[b]`` for every i where
     not ``advance`` (``cache_seqlens`` an int or an int32 array (batch,))."""
@@ -113,14 +119,14 @@ def lengths_of(cache_seqlens, batch: int, full: int) -> np.ndarray:
     return np.full(batch, int(cache_seqlens), np.int64)
 
 
-def per_sequence(attend, q, k_cache, v_cache, keys: np.ndarray, block_table, alibi_slopes):
-    """Attention of every sequence over its own keys, as a loop of dense calls: ``attend(q_b, k_b, v_b,
-    alibi_b)`` -> (out_b, lse_b) on (1, ...) arrays. Returns (out, lse) of the batch. Host arrays."""
+def per_sequence(attend, q, k_cache, v_cache, keys: np.ndarray, block_table):
+    """Attention of every sequence over its own keys, as a loop of dense calls: ``attend(b, q_b, k_b, v_b)``
+    -> (out_b, lse_b) on (1, ...) arrays. Returns (out, lse) of the batch. Host arrays."""
     outs, lses = [], []
     for b in range(q.shape[0]):
         k_b = sequence_keys(k_cache, block_table, b, int(keys[b]))[None]
         v_b = sequence_keys(v_cache, block_table, b, int(keys[b]))[None]
-        out, lse = attend(q[b:b + 1], k_b, v_b, sequence_slopes(alibi_slopes, b))
+        out, lse = attend(b, q[b:b + 1], k_b, v_b)
         outs.append(out)
         lses.append(lse)
     return np.concatenate(outs), np.concatenate(lses)

@@ -135,12 +135,12 @@ def _check_4d(name: str, a, layout: str):
 
 
 def _check_dtype(name: str, a, float8: bool = False):
-    """``float8``: the call takes float8_e4m3fn too (attention's forward)."""
+    """``float8``: the call takes float8_e4m3fn too (the forwards: attention, attention_with_kvcache)."""
     if np.dtype(a.dtype) in SUPPORTED_DTYPES or (float8 and np.dtype(a.dtype) == FLOAT8_E4M3):
         return
     if np.dtype(a.dtype) == FLOAT8_E4M3:
-        raise TypeError(f"{name} is float8_e4m3fn, which only attention() (the forward) takes; this call takes "
-                        f"{_DTYPE_NAMES}")
+        raise TypeError(f"{name} is float8_e4m3fn, which only the forwards attention() and "
+                        f"attention_with_kvcache() take; this call takes {_DTYPE_NAMES}")
     raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}{', float8_e4m3fn' if float8 else ''}, got {a.dtype}")
 
 
@@ -396,17 +396,18 @@ class CacheProblem:
 
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size,
                   softcap, alibi_slopes, sinks, num_splits, rotary_cos=None, rotary_sin=None,
-                  rotary_interleaved=True) -> CacheProblem:
+                  rotary_interleaved=True, descales=(None, None, None), out_dtype=None) -> CacheProblem:
     """Validate attention_with_kvcache's arguments, all but an int ``cache_seqlens``'s value (which changes per
     call: ``check_cache_length``) and what only device memory holds (the values of a cache_seqlens array and
-    of block_table)."""
+    of block_table). ``descales``: (q_descale, k_descale, v_descale) of float8_e4m3fn inputs (check_float8;
+    k_descale and v_descale apply to the cache and the new keys and values alike)."""
     _check_4d("q", q, "(batch, seqlen_q, heads, head_dim)")
     paged = block_table is not None
     layout = "(num_blocks, page_size, heads_kv, head_dim)" if paged else "(batch, seqlen_cache, heads_kv, head_dim)"
     for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if name != "q":
             _check_4d(name, a, layout)
-        _check_dtype(name, a)
+        _check_dtype(name, a, float8=True)
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(f"q, k_cache and v_cache must share one dtype, got q {q.dtype}, k_cache {k_cache.dtype}, "
                         f"v_cache {v_cache.dtype}")
@@ -474,9 +475,13 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
                          f"{num_splits!r}")
     left, right = check_window(window_size, causal)
     alibi_shape = check_head_vectors(q, alibi_slopes, sinks, batch, heads)
+    output, descale_shapes = check_float8(q, descales, out_dtype, batch, heads_kv)
+    if output is not None and rotary_cos is not None:
+        raise TypeError("rotary embeddings take float16, bfloat16 or float32 q and k; float8_e4m3fn ones would be "
+                        "rounded to e4m3 again after the rotation: rotate before quantizing")
     attn = Problem(batch, seqlen_q, capacity, heads, heads_kv, head_dim, np.dtype(q.dtype), bool(causal),
                    resolve_scale(softmax_scale, head_dim), left, right, 0, check_softcap(softcap), alibi_shape,
-                   sinks is not None)
+                   sinks is not None, out_dtype=output, descale_shapes=descale_shapes)
     rotary_dim, rotary_positions = _check_rotary(q, rotary_cos, rotary_sin, rotary_interleaved, cache_seqlens)
     return CacheProblem(attn, page_size, num_pages, seqlen_new, lengths, rotary_dim, rotary_positions)
 

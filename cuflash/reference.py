@@ -222,13 +222,15 @@ def attention_backward(dout, q, k, v, causal: bool = False, softmax_scale=None, 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
                            rotary_cos=None, rotary_sin=None, rotary_interleaved=True, causal: bool = False,
                            softmax_scale=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                           sinks=None, in_dtype=None):
+                           sinks=None, in_dtype=None, q_descale=None, k_descale=None, v_descale=None):
     """:func:`cuflash.attention_with_kvcache` in float64, without writing the caches: sequence ``b``'s keys
     are its first ``cache_seqlens[b]`` cached ones (all of them where None) followed by ``k[b]`` (likewise
     the values), and its queries attend to them as :func:`attention` with the bottom-right diagonal
     (:func:`attention_in_dtype` where ``in_dtype`` is given: the low-precision side of the tolerance rule).
     With ``rotary_cos`` the new keys and the queries are rotated first, in float64 (rounded to ``in_dtype``
-    where it is given), at the positions :func:`cuflash.attention_with_kvcache` documents.
+    where it is given), at the positions :func:`cuflash.attention_with_kvcache` documents. Of float8 inputs,
+    the values times their descale factors (``k_descale`` and ``v_descale`` those of the cache and the new keys
+    and values alike; per (batch, kv head): sequence b's).
 
     Returns (out (batch, seqlen_q, heads, head_dim), lse (batch, heads, seqlen_q)), float64.
     """
@@ -250,15 +252,19 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         _kvcache.append(np, k_cache, v_cache, k, _host(v), start, block_table)
         keys = keys + k.shape[1]
 
-    def attend(q_b, k_b, v_b, slopes):
-        options = dict(window_size=window_size, softcap=softcap, alibi_slopes=slopes,
+    alibi = None if alibi_slopes is None else _host(alibi_slopes)
+    descales = [None if d is None else _host(d) for d in (q_descale, k_descale, v_descale)]
+
+    def attend(b, q_b, k_b, v_b):
+        options = dict(window_size=window_size, softcap=softcap, alibi_slopes=_kvcache.sequence_slopes(alibi, b),
                        sinks=None if sinks is None else _host(sinks))
         if in_dtype is None:
-            return attention(q_b, k_b, v_b, causal, softmax_scale, **options)
+            q_d, k_d, v_d = (_kvcache.sequence_descale(d, b) for d in descales)
+            return attention(q_b, k_b, v_b, causal, softmax_scale, q_descale=q_d, k_descale=k_d, v_descale=v_d,
+                             **options)
         return attention_in_dtype(q_b, k_b, v_b, causal, softmax_scale, in_dtype, **options)
 
-    alibi = None if alibi_slopes is None else _host(alibi_slopes)
-    return _kvcache.per_sequence(attend, q, k_cache, v_cache, keys, block_table, alibi)
+    return _kvcache.per_sequence(attend, q, k_cache, v_cache, keys, block_table)
 
 
 def _padded_dropout_mask(dropout_p, dropout_mask):

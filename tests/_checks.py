@@ -88,3 +88,21 @@ def feature_arrays(xp, rng, options: dict, batch: int, heads: int) -> dict:
     if options.get("alibi_slopes") is True:
         options["alibi_slopes"] = xp.asarray(rng.uniform(0.01, 0.3, (batch, heads)).astype(np.float32))
     return options
+
+
+def paged_copies(xp, rng, caches, page_size: int, spare_pages: int = 3):
+    """The contiguous ``caches`` (batch, capacity, heads_kv, d) as pages of shuffled pools, one block table for
+    all of them, with spare pages of noise; the last page of a sequence is zero past its capacity."""
+    hosts = [to_numpy(c) for c in caches]
+    batch, capacity = hosts[0].shape[:2]
+    per_sequence = -(-capacity // page_size)
+    num_pages = batch * per_sequence + spare_pages
+    table = rng.permutation(num_pages)[:batch * per_sequence].reshape(batch, per_sequence).astype(np.int32)
+    pools = []
+    for cache in hosts:
+        pool = rng.standard_normal((num_pages, page_size, *cache.shape[2:])).astype(cache.dtype)
+        padded = np.zeros((batch, per_sequence * page_size, *cache.shape[2:]), cache.dtype)
+        padded[:, :capacity] = cache
+        pool[table.reshape(-1)] = padded.reshape(batch * per_sequence, page_size, *cache.shape[2:])
+        pools.append(xp.asarray(pool))
+    return pools, xp.asarray(table)

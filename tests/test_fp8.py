@@ -1,5 +1,6 @@
-"""float8_e4m3fn inputs: quantization and its descale factors, the Hadamard rotation, and the forward on them
-against the float64 reference of their dequantized values (NumPy path; the GPU kernels take no float8 yet)."""
+"""float8_e4m3fn inputs: quantization and its descale factors, the Hadamard rotation, and the forwards on them
+(attention, attention_with_kvcache) against the float64 reference of their dequantized values (NumPy path; the
+GPU kernels take no float8 yet)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import cuflash
 from cuflash import _fp8, reference
 
-from ._checks import BF16, assert_fa_close, lowp_attention, max_abs_finite
+from ._checks import BF16, assert_fa_close, lowp_attention, max_abs_finite, paged_copies
 
 E4M3 = cuflash.FLOAT8_E4M3
 # (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim): both seqlen orders, GQA and MQA, odd head dims
@@ -184,13 +185,71 @@ def test_descales_and_out_dtype_belong_to_float8_inputs(rng):
     assert cuflash.attention(q, k, v, out_dtype=np.float32).dtype == np.float32   # its own dtype: allowed
 
 
-def test_only_the_forward_takes_float8(rng):
+def test_only_the_forwards_take_float8(rng):
     q8, k8, v8, *_ = cuflash.quantize_qkv(*_inputs(rng, FLOAT8_SHAPES[0]))
     lse = np.zeros((2, 4, 70), np.float32)
-    with pytest.raises(TypeError, match=r"only attention\(\)"):
+    with pytest.raises(TypeError, match=r"only the forwards attention\(\) and attention_with_kvcache\(\)"):
         cuflash.attention_backward(q8, q8, k8, v8, q8, lse)
-    with pytest.raises(TypeError, match=r"only attention\(\)"):
-        cuflash.attention_with_kvcache(q8, k8, v8)
     cu = np.array([0, 70], np.int32)
-    with pytest.raises(TypeError, match=r"only attention\(\)"):
+    with pytest.raises(TypeError, match=r"only the forwards"):
         cuflash.attention_varlen(q8[0], k8[0, :70], v8[0, :70], cu, cu)
+
+
+def _quantize_with(x, descale, heads_kv: int):
+    """``x`` in e4m3 under given factors (the new keys or values of a cache quantized with the cache's)."""
+    return (x.astype(np.float64) / _fp8._grouped_factors(descale, x.shape[0], x.shape[2], heads_kv)).astype(E4M3)
+
+
+@pytest.mark.parametrize("granularity", _fp8.GRANULARITIES)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("option", ["plain", "causal", "window", "alibi", "sinks"])
+def test_float8_kvcache_matches_the_reference_of_its_values(rng, granularity, paged, option):
+    """Decoding on float8 caches (GQA, appending new float8 keys and values under the cache's factors): out
+    and lse against the float64 reference of the dequantized values; the cache written at the new rows only,
+    with the new bits."""
+    batch, heads, heads_kv, head_dim, capacity, seqlen_q, seqlen_new = 3, 4, 2, 64, 192, 2, 3
+    q, k_cache, v_cache = _inputs(rng, (batch, seqlen_q, capacity, heads, heads_kv, head_dim))
+    q8, k8_cache, v8_cache, q_descale, k_descale, v_descale = cuflash.quantize_qkv(q, k_cache, v_cache, granularity)
+    k_new, v_new = (_quantize_with(rng.standard_normal((batch, seqlen_new, heads_kv, head_dim)), d, heads_kv)
+                    for d in (k_descale, v_descale))
+    lengths = np.array([0, 77, capacity - seqlen_new], np.int32)
+    options = _options(rng, heads, FLOAT8_OPTIONS[option])
+    descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    caches = [k8_cache.copy(), v8_cache.copy()]
+    table = None
+    if paged:
+        caches, table = paged_copies(np, rng, caches, page_size=64)
+    before = [c.copy() for c in caches]
+    out, lse = cuflash.attention_with_kvcache(q8, *caches, k_new, v_new, cache_seqlens=lengths, block_table=table,
+                                              return_lse=True, **descales, **options)
+    assert out.dtype == BF16 and lse.dtype == np.float32
+    ref, ref_lse = reference.attention_with_kvcache(q8, k8_cache, v8_cache, k_new, v_new, cache_seqlens=lengths,
+                                                    **descales, **options)
+    values = [_fp8.dequantize(x, d, heads_kv, np.float32) for x, d in
+              ((q8, q_descale), (k8_cache, k_descale), (v8_cache, v_descale), (k_new, k_descale), (v_new, v_descale))]
+    lowp, lowp_lse = reference.attention_with_kvcache(*values, cache_seqlens=lengths, in_dtype=BF16, **options)
+    max_score = max_abs_finite(ref_lse)
+    assert_fa_close(out, ref, lowp, BF16, 2, "out", max_score)
+    assert_fa_close(lse, ref_lse, lowp_lse, np.float32, 2, "lse", max_score)
+    for cache, old, new in zip(caches, before, (k_new, v_new)):   # the new rows hold the new bits, nothing else moved
+        for b, start in enumerate(lengths):
+            for i in range(seqlen_new):
+                n = start + i
+                page, row = (b, n) if table is None else (table[b, n // 64], n % 64)
+                assert cache[page, row].tobytes() == new[b, i].tobytes()
+                old[page, row] = new[b, i]
+        assert cache.tobytes() == old.tobytes()
+
+
+def test_float8_kvcache_refuses_rotary_and_stray_factors(rng):
+    q, k_cache, v_cache = _inputs(rng, (1, 1, 64, 2, 2, 32))
+    q8, k8, v8, *descales = cuflash.quantize_qkv(q, k_cache, v_cache)
+    table = np.ones((8, 8), np.float32)
+    with pytest.raises(TypeError, match="rotate before quantizing"):
+        cuflash.attention_with_kvcache(q8, k8, v8, cache_seqlens=8, rotary_cos=table, rotary_sin=table)
+    with pytest.raises(ValueError, match="k_descale applies to float8_e4m3fn inputs only"):
+        cuflash.attention_with_kvcache(q, k_cache, v_cache, k_descale=descales[1])
+    with pytest.raises(TypeError, match="share one dtype"):
+        cuflash.attention_with_kvcache(q8, k_cache, v_cache)
+    out = cuflash.attention_with_kvcache(q8[:, :, :0], k8, v8, out_dtype=np.float16)   # no heads: zeros of out_dtype
+    assert out.dtype == np.float16 and out.shape == (1, 1, 0, 32)

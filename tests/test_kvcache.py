@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 import cuflash
 from cuflash import _config, reference
 
-from ._checks import BF16, assert_fa_close, feature_arrays, max_abs_finite, poison_pool, to_numpy
+from ._checks import (BF16, assert_fa_close, feature_arrays, max_abs_finite, paged_copies, poison_pool,
+                      to_numpy)
 from .conftest import GPU, requires_gpu
 
 HALF = (np.dtype(np.float16), BF16)
@@ -27,24 +28,6 @@ def dtypes_of(xp):
 
 def draw(xp, rng, shape, dtype):
     return xp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
-
-
-def paged_copies(xp, rng, caches, page_size: int, spare_pages: int = 3):
-    """The contiguous ``caches`` (batch, capacity, heads_kv, d) as pages of shuffled pools, one block table for
-    all of them, with spare pages of noise; the last page of a sequence is zero past its capacity."""
-    hosts = [to_numpy(c) for c in caches]
-    batch, capacity = hosts[0].shape[:2]
-    per_sequence = -(-capacity // page_size)
-    num_pages = batch * per_sequence + spare_pages
-    table = rng.permutation(num_pages)[:batch * per_sequence].reshape(batch, per_sequence).astype(np.int32)
-    pools = []
-    for cache in hosts:
-        pool = rng.standard_normal((num_pages, page_size, *cache.shape[2:])).astype(cache.dtype)
-        padded = np.zeros((batch, per_sequence * page_size, *cache.shape[2:]), cache.dtype)
-        padded[:, :capacity] = cache
-        pool[table.reshape(-1)] = padded.reshape(batch * per_sequence, page_size, *cache.shape[2:])
-        pools.append(xp.asarray(pool))
-    return pools, xp.asarray(table)
 
 
 def check_against_reference(out, lse, q, k_cache, v_cache, k, v, dtype, **options):
