@@ -24,8 +24,8 @@ from . import _numpy_path, _ring
 from ._ring import CONTIGUOUS, LAYOUTS, ZIGZAG
 from ._validate import array_module, check_backward, check_flag, check_forward
 
-__all__ = ["LAYOUTS", "LocalCommunicator", "PeerFailed", "local_communicators", "ring_attention", "ring_attention_backward",
-           "run_local", "shard_sequence", "unshard_sequence"]
+__all__ = ["LAYOUTS", "LocalCommunicator", "PeerFailed", "local_communicators", "ring_attention",
+           "ring_attention_backward", "run_local", "shard_sequence", "unshard_sequence"]
 
 #: seconds between a waiting local rank's looks at whether another rank failed
 _POLL_S = 0.05
