@@ -49,8 +49,10 @@ def _remember(key, plan):
 
 
 def clear_plans():
-    """Forget every cached call plan (the next call of each shape validates and plans again)."""
+    """Forget every cached call plan, ring attention's block plans too (the next call of each shape validates
+    and plans again)."""
     _plans.clear()
+    distributed._block_plans.clear()
 
 
 def _plan_forward(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p, alignment,

@@ -281,24 +281,31 @@ def _block_problem(p, call: _ring.BlockCall, sinks: bool):
                                window_right=call.window_right, sinks=sinks)
 
 
+#: CuPy plans of block calls, kept across ring calls (a training loop repeats its shapes): (pass, problem, device,
+#: deterministic, the arrays' shapes and strides) -> the plan's run; emptied when full, as cuflash's own plans
+_block_plans: dict = {}
+MAX_BLOCK_PLANS = 1024
+
+
 class _Blocks:
     """Runs block calls on the NumPy path or the CuPy kernels, with the CuPy plans made once per geometry."""
 
     def __init__(self, xp, device_id, deterministic: bool = False):
         self.xp, self.device_id, self.deterministic = xp, device_id, deterministic
-        self._plans = {}
 
     def _plan(self, kind, p, *arrays):
         from . import _cupy_path
 
-        key = (kind, p) + tuple((a.shape, a.strides) for a in arrays)
-        plan = self._plans.get(key)
+        key = (kind, p, self.device_id, self.deterministic) + tuple((a.shape, a.strides) for a in arrays)
+        plan = _block_plans.get(key)
         if plan is None:
             if kind == "forward":
                 plan = _cupy_path.ForwardPlan(p, self.device_id, *arrays).run
             else:
                 plan = _cupy_path.BackwardPlan(p, self.device_id, self.deterministic, *arrays).run
-            self._plans[key] = plan
+            if len(_block_plans) >= MAX_BLOCK_PLANS:
+                _block_plans.clear()
+            _block_plans[key] = plan
         return plan
 
     def forward(self, p, q, k, v, alibi_slopes, sinks):
