@@ -15,6 +15,7 @@ NCCL against the reference.
 from __future__ import annotations
 
 import multiprocessing
+import queue
 
 from cuflash.distributed import LocalCommunicator
 
@@ -29,8 +30,10 @@ SCALING_PASSES = ("fwd", "fwd+bwd")
 #: The longest shard a rank takes: at 512k tokens the fwd+bwd holds q, k, v, out, dout (bfloat16) and its float32
 #: dq, dk, dv sums and merges, about 50 GiB at 32 x 128; twice that leaves too little of an H200 for the moves.
 MAX_TOKENS_PER_GPU = 524288
-#: seconds a rank process may take for its whole list of cells
-RANK_TIMEOUT_S = 3000
+#: seconds without a result from any rank before the run is given up (a cell of 1M tokens takes minutes)
+RANK_TIMEOUT_S = 1800
+#: seconds between looks at the ranks' results and exit codes
+POLL_S = 5.0
 
 
 class StillCommunicator(LocalCommunicator):
@@ -154,15 +157,26 @@ def run(quick: bool, warmup: int, repeats: int) -> list[dict]:
         for p in ranks:
             p.start()
         got: dict = {}
-        with tqdm(total=len(mine) * gpus, desc=f"scaling {gpus} GPU(s)", unit="rank-cell") as bar:
-            for _ in range(len(mine) * gpus):
-                index, rank, ring_ms, still_ms = results.get(timeout=RANK_TIMEOUT_S)
-                got[index, rank] = (ring_ms, still_ms)
-                bar.update()
-        for p in ranks:
-            p.join()
-        if any(p.exitcode for p in ranks):
-            raise RuntimeError(f"scaling: a rank of {gpus} GPU(s) failed (exit codes {[p.exitcode for p in ranks]})")
+        try:
+            with tqdm(total=len(mine) * gpus, desc=f"scaling {gpus} GPU(s)", unit="rank-cell") as bar:
+                waited = 0.0
+                while len(got) < len(mine) * gpus:
+                    try:
+                        index, rank, ring_ms, still_ms = results.get(timeout=POLL_S)
+                    except queue.Empty:
+                        waited += POLL_S
+                        if waited > RANK_TIMEOUT_S or any(p.exitcode for p in ranks):
+                            raise RuntimeError(f"scaling: the ranks of {gpus} GPU(s) stopped giving results (exit "
+                                               f"codes {[p.exitcode for p in ranks]})") from None
+                        continue
+                    got[index, rank] = (ring_ms, still_ms)
+                    waited = 0.0
+                    bar.update()
+        finally:
+            for p in ranks:   # ranks left waiting in NCCL on a failed one are stopped
+                p.join(timeout=None if len(got) == len(mine) * gpus else 0)
+                if p.is_alive():
+                    p.kill()
         for index, (_, tokens, causal, pass_) in enumerate(mine):
             ring_ms = slowest([got[index, r][0] for r in range(gpus)])
             still_ms = slowest([got[index, r][1] for r in range(gpus)]) if gpus > 1 else None
