@@ -62,6 +62,7 @@ KERNEL_FILES = {
     "bwd_dq_mma": "bwd_mma.cu",
     "bwd_dq_convert": "bwd_mma.cu",
     "merge_parts": "merge.cu",
+    "merge_into": "merge.cu",
     "append_rotary": "cache.cu",
     "fwd_wgmma": "fwd_wgmma.cu",
     "bwd_dkdv_wgmma": "bwd_wgmma.cu",
@@ -179,7 +180,7 @@ class KernelSpec:
         if self.kernel == "varlen_order":   # int32 throughout: its template argument is the mask kind alone
             return f"cuflash::varlen_order<{int(self.mask)}>"
         ctype = CUDA_TYPES[np.dtype(self.dtype)]
-        if self.kernel in ("bwd_preprocess", "merge_parts", "append_rotary"):
+        if self.kernel in ("bwd_preprocess", "merge_parts", "merge_into", "append_rotary"):
             args = [ctype]
         elif self.kernel == "bwd_dq_convert":
             args = [ctype, str(self.head_dim), "true" if self.varlen else "false"]
@@ -653,7 +654,7 @@ def varlen_order_spec(mask: int) -> KernelSpec:
     return KernelSpec("varlen_order", np.dtype(np.int32), mask=int(mask), threads=VARLEN_ORDER_THREADS)
 
 
-#: rows merged per block of merge_parts, one warp each (``kMergeWarps`` in kernels/merge.cu)
+#: rows merged per block of merge_parts and merge_into, one warp each (``kMergeWarps`` in kernels/merge.cu)
 MERGE_WARPS = 4
 #: rows rotated or appended per block of append_rotary, one warp each (``kAppendWarps`` in kernels/cache.cu)
 APPEND_WARPS = 4
@@ -950,8 +951,8 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
     has one (bwd_dkdv_wgmma's ordered form). Not the cross product of the modifiers: 16 combinations per
     kernel. The KV-cache forward likewise (contiguous and on the smallest pages, plain and
     under a window with every modifier), the packed-batch kernels (below) with the Hopper forward's
-    varlen_order per mask kind, merge_parts for each dtype and append_rotary for each dtype of the KV-cache
-    forward."""
+    varlen_order per mask kind, merge_parts and merge_into for each dtype and append_rotary for each dtype of
+    the KV-cache forward."""
     specs = {}
     # where the Hopper forward serves, the mma.sync forward is its fallback (arrays no tensor map describes)
     devices = {device, dataclasses.replace(device, tensor_maps=False)}
@@ -998,8 +999,9 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
             spec = varlen_order_spec(mask)
             specs[spec.cache_key] = spec
     for dtype in SUPPORTED_DTYPES:
-        spec = KernelSpec("merge_parts", dtype, threads=MERGE_WARPS * 32)
-        specs[spec.cache_key] = spec
+        for kernel in ("merge_parts", "merge_into"):
+            spec = KernelSpec(kernel, dtype, threads=MERGE_WARPS * 32)
+            specs[spec.cache_key] = spec
     for dtype in KVCACHE_DTYPES:
         spec = KernelSpec("append_rotary", dtype, threads=APPEND_WARPS * 32)
         specs[spec.cache_key] = spec

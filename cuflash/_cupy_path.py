@@ -587,3 +587,23 @@ def merge_states(outs, lses):
         kernel((parts_out, parts_lse, out, lse, _NULL) + _merge_args(out.shape, parts))
         return out, lse
     return _run_on(device_id, launch)
+
+
+def merge_into(acc, acc_lse, row0: int, part, part_lse, sinks=None):
+    """Ring attention's merge on the GPU (kernels/merge.cu, merge_into), on CuPy's current stream: ``part``
+    (batch, rows, heads, head_dim; the last axis contiguous) with its lse (batch, heads, rows) into rows
+    ``row0 ..`` of the contiguous float32 state ``acc`` (batch, acc_rows, heads, head_dim) and ``acc_lse``
+    (batch, heads, acc_rows), in place; ``part`` None: the sinks (heads,) join every row as parts of output 0."""
+    batch, acc_rows, heads, head_dim = acc.shape
+    if part is None:
+        rows, dtype, strides, part_lse = acc_rows, np.dtype(np.float32), (0, 0, 0), _NULL
+    else:
+        rows, dtype = part.shape[1], part.dtype
+        if _needs_copy(part):
+            part = cupy.ascontiguousarray(part)
+        strides = _strides_of(part, False)
+        part_lse = cupy.ascontiguousarray(part_lse)
+    kernel = _Launch(_plan.merge_into(batch, rows, heads, dtype), acc.data.device_id)
+    kernel((acc, acc_lse, _NULL if part is None else part, part_lse, _vector(sinks))
+           + tuple(_by_value(s, np.int64) for s in strides)
+           + tuple(_int32(n) for n in (row0, acc_rows, batch, rows, heads, head_dim)))

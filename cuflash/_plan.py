@@ -224,3 +224,10 @@ def merge(batch: int, seqlen_q: int, heads: int, dtype) -> Launch:
     """merge_parts (kernels/merge.cu), one warp per (batch, row, head), writing ``dtype``."""
     spec = _config.KernelSpec("merge_parts", dtype, threads=_config.MERGE_WARPS * 32)
     return Launch(spec, grid(-(-batch * seqlen_q * heads // _config.MERGE_WARPS)))
+
+
+def merge_into(batch: int, rows: int, heads: int, dtype) -> Launch:
+    """merge_into (kernels/merge.cu): ring attention's merge of a part of ``dtype`` into its float32 state, one
+    warp per (batch, row, head) of the part."""
+    spec = _config.KernelSpec("merge_into", dtype, threads=_config.MERGE_WARPS * 32)
+    return Launch(spec, grid(-(-batch * rows * heads // _config.MERGE_WARPS)))

@@ -321,10 +321,18 @@ class _Blocks:
         return self._plan("backward", p, dout, q, k, v, out, lse)(dout, q, k, v, out, lse, alibi_slopes, sinks)
 
 
-def _merge_into(xp, acc, acc_lse, rows: slice, part, part_lse):
+def _merge_into(xp, acc, acc_lse, rows: slice, part, part_lse, sinks=None):
     """Merge a part over more keys into the float32 state (acc (batch, rows, heads, head_dim), acc_lse (batch,
     heads, rows)) of ``rows``, in place: lse = log(exp(acc_lse) + exp(part_lse)), acc weighted by the two
-    shares; ``part`` None: a part of output 0 (a sink). A part whose lse is -inf adds nothing."""
+    shares; ``part`` None: the sinks (heads,) join every row as parts of output 0. A part whose lse is -inf adds
+    nothing. On CuPy one kernel (kernels/merge.cu, merge_into); on NumPy, array operations."""
+    if xp is not np:
+        from . import _cupy_path
+
+        _cupy_path.merge_into(acc, acc_lse, rows.start or 0, part, part_lse, sinks)
+        return
+    if part is None:
+        part_lse = np.broadcast_to(sinks[None, :, None], acc_lse.shape)
     old = acc_lse[:, :, rows]
     new = xp.logaddexp(old, part_lse)
     seen = new != -xp.inf
@@ -452,7 +460,7 @@ def ring_attention(q, k, v, comm, causal: bool = False, softmax_scale: float | N
                 held = receive[step % 2]
                 del sending
         if sinks is not None and sink_at is None:   # the sink joins each row once, as a part of output 0
-            _merge_into(xp, acc, acc_lse, slice(None), None, xp.broadcast_to(sinks[None, :, None], acc_lse.shape))
+            _merge_into(xp, acc, acc_lse, slice(None), None, None, sinks)
         out = acc.astype(q.dtype)
     return (out, acc_lse) if return_lse else out
 

@@ -56,7 +56,7 @@ def test_every_specialization_compiles(reports):
     assert packed["fwd_mma"] == 3 * head_dims and packed["fwd_simt"] == 3 * 2
     assert packed["bwd_dq_convert"] == head_dims and "bwd_preprocess" not in packed
     assert kernels["fwd_mma"] == 2 * masks * head_dims + 2 * 2 * head_dims + kvcache + packed["fwd_mma"]
-    assert kernels["merge_parts"] == len(_config.SUPPORTED_DTYPES)
+    assert kernels["merge_parts"] == kernels["merge_into"] == len(_config.SUPPORTED_DTYPES)
     assert kernels["append_rotary"] == len(_config.KVCACHE_DTYPES)
     # the Hopper forward's item order of packed batches, per mask kind
     assert kernels["varlen_order"] == (masks if device.tensor_maps else 0)

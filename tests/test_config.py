@@ -201,6 +201,7 @@ def test_spec_names_are_template_instances():
     assert decode.name == "cuflash::fwd_mma<__half, 128, 1, 4, 16, 128, 4, 1, true, false>"
     assert decode.cache_key != dataclasses.replace(decode, kvcache=False).cache_key
     assert _config.KernelSpec("merge_parts", BFLOAT16, threads=128).name == "cuflash::merge_parts<__nv_bfloat16>"
+    assert _config.KernelSpec("merge_into", np.float16, threads=128).name == "cuflash::merge_into<__half>"
     assert cfg.bwd_preprocess.name == "cuflash::bwd_preprocess<__half>"
     assert cfg.bwd_dkdv[0].name == "cuflash::bwd_dkdv_mma<__half, 64, 1, 0, 128, 128, 2, false, false>"
     assert cfg.bwd_dkdv_atomic[0].name.endswith(", 128, 128, 2, true, false>")
@@ -252,7 +253,8 @@ def test_all_specs_are_distinct_and_cover_the_table():
     # kernels.
     modified = 2 * 2 * ((3 * len(_config.HEAD_DIMS) + split) + 3 * len(_config.HEAD_DIMS))
     # the KV-cache forward: contiguous and on 64-key pages (a narrower tile up to head_dim 128), plain and windowed
-    # with its modifiers, per head dim; merge_parts per dtype, append_rotary per dtype the KV-cache forward takes
+    # with its modifiers, per head dim; merge_parts and merge_into per dtype, append_rotary per dtype the KV-cache
+    # forward takes
     kvcache = 2 * (fused + len(_config.HEAD_DIMS))
     assert sum(s.kvcache for s in specs) == kvcache
     # the packed-batch kernels: each the packed form of a kernel the set holds, on its tiles
@@ -281,7 +283,7 @@ def test_all_specs_are_distinct_and_cover_the_table():
     assert {s.head_dim for s in hopper_dkdv if s.ordered_dq} == set(_config.ORDERED_DQ_HEAD_DIMS)
     # the Hopper forward's item order of packed batches (varlen_order), one per mask kind
     assert sorted(s.mask for s in specs if s.kernel == "varlen_order") == sorted(_config.MASK_KINDS)
-    assert len(specs) == (2 * half + single + modified + kvcache + len(packed) + len(_config.SUPPORTED_DTYPES)
+    assert len(specs) == (2 * half + single + modified + kvcache + len(packed) + 2 * len(_config.SUPPORTED_DTYPES)
                           + len(_config.KVCACHE_DTYPES) + sum(not s.varlen for s in hopper)
                           + sum(not s.varlen for s in hopper_dkdv) + len(_config.MASK_KINDS))
     no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT

@@ -371,3 +371,34 @@ def test_deterministic_ring_backward_repeats_bitwise(xp, rng):
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), (first[0], first[1], *first[2]),
                           (second[0], second[1], *second[2])):
         np.testing.assert_array_equal(to_numpy(a), to_numpy(b), err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_ring_merge_is_merge_states(xp, rng, dtype):
+    """The ring's in-place merge of a part into rows of its float32 state (the state and the part each with rows
+    that saw no key; the part a strided view) is the float64 merge of the two; then the sinks join every row."""
+    batch, rows, heads, head_dim, r0, r1 = 2, 40, 3, 72, 11, 33
+    state = rng.standard_normal((batch, rows, heads, head_dim)).astype(np.float32)
+    state_lse = (3 * rng.standard_normal((batch, heads, rows))).astype(np.float32)
+    state_lse[0, 1, 5:20] = -np.inf
+    state[0, 5:20, 1] = 0   # a row no key reached holds 0, as the ring starts it
+    wide = rng.standard_normal((batch, r1 - r0, heads + 2, head_dim)).astype(dtype)
+    part = wide[:, :, 1:heads + 1]   # a view: the head axis strided past its extent
+    part_lse = (3 * rng.standard_normal((batch, heads, r1 - r0))).astype(np.float32)
+    part_lse[1, 2, :4] = -np.inf
+    part_lse[0, 1, 8 - r0:12 - r0] = -np.inf   # rows where neither saw a key
+    acc, acc_lse = xp.array(state), xp.array(state_lse)   # copies: the merge writes them
+    distributed._merge_into(xp, acc, acc_lse, slice(r0, r1), xp.asarray(part), xp.asarray(part_lse))
+    want, want_lse = reference.merge_states([state[:, r0:r1], part.astype(np.float64)],
+                                            [state_lse[:, :, r0:r1], part_lse])
+    np.testing.assert_allclose(to_numpy(acc)[:, r0:r1], want, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(to_numpy(acc_lse)[:, :, r0:r1], want_lse, rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(to_numpy(acc)[:, :r0], state[:, :r0])   # other rows untouched
+    np.testing.assert_array_equal(to_numpy(acc_lse)[:, :, r1:], state_lse[:, :, r1:])
+    merged, merged_lse = to_numpy(acc).copy(), to_numpy(acc_lse).copy()
+    sinks = rng.standard_normal(heads).astype(np.float32)
+    distributed._merge_into(xp, acc, acc_lse, slice(None), None, None, xp.asarray(sinks))
+    sink_lse = np.broadcast_to(sinks[None, :, None], merged_lse.shape)
+    want, want_lse = reference.merge_states([merged, np.zeros_like(merged)], [merged_lse, sink_lse])
+    np.testing.assert_allclose(to_numpy(acc), want, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(to_numpy(acc_lse), want_lse, rtol=2e-6, atol=2e-6)
