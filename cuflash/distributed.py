@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import queue
 import threading
+import time
 
 import numpy as np
 
@@ -29,6 +30,8 @@ __all__ = ["LAYOUTS", "LocalCommunicator", "PeerFailed", "local_communicators", 
 
 #: seconds between a waiting local rank's looks at whether another rank failed
 _POLL_S = 0.05
+#: seconds a rank of a local group waits for another before it gives up (TimeoutError)
+DEFAULT_TIMEOUT_S = 600.0
 
 
 # --- sharding -------------------------------------------------------------------------------------------------
@@ -105,27 +108,38 @@ class PeerFailed(RuntimeError):
 
 
 class _Group:
-    """What the communicators of one local group share: an inbox per rank and whether a rank has failed."""
+    """What the communicators of one local group share: an inbox per rank, whether a rank has failed, and how
+    long a rank waits for another."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, timeout_s: float):
         self.inboxes = [queue.Queue() for _ in range(world_size)]
         self.failed = threading.Event()
+        self.timeout_s = timeout_s
 
-    def wait(self, ready):
-        """``ready()``'s value once it is not None, polling; RuntimeError once another rank has failed."""
+    def wait(self, ready, what: str):
+        """``ready()``'s value once it is not None, polling; PeerFailed once another rank has failed,
+        TimeoutError (saying ``what`` was awaited) after ``timeout_s``."""
+        deadline = time.monotonic() + self.timeout_s
         while True:
             value = ready()
             if value is not None:
                 return value
             if self.failed.is_set():
                 raise PeerFailed("another rank of the local group failed")
+            if time.monotonic() > deadline:
+                self.failed.set()
+                raise TimeoutError(f"{what} for {self.timeout_s:g} s: does every rank run the same calls, each in a "
+                                   "thread of its own (run_local)?")
 
 
 class LocalCommunicator:
     """One rank of a group of ranks in one process (threads), from :func:`local_communicators`.
 
     It moves NumPy arrays, or CuPy arrays between ranks that share a device, by copying: a stand-in for a NCCL
-    communicator where there is none (tests, CPUs, a try-out on one GPU), with the same results."""
+    communicator where there is none (tests, CPUs, a try-out on one GPU), with the same results. Unlike NCCL it
+    also checks that the ranks agree: each move carries what its call is (the problem, the step), and a rank
+    whose neighbour is elsewhere raises ValueError; a rank that waits longer than the group's timeout raises
+    TimeoutError, and once one rank failed the others raise PeerFailed."""
 
     def __init__(self, group: _Group, rank: int, world_size: int):
         self._group = group
@@ -135,52 +149,62 @@ class LocalCommunicator:
     def __repr__(self):
         return f"LocalCommunicator(rank={self.rank}, world_size={self.world_size})"
 
-    def _take(self):
-        def ready():
-            try:
-                return self._group.inboxes[self.rank].get(timeout=_POLL_S)
-            except queue.Empty:
-                return None
-        return self._group.wait(ready)
+    def _fail(self, error: Exception):
+        self._group.failed.set()
+        raise error
 
-    def shift(self, sends, recvs):
+    def shift(self, sends, recvs, tag=None):
         """Send ``sends`` to the next rank and receive the previous rank's into ``recvs`` (same shapes and
-        dtypes); returns once both are done. ValueError where the ranks' arrays disagree."""
+        dtypes); returns once both are done. ``tag``: what this move is; the previous rank's must be equal.
+        ValueError where the ranks' arrays or tags disagree."""
         xp = array_module(**{f"a{i}": a for i, a in enumerate(list(sends) + list(recvs))})
         if xp is not np:
             xp.cuda.get_current_stream().synchronize()   # the arrays are complete before another rank reads them
         received = threading.Event()
-        self._group.inboxes[(self.rank + 1) % self.world_size].put((tuple(sends), received))
-        arrays, sent = self._take()
+        previous = (self.rank - 1) % self.world_size
+        self._group.inboxes[(self.rank + 1) % self.world_size].put((tuple(sends), tag, received))
+
+        def take():
+            try:
+                return self._group.inboxes[self.rank].get(timeout=_POLL_S)
+            except queue.Empty:
+                return None
+
+        arrays, their_tag, sent = self._group.wait(take, f"rank {self.rank} waited for rank {previous}'s move")
         try:
+            if their_tag != tag:
+                self._fail(ValueError(f"rank {self.rank} is at {tag}, but rank {previous} sent {their_tag}: every "
+                                      "rank must make the same calls with the same shapes and options"))
             shapes = [(tuple(a.shape), a.dtype) for a in arrays]
             wanted = [(tuple(b.shape), b.dtype) for b in recvs]
             if shapes != wanted:
-                raise ValueError(f"rank {self.rank} expects arrays {wanted} from rank "
-                                 f"{(self.rank - 1) % self.world_size}, which sent {shapes}: every rank must "
-                                 "pass the same shapes and dtypes")
+                self._fail(ValueError(f"rank {self.rank} expects arrays {wanted} from rank {previous}, which sent "
+                                      f"{shapes}: every rank must pass the same shapes and dtypes"))
             for dst, src in zip(recvs, arrays):
                 dst[...] = src
             if xp is not np:
                 xp.cuda.get_current_stream().synchronize()
         finally:
             sent.set()   # the sender may go on (on an error, the failure flag stops the others)
-        self._group.wait(lambda: True if received.wait(_POLL_S) else None)
+        self._group.wait(lambda: True if received.wait(_POLL_S) else None,
+                         f"rank {self.rank} waited for rank {(self.rank + 1) % self.world_size} to take its move")
 
 
-def local_communicators(world_size: int) -> list[LocalCommunicator]:
+def local_communicators(world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[LocalCommunicator]:
     """``world_size`` communicators of one local group, rank r's at index r; run each rank in its own thread
-    (:func:`run_local` does)."""
+    (:func:`run_local` does). A rank that waits ``timeout_s`` seconds for another raises TimeoutError."""
     _check_rank(0, world_size)
-    group = _Group(world_size)
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    group = _Group(world_size, float(timeout_s))
     return [LocalCommunicator(group, r, world_size) for r in range(world_size)]
 
 
-def run_local(world_size: int, fn):
+def run_local(world_size: int, fn, timeout_s: float = DEFAULT_TIMEOUT_S):
     """``[fn(comm) for each rank]``, each rank in its own thread with its :class:`LocalCommunicator`; the
     results in rank order. An exception in one rank stops the others (their waits raise PeerFailed) and is
-    raised here (the lowest failing rank's)."""
-    comms = local_communicators(world_size)
+    raised here (the lowest failing rank's). ``timeout_s`` as in :func:`local_communicators`."""
+    comms = local_communicators(world_size, timeout_s)
     results, errors = [None] * world_size, [None] * world_size
 
     def rank_main(comm):
@@ -222,7 +246,8 @@ class _NcclRing:
             with cupy.cuda.Device(self.device_id):
                 self._stream = _move_streams[self.device_id] = cupy.cuda.Stream(non_blocking=True)
 
-    def start(self, sends, recvs):
+    def start(self, sends, recvs, tag=None):
+        """Start the move; ``tag`` (what the move is, for a local group's check) is not sent."""
         cupy, nccl = self._cupy, self._nccl
         self._stream.wait_event(cupy.cuda.get_current_stream().record())
         peer_next, peer_prev = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
@@ -247,8 +272,8 @@ class _LocalRing:
         self._comm = comm
         self.rank, self.world_size = comm.rank, comm.world_size
 
-    def start(self, sends, recvs):
-        self._comm.shift(sends, recvs)
+    def start(self, sends, recvs, tag=None):
+        self._comm.shift(sends, recvs, tag)
 
     def wait(self, moved):
         pass
@@ -448,7 +473,7 @@ def ring_attention(q, k, v, comm, causal: bool = False, softmax_scale: float | N
             moving = step + 1 < ring.world_size
             if moving:   # ``sending`` stays referenced until the move is waited for (a copy's memory must live)
                 sending = tuple(_contiguous(xp, x) for x in held)
-                moved = ring.start(sending, receive[step % 2])
+                moved = ring.start(sending, receive[step % 2], ("ring_attention", layout, p, step, "k, v"))
             for i, call in enumerate(calls):
                 with_sinks = sink_at == (step, i)
                 rows, keys = slice(call.q_begin, call.q_end), slice(call.k_begin, call.k_end)
@@ -518,7 +543,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, causal: bool = False,
             moving = step + 1 < ring.world_size
             if moving:
                 sending = tuple(_contiguous(xp, x) for x in held)
-                moved = ring.start(sending, receive[step % 2])
+                moved = ring.start(sending, receive[step % 2], ("ring_attention_backward", layout, p, step, "k, v"))
             dk, dv = step_dkv[step % 2]
             dk.fill(0)
             dv.fill(0)
@@ -538,7 +563,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, causal: bool = False,
                     ring.wait(dkv_moved)
                     dk += arrived[0]
                     dv += arrived[1]
-                dkv_moved = ring.start((dk, dv), arrived)
+                dkv_moved = ring.start((dk, dv), arrived, ("ring_attention_backward", layout, p, step, "dk, dv"))
             if moving:
                 ring.wait(moved)
                 held = receive[step % 2]

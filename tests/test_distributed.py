@@ -402,3 +402,26 @@ def test_the_ring_merge_is_merge_states(xp, rng, dtype):
     want, want_lse = reference.merge_states([merged, np.zeros_like(merged)], [merged_lse, sink_lse])
     np.testing.assert_allclose(to_numpy(acc), want, rtol=2e-6, atol=2e-6)
     np.testing.assert_allclose(to_numpy(acc_lse), want_lse, rtol=2e-6, atol=2e-6)
+
+
+def test_ranks_that_disagree_on_options_are_told_so(rng):
+    """A local group checks what NCCL cannot: a rank whose call differs from its neighbour's (here causal on one
+    rank only) fails with both calls named, and the others stop."""
+    q, k, v = make_qkv(np, rng, 1, 16, 16, 2, 2, 16, np.float32)
+
+    def rank_main(comm):
+        shard = [distributed.shard_sequence(x, comm.rank, 2) for x in (q, k, v)]
+        return distributed.ring_attention(*shard, comm, causal=comm.rank == 1)
+
+    with pytest.raises(ValueError, match="same calls with the same shapes and options"):
+        distributed.run_local(2, rank_main)
+
+
+def test_a_rank_without_its_peers_times_out():
+    """One rank of a group of two, run alone, does not hang: TimeoutError after the group's timeout."""
+    comm = distributed.local_communicators(2, timeout_s=0.2)[0]
+    q = np.zeros((1, 4, 1, 8), np.float32)
+    with pytest.raises(TimeoutError, match="rank 0 waited for rank 1"):
+        distributed.ring_attention(q, q, q, comm)
+    with pytest.raises(ValueError, match="timeout_s"):
+        distributed.local_communicators(2, timeout_s=0)
