@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from . import _numpy_path, _ring
-from ._ring import CONTIGUOUS, LAYOUTS, ZIGZAG
+from ._ring import LAYOUTS, ZIGZAG
 from ._validate import array_module, check_backward, check_flag, check_forward
 
 __all__ = ["LAYOUTS", "LocalCommunicator", "PeerFailed", "local_communicators", "ring_attention",
@@ -50,6 +50,11 @@ def _check_rank(rank, world_size):
                          f"world_size {world_size}")
 
 
+def _check_axis(axis, ndim: int):
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, (bool, np.bool_)) or not -ndim <= axis < ndim:
+        raise ValueError(f"axis must be an int in {-ndim}..{ndim - 1} (the sequence axis), got {axis!r}")
+
+
 def _parts(layout: str, world_size: int) -> int:
     """How many equal chunks a sequence is cut into."""
     return 2 * world_size if layout == ZIGZAG else world_size
@@ -62,13 +67,14 @@ def shard_sequence(x, rank: int, world_size: int, layout: str = ZIGZAG, axis: in
     and ``2 * world_size - 1 - r``, one after the other: under a causal mask every rank then has the same work.
     ``contiguous`` gives rank r the r-th of ``world_size`` equal runs. The length along ``axis`` must divide
     into those chunks. Returns a new array (a copy) of ``x``'s kind (NumPy or CuPy)."""
+    xp = array_module(x=x)
     _check_layout(layout)
     _check_rank(rank, world_size)
+    _check_axis(axis, x.ndim)
     seqlen = x.shape[axis]
     if seqlen % _parts(layout, world_size):
         raise ValueError(f"the sequence axis ({seqlen}) must divide into {_parts(layout, world_size)} equal chunks "
                          f"for layout {layout!r} at world_size {world_size}")
-    xp = array_module(x=x)
     index = [slice(None)] * x.ndim
     pieces = []
     for s in _ring.shard_slices(layout, rank, world_size, seqlen):
@@ -89,6 +95,7 @@ def unshard_sequence(shards, layout: str = ZIGZAG, axis: int = 1):
     for r, s in enumerate(shards):
         if tuple(s.shape) != shape:
             raise ValueError(f"shards[{r}] must have the shape of shards[0] {shape}, got {tuple(s.shape)}")
+    _check_axis(axis, len(shape))
     world_size, local = len(shards), shape[axis]
     if layout == ZIGZAG and local % 2:
         raise ValueError(f"a zigzag shard holds two equal chunks: its sequence axis must be even, got {local}")

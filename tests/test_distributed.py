@@ -242,6 +242,10 @@ def test_bad_arguments_are_refused_by_name(rng):
         distributed.shard_sequence(q, 0, 2.0)
     with pytest.raises(ValueError, match=r"shards\[1\]"):
         distributed.unshard_sequence([q, q[:, :4]])
+    with pytest.raises(ValueError, match="axis"):
+        distributed.shard_sequence(q, 0, 2, axis=4)
+    with pytest.raises(TypeError, match="numpy.ndarray or cupy.ndarray"):
+        distributed.shard_sequence([[1, 2]], 0, 2)
 
 
 def test_ranks_that_disagree_on_shapes_fail_without_hanging(rng):
