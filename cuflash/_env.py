@@ -57,6 +57,18 @@ def cached_kernel_files(cache_dir: pathlib.Path) -> int:
     return sum(1 for f in cache_dir.iterdir() if f.is_file() and _KERNEL_SYMBOL in f.read_bytes())
 
 
+def _nccl_line() -> str:
+    """Whether CuPy's NCCL bindings load (ring attention over GPUs, cuflash.distributed, needs them)."""
+    try:
+        from cupy.cuda import nccl
+    except Exception as error:  # a CuPy built without NCCL, or a library that does not load
+        return f"not available ({type(error).__name__}): cuflash.distributed runs on local groups only"
+    if not nccl.available:
+        return ("not available (install NCCL: the nvidia-nccl-cu12 or -cu13 wheel): cuflash.distributed runs on local "
+                "groups only")
+    return _version(lambda: f"{nccl.get_version()} (cuflash.distributed across GPUs)")
+
+
 def report() -> list[tuple[str, str]]:
     """(what, value) lines for ``python -m cuflash info``."""
     import ml_dtypes
@@ -78,7 +90,8 @@ def report() -> list[tuple[str, str]]:
         driver = _driver_version(runtime)
         lines += [("CUDA driver", _cuda_version(driver) if driver else "none installed"),
                   ("CUDA runtime", _version(lambda: _cuda_version(runtime.runtimeGetVersion()))),
-                  ("NVRTC", _version(lambda: _compile.describe_nvrtc(cupy.cuda.nvrtc.getVersion())))]
+                  ("NVRTC", _version(lambda: _compile.describe_nvrtc(cupy.cuda.nvrtc.getVersion()))),
+                  ("NCCL", _nccl_line())]
     reason = gpu_unavailable_reason()
     specs = None
     if reason is None:

@@ -36,7 +36,7 @@ def test_info_names_versions_gpu_and_cache():
         assert field in fields, done.stdout
     assert "kernel cache" in done.stdout
     if GPU:
-        assert "compute capability" in fields["GPU"] and "NVRTC" in fields
+        assert "compute capability" in fields["GPU"] and "NVRTC" in fields and "NCCL" in fields
     else:
         assert fields["GPU"].startswith("no GPU: ")
 
