@@ -46,6 +46,10 @@ CASES = {
     # a contiguous cache: 3 keys appended per sequence, rotated (half-split) with the queries, 5 key splits
     "kvcache-append-rotary-72": dict(shape=(3, 2, 0, 6, 3, 72), kvcache=(300, 0), causal=True, append=3, rotary=32,
                                      num_splits=5),
+    # ring attention on a local group of 3 (threads, one GPU): block calls at global offsets, the float32 merge
+    # (merge_into) of parts into rows of the state and of the sinks, the backward's dk/dv sums around the ring
+    "ring-3-zigzag-window-alibi-sinks": dict(shape=(2, 90, 90, 4, 2, 64), ring=3, causal=True, window_size=(40, -1),
+                                             alibi=True, sinks=True, backward=True),
 }
 
 
@@ -99,6 +103,15 @@ def run_case(xp, rng, spec: dict) -> list:
                                                    num_splits=spec.get("num_splits", 0), **new, **options))
     q, dout = draw(batch, seqlen_q, heads, head_dim), draw(batch, seqlen_q, heads, head_dim)
     k, v = draw(batch, seqlen_k, heads_kv, head_dim), draw(batch, seqlen_k, heads_kv, head_dim)
+    if "ring" in spec:
+        from cuflash import distributed
+
+        def rank_main(comm):
+            shards = [distributed.shard_sequence(x, comm.rank, spec["ring"]) for x in (q, k, v, dout)]
+            out, lse = distributed.ring_attention(*shards[:3], comm, return_lse=True, **options)
+            return [out, lse, *distributed.ring_attention_backward(shards[3], *shards[:3], out, lse, comm, **options)]
+
+        return [x for outputs in distributed.run_local(spec["ring"], rank_main) for x in outputs]
     if spec.get("dropout"):
         options.update(dropout_p=0.2, seed=7, offset=3)
     out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
