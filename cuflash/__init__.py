@@ -280,41 +280,44 @@ def attention_backward(dout, q, k, v, out, lse, causal: bool = False, softmax_sc
 
 def _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size, softcap,
                   alibi_slopes, sinks, num_splits, rotary_cos, rotary_sin, rotary_interleaved, check_indices,
-                  descales=(None, None, None), out_dtype=None):
+                  descales=(None, None, None), out_dtype=None, cache_leftpad=None):
     """Validate an attention_with_kvcache call and return the function that runs it: ``(q, k_cache, v_cache, k,
     v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin, with_lse[, descales]) -> (out,
     lse)``, which checks an int ``cache_seqlens`` (its value is not part of the plan), and with
     ``check_indices`` the values of a cache_seqlens array and of block_table, before anything is written.
-    ``descales``: a float8 call's (q_descale, k_descale, v_descale), NumPy arrays (CuPy holds no float8)."""
-    arrays = _optional_arrays(k=k, v=v, block_table=block_table, alibi_slopes=alibi_slopes, sinks=sinks,
+    ``descales``: a float8 call's (q_descale, k_descale, v_descale), NumPy arrays (CuPy holds no float8). The
+    run takes ``cache_leftpad`` after ``block_table``."""
+    arrays = _optional_arrays(k=k, v=v, block_table=block_table, cache_leftpad=cache_leftpad,
+                              alibi_slopes=alibi_slopes, sinks=sinks,
                               cache_seqlens=cache_seqlens if hasattr(cache_seqlens, "dtype") else None,
                               rotary_cos=rotary_cos, rotary_sin=rotary_sin, q_descale=descales[0],
                               k_descale=descales[1], v_descale=descales[2])
     xp = array_module(q=q, k_cache=k_cache, v_cache=v_cache, **arrays)
     problem = check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
                             window_size, softcap, alibi_slopes, sinks, num_splits, rotary_cos, rotary_sin,
-                            rotary_interleaved, descales, out_dtype)
+                            rotary_interleaved, descales, out_dtype, cache_leftpad)
     a = problem.attn
     interleaved = bool(rotary_interleaved)
     check_flag("check_indices", check_indices)
     checks_per_call = problem.lengths == "int" or check_indices
 
-    def check_call(cache_seqlens, block_table):
+    def check_call(cache_seqlens, block_table, cache_leftpad):
         # what the plan cannot hold: an int cache_seqlens's value, and with check_indices the device's values
         if problem.lengths == "int":
             check_cache_length(cache_seqlens, problem)
         if check_indices:
-            check_cache_indices(problem, cache_seqlens, block_table)
+            check_cache_indices(problem, cache_seqlens, block_table, cache_leftpad)
 
     if xp is np or a.is_empty:
-        def run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin,
-                with_lse, descales=(None, None, None)):
-            check_call(cache_seqlens, block_table)
+        def run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks, rotary_cos,
+                rotary_sin, with_lse, descales=(None, None, None)):
+            check_call(cache_seqlens, block_table, cache_leftpad)
             q = _kvcache.rotate_and_append(xp, q, k, v, k_cache, v_cache, cache_seqlens, block_table, rotary_cos,
-                                           rotary_sin, interleaved, a.masked)
+                                           rotary_sin, interleaved, a.masked, cache_leftpad)
             if a.is_empty:
                 return _no_keys(xp, q, (a.batch, a.heads, a.seqlen_q), sinks, a.output_dtype)
             keys = _kvcache.lengths_of(cache_seqlens, a.batch, a.seqlen_k) + problem.seqlen_new
+            starts = None if cache_leftpad is None else _kvcache.to_host(cache_leftpad)
 
             def attend(b, q_b, k_b, v_b):
                 q_d, k_d, v_d = (_kvcache.sequence_descale(d, b) for d in descales)
@@ -323,25 +326,26 @@ def _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
                                  alibi_slopes=_kvcache.sequence_slopes(alibi_slopes, b), sinks=sinks, q_descale=q_d,
                                  k_descale=k_d, v_descale=v_d, out_dtype=out_dtype)
 
-            return _kvcache.per_sequence(attend, q, k_cache, v_cache, keys, block_table)
+            return _kvcache.per_sequence(attend, q, k_cache, v_cache, keys, block_table, starts)
         return run
     from . import _cupy_path
 
     plan = _cupy_path.KVCachePlan(problem, q.data.device_id, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                  rotary_cos, rotary_sin, num_splits, interleaved)
+                                  rotary_cos, rotary_sin, num_splits, interleaved, cache_leftpad)
     if not checks_per_call:
         return plan.run
 
-    def run_checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos,
-                    rotary_sin, with_lse):
-        check_call(cache_seqlens, block_table)
-        return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos,
-                        rotary_sin, with_lse)
+    def run_checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks,
+                    rotary_cos, rotary_sin, with_lse):
+        check_call(cache_seqlens, block_table, cache_leftpad)
+        return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks,
+                        rotary_cos, rotary_sin, with_lse)
     return run_checked
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
-                           rotary_cos=None, rotary_sin=None, rotary_interleaved: bool = True, causal: bool = False,
+                           cache_leftpad=None, rotary_cos=None, rotary_sin=None, rotary_interleaved: bool = True,
+                           causal: bool = False,
                            softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
                            softcap: float = 0.0, alibi_slopes=None, sinks=None, num_splits: int = 0,
                            return_lse: bool = False, check_indices: bool = False, q_descale=None, k_descale=None,
@@ -369,6 +373,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         entry outside ``num_blocks``, is undefined behaviour.
     block_table : int32 array (batch, max_blocks_per_sequence), optional
         Key ``n`` of sequence ``b`` is row ``n % page_size`` of page ``block_table[b, n // page_size]``.
+    cache_leftpad : int32 array (batch,), optional
+        The cache row of each sequence's first key, in a contiguous cache (FlashAttention's ``cache_leftpad``,
+        for left-padded batches): sequence ``b``'s keys are rows ``cache_leftpad[b] .. cache_seqlens[b] - 1``
+        and then the appended ones (still written at row ``cache_seqlens[b]``), and positions (the diagonal,
+        windows, ALiBi, rotary) count from its first key. Its values are checked only with ``check_indices``
+        (within [0, cache_seqlens[b]]); an int ``cache_seqlens`` is checked against the rotary tables as though
+        it were 0.
     rotary_cos, rotary_sin : arrays (seqlen_ro, rotary_dim / 2) of q's dtype or float32, optional
         Rotary embeddings, as FlashAttention applies them: the first rotary_dim channels of ``k`` are turned at
         positions ``cache_seqlens[b] + i`` before they are written into the cache, those of ``q`` at the same
@@ -413,7 +424,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     try:
         lengths_key = cache_seqlens.__class__ if not hasattr(cache_seqlens, "dtype") else _array_key(cache_seqlens)
         key = (_KVCACHE, _array_key(q), _array_key(k_cache), _array_key(v_cache), _optional_key(k), _optional_key(v),
-               lengths_key, _optional_key(block_table), _optional_key(rotary_cos), _optional_key(rotary_sin),
+               lengths_key, _optional_key(block_table), _optional_key(cache_leftpad), _optional_key(rotary_cos), _optional_key(rotary_sin),
                rotary_interleaved, rotary_interleaved.__class__, causal, causal.__class__, softmax_scale,
                softmax_scale.__class__, window_size, softcap, softcap.__class__, _optional_key(alibi_slopes),
                _optional_key(sinks), num_splits, num_splits.__class__, check_indices, check_indices.__class__,
@@ -426,15 +437,15 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         plan = _remember(key, _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
                                             softmax_scale, window_size, softcap, alibi_slopes, sinks, num_splits,
                                             rotary_cos, rotary_sin, rotary_interleaved, check_indices, descales,
-                                            out_dtype))
+                                            out_dtype, cache_leftpad))
     if return_lse.__class__ is not bool:
         check_flag("return_lse", return_lse)
     if q_descale is None and k_descale is None and v_descale is None:
-        out, lse = plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos,
-                        rotary_sin, return_lse)
+        out, lse = plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks,
+                        rotary_cos, rotary_sin, return_lse)
     else:   # a float8 call's factors (a NumPy plan: CuPy holds no float8 array)
-        out, lse = plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos,
-                        rotary_sin, return_lse, descales)
+        out, lse = plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks,
+                        rotary_cos, rotary_sin, return_lse, descales)
     return (out, lse) if return_lse else out
 
 

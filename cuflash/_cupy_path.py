@@ -137,8 +137,9 @@ BACKWARD_PER_CALL = ("q", "k", "v", "dout", "lse", "delta", "dq", "dk", "dv", "d
 
 
 #: the KV-cache fields (CUFLASH_FWD_FIELDS, kernels/common.cuh) of a forward that reads no cache
-NO_CACHE_FIELDS = dict(cache_seqlens=_NULL, block_table=_NULL, out_partial=_NULL, lse_partial=_NULL,
-                       split_counters=_NULL, block_table_stride=0, seqlen_k_new=0, pack=1, num_splits=1, page_size=0)
+NO_CACHE_FIELDS = dict(cache_seqlens=_NULL, block_table=_NULL, cache_leftpad=_NULL, out_partial=_NULL,
+                       lse_partial=_NULL, split_counters=_NULL, block_table_stride=0, seqlen_k_new=0, pack=1,
+                       num_splits=1, page_size=0)
 #: a packed batch's prefix sums, the per-call arguments of the packed plans after the others'
 PACKED_PER_CALL = ("cu_seqlens_q", "cu_seqlens_k")
 #: the same fields of a dense batch
@@ -424,7 +425,7 @@ def backward(dout, q, k, v, out, lse, p: Problem, deterministic: bool = False,
 
 #: the KV-cache forward's arguments that change from call to call, in the order KVCachePlan passes them
 KVCACHE_PER_CALL = ("q", "k", "v", "out", "lse", "alibi_slopes", "sinks", "cache_seqlens", "block_table",
-                    "out_partial", "lse_partial", "split_counters", "seqlen_k", "vec_ok")
+                    "cache_leftpad", "out_partial", "lse_partial", "split_counters", "seqlen_k", "vec_ok")
 
 #: The counters of the KV-cache forward's key splits and of fwd_wgmma's persistent grid per (device, stream):
 #: int32, one per row group of the KV-cache forward, _config.WGMMA_WORK_COUNTER_INTS for fwd_wgmma; zero between
@@ -472,7 +473,7 @@ class KVCachePlan:
     forward (fwd_mma with KVCACHE, which also merges its key splits): _plan.kvcache."""
 
     def __init__(self, p: CacheProblem, device_id: int, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                 rotary_cos, rotary_sin, num_splits: int, rotary_interleaved: bool = True):
+                 rotary_cos, rotary_sin, num_splits: int, rotary_interleaved: bool = True, cache_leftpad=None):
         a = p.attn
         self.problem = p
         self.device_id = device_id
@@ -488,6 +489,7 @@ class KVCachePlan:
                                                            rotary_sin.flags.c_contiguous)
         self.copy_lengths = cache_seqlens is not None and hasattr(cache_seqlens, "dtype") and \
             not cache_seqlens.flags.c_contiguous
+        self.copy_leftpad = cache_leftpad is not None and not cache_leftpad.flags.c_contiguous
         self.copy_table = block_table is not None and block_table.strides[1] != block_table.itemsize
         table_stride = 0 if block_table is None else block_table.shape[1] if self.copy_table else \
             block_table.strides[0] // block_table.itemsize
@@ -516,15 +518,15 @@ class KVCachePlan:
         fixed = kvcache_fixed_fields(p, plan, strides, table_stride)
         self.arguments = _params.Arguments(_params.forward_fields(), fixed, KVCACHE_PER_CALL, _by_value)
 
-    def run(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin,
-            with_lse: bool):
+    def run(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks,
+            rotary_cos, rotary_sin, with_lse: bool):
         """out, and lse where ``with_lse`` (else None), on CuPy's current stream, after rotating q and k (with
         rotary_cos) and appending k and v."""
         return _run_on(self.device_id, self._launch, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                       alibi_slopes, sinks, rotary_cos, rotary_sin, with_lse)
+                       cache_leftpad, alibi_slopes, sinks, rotary_cos, rotary_sin, with_lse)
 
-    def _launch(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos,
-                rotary_sin, with_lse):
+    def _launch(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks,
+                rotary_cos, rotary_sin, with_lse):
         p = self.problem
         if p.lengths == "int":
             seqlen_k, lengths = cache_seqlens + p.seqlen_new, _NULL
@@ -532,6 +534,7 @@ class KVCachePlan:
             seqlen_k = p.attn.seqlen_k
             lengths = _int32_vector(cache_seqlens, self.copy_lengths) if p.lengths == "array" else _NULL
         table = _int32_vector(block_table, self.copy_table)
+        leftpad = _int32_vector(cache_leftpad, self.copy_leftpad)
         if self.copy_q:
             q = cupy.ascontiguousarray(q)
         if self.append is not None:
@@ -542,7 +545,7 @@ class KVCachePlan:
                 rotary_cos, rotary_sin = cupy.ascontiguousarray(rotary_cos), cupy.ascontiguousarray(rotary_sin)
             self.append((q, _NULL if q_out is None else q_out, _NULL if k is None else k, _NULL if v is None else v,
                          k_cache, v_cache, _NULL if rotary_cos is None else rotary_cos,
-                         _NULL if rotary_sin is None else rotary_sin, lengths, table,
+                         _NULL if rotary_sin is None else rotary_sin, lengths, table, leftpad,
                          _int32(cache_seqlens if p.lengths == "int" else 0)))
             if q_out is not None:
                 q = q_out
@@ -557,7 +560,7 @@ class KVCachePlan:
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k_cache.data.ptr | v_cache.data.ptr) & 15
         self.kernel(self.grid, self.block, self.arguments(
             (q, k_cache, v_cache, out, _NULL if lse is None else lse, _vector(alibi_slopes), _vector(sinks), lengths,
-             table, out_partial, lse_partial, counters, _int32(seqlen_k),
+             table, leftpad, out_partial, lse_partial, counters, _int32(seqlen_k),
              _VECTOR_OK[vector_ok])), shared_mem=self.smem)
         return out, lse
 

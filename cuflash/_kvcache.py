@@ -56,13 +56,16 @@ def rotate(xp, x, cos, sin, at, interleaved: bool, dtype=None, compute=np.float3
 
 
 def prepare(xp, q, k, cache_seqlens, rotary_cos, rotary_sin, interleaved: bool, q_advances: bool, dtype=None,
-            compute=np.float32):
+            compute=np.float32, cache_leftpad=None):
     """(q, k) as the call attends with them and appends k: rotated where rotary_cos is given (k at positions
-    ``cache_seqlens[b] + i``, q there too where ``q_advances`` (causal or windowed), else all at
-    ``cache_seqlens[b]``: FlashAttention's rule), else as given. New arrays; the caller's are not written."""
+    ``cache_seqlens[b] - cache_leftpad[b] + i``, q there too where ``q_advances`` (causal or windowed), else all at
+    ``cache_seqlens[b] - cache_leftpad[b]``: FlashAttention's rule, positions counted from a sequence's first
+    key), else as given. New arrays; the caller's are not written."""
     if rotary_cos is None:
         return q, k
     batch = q.shape[0]
+    if cache_leftpad is not None:
+        cache_seqlens = positions(xp, cache_seqlens, batch, 1)[:, 0] - cache_leftpad
     q = rotate(xp, q, rotary_cos, rotary_sin, positions(xp, cache_seqlens, batch, q.shape[1], q_advances),
                interleaved, dtype, compute)
     if k is not None:
@@ -72,10 +75,11 @@ def prepare(xp, q, k, cache_seqlens, rotary_cos, rotary_sin, interleaved: bool, 
 
 
 def rotate_and_append(xp, q, k, v, k_cache, v_cache, cache_seqlens, block_table, rotary_cos, rotary_sin,
-                      interleaved: bool, q_advances: bool):
+                      interleaved: bool, q_advances: bool, cache_leftpad=None):
     """A call's work before attention: q and k rotated (``prepare``), k and v written into the caches
     (``append``). Returns q as the call attends with it."""
-    q, k = prepare(xp, q, k, cache_seqlens, rotary_cos, rotary_sin, interleaved, q_advances)
+    q, k = prepare(xp, q, k, cache_seqlens, rotary_cos, rotary_sin, interleaved, q_advances,
+                   cache_leftpad=cache_leftpad)
     if k is not None:
         append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table)
     return q
@@ -101,10 +105,11 @@ def append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table):
     v_cache[index] = v
 
 
-def sequence_keys(cache: np.ndarray, block_table, b: int, length: int) -> np.ndarray:
-    """The first ``length`` keys (or values) of sequence ``b``, (length, heads_kv, head_dim), host arrays."""
+def sequence_keys(cache: np.ndarray, block_table, b: int, length: int, start: int = 0) -> np.ndarray:
+    """Keys (or values) ``start .. length - 1`` of sequence ``b``, (length - start, heads_kv, head_dim), host
+    arrays (``start`` > 0: a contiguous cache's, cache_leftpad)."""
     if block_table is None:
-        return cache[b, :length]
+        return cache[b, start:length]
     page_size = cache.shape[1]
     pages = block_table[b, :-(-length // page_size)]
     return cache[pages].reshape(-1, *cache.shape[2:])[:length]
@@ -119,13 +124,15 @@ def lengths_of(cache_seqlens, batch: int, full: int) -> np.ndarray:
     return np.full(batch, int(cache_seqlens), np.int64)
 
 
-def per_sequence(attend, q, k_cache, v_cache, keys: np.ndarray, block_table):
-    """Attention of every sequence over its own keys, as a loop of dense calls: ``attend(b, q_b, k_b, v_b)``
-    -> (out_b, lse_b) on (1, ...) arrays. Returns (out, lse) of the batch. Host arrays."""
+def per_sequence(attend, q, k_cache, v_cache, keys: np.ndarray, block_table, starts=None):
+    """Attention of every sequence over its own keys (cache rows ``starts[b] .. keys[b] - 1``; ``starts`` None:
+    from 0), as a loop of dense calls: ``attend(b, q_b, k_b, v_b)`` -> (out_b, lse_b) on (1, ...) arrays.
+    Returns (out, lse) of the batch. Host arrays."""
     outs, lses = [], []
     for b in range(q.shape[0]):
-        k_b = sequence_keys(k_cache, block_table, b, int(keys[b]))[None]
-        v_b = sequence_keys(v_cache, block_table, b, int(keys[b]))[None]
+        start = 0 if starts is None else int(starts[b])
+        k_b = sequence_keys(k_cache, block_table, b, int(keys[b]), start)[None]
+        v_b = sequence_keys(v_cache, block_table, b, int(keys[b]), start)[None]
         out, lse = attend(b, q[b:b + 1], k_b, v_b)
         outs.append(out)
         lses.append(lse)

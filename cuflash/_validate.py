@@ -392,11 +392,13 @@ class CacheProblem:
     lengths: str
     rotary_dim: int = 0  # channels the rotary embedding turns (2 * rotary_cos.shape[1]); 0 without it
     rotary_positions: int = 0  # rows of rotary_cos and rotary_sin: the positions they cover
+    leftpad: bool = False  # cache_leftpad given: each sequence's keys start at its own cache row
 
 
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size,
                   softcap, alibi_slopes, sinks, num_splits, rotary_cos=None, rotary_sin=None,
-                  rotary_interleaved=True, descales=(None, None, None), out_dtype=None) -> CacheProblem:
+                  rotary_interleaved=True, descales=(None, None, None), out_dtype=None,
+                  cache_leftpad=None) -> CacheProblem:
     """Validate attention_with_kvcache's arguments, all but an int ``cache_seqlens``'s value (which changes per
     call: ``check_cache_length``) and what only device memory holds (the values of a cache_seqlens array and
     of block_table). ``descales``: (q_descale, k_descale, v_descale) of float8_e4m3fn inputs (check_float8;
@@ -483,7 +485,18 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
                    resolve_scale(softmax_scale, head_dim), left, right, 0, check_softcap(softcap), alibi_shape,
                    sinks is not None, out_dtype=output, descale_shapes=descale_shapes)
     rotary_dim, rotary_positions = _check_rotary(q, rotary_cos, rotary_sin, rotary_interleaved, cache_seqlens)
-    return CacheProblem(attn, page_size, num_pages, seqlen_new, lengths, rotary_dim, rotary_positions)
+    if cache_leftpad is not None:
+        if not hasattr(cache_leftpad, "dtype") or cache_leftpad.dtype != np.int32 or \
+                tuple(cache_leftpad.shape) != (batch,):
+            raise TypeError(f"cache_leftpad must be an int32 array (batch,) = ({batch},), got "
+                            f"{getattr(cache_leftpad, 'dtype', type(cache_leftpad).__name__)} of shape "
+                            f"{tuple(getattr(cache_leftpad, 'shape', ()))}")
+        if paged:
+            raise ValueError("cache_leftpad takes a contiguous cache; a paged one starts each sequence where its "
+                             "block_table says")
+        check_same_device(q=q, cache_leftpad=cache_leftpad)
+    return CacheProblem(attn, page_size, num_pages, seqlen_new, lengths, rotary_dim, rotary_positions,
+                        cache_leftpad is not None)
 
 
 def _check_rotary(q, rotary_cos, rotary_sin, interleaved, cache_seqlens) -> tuple[int, int]:
@@ -536,11 +549,11 @@ def check_cache_length(cache_seqlens: int, p: CacheProblem) -> int:
     return int(cache_seqlens)
 
 
-def check_cache_indices(p: CacheProblem, cache_seqlens, block_table):
+def check_cache_indices(p: CacheProblem, cache_seqlens, block_table, cache_leftpad=None):
     """The checks that read device memory (``attention_with_kvcache(..., check_indices=True)``; on CuPy a
-    synchronizing copy of cache_seqlens and block_table to the host): every length within the cache's room and
-    the rotary tables, every block_table entry a sequence uses within ``num_pages`` (entries past a sequence's
-    last page are not read, so not checked)."""
+    synchronizing copy of cache_seqlens, block_table and cache_leftpad to the host): every length within the
+    cache's room and the rotary tables, every block_table entry a sequence uses within ``num_pages`` (entries
+    past a sequence's last page are not read, so not checked), every cache_leftpad within [0, its length]."""
     from ._kvcache import lengths_of, to_host
 
     lengths = lengths_of(cache_seqlens, p.attn.batch, p.attn.seqlen_k - p.seqlen_new)
@@ -549,6 +562,12 @@ def check_cache_indices(p: CacheProblem, cache_seqlens, block_table):
     if bad.size:
         raise ValueError(f"cache_seqlens[{bad[0]}] = {lengths[bad[0]]} is outside [0, {room}] (the cache holds "
                          f"{p.attn.seqlen_k} keys per sequence, {p.seqlen_new} of them appended by k and v)")
+    if cache_leftpad is not None:
+        lead = to_host(cache_leftpad).astype(np.int64)
+        bad = np.flatnonzero((lead < 0) | (lead > lengths))
+        if bad.size:
+            raise ValueError(f"cache_leftpad[{bad[0]}] = {lead[bad[0]]} is outside [0, {lengths[bad[0]]}] (the "
+                             f"sequence's keys before the call)")
     if p.rotary_dim:
         needed = lengths + _rotary_reach(p)
         bad = np.flatnonzero(needed > p.rotary_positions)

@@ -222,10 +222,11 @@ def attention_backward(dout, q, k, v, causal: bool = False, softmax_scale=None, 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
                            rotary_cos=None, rotary_sin=None, rotary_interleaved=True, causal: bool = False,
                            softmax_scale=None, window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None,
-                           sinks=None, in_dtype=None, q_descale=None, k_descale=None, v_descale=None):
+                           sinks=None, in_dtype=None, q_descale=None, k_descale=None, v_descale=None,
+                           cache_leftpad=None):
     """:func:`cuflash.attention_with_kvcache` in float64, without writing the caches: sequence ``b``'s keys
-    are its first ``cache_seqlens[b]`` cached ones (all of them where None) followed by ``k[b]`` (likewise
-    the values), and its queries attend to them as :func:`attention` with the bottom-right diagonal
+    are its cached ones from row ``cache_leftpad[b]`` (0 where None) up to ``cache_seqlens[b]`` (all of them
+    where None) followed by ``k[b]`` (likewise the values), and its queries attend to them as :func:`attention` with the bottom-right diagonal
     (:func:`attention_in_dtype` where ``in_dtype`` is given: the low-precision side of the tolerance rule).
     With ``rotary_cos`` the new keys and the queries are rotated first, in float64 (rounded to ``in_dtype``
     where it is given), at the positions :func:`cuflash.attention_with_kvcache` documents. Of float8 inputs,
@@ -241,10 +242,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     keys = _kvcache.lengths_of(cache_seqlens, batch, full)
     start = cache_seqlens if cache_seqlens is None or isinstance(cache_seqlens, int) else _host(cache_seqlens)
     q, k = _host(q), None if k is None else _host(k)
+    lead = None if cache_leftpad is None else _host(cache_leftpad)
     if rotary_cos is not None:
         masked = causal or tuple(window_size) != (-1, -1)
         q, k = _kvcache.prepare(np, q, k, start, _host(rotary_cos), _host(rotary_sin), rotary_interleaved, masked,
-                                np.float64, np.float64)
+                                np.float64, np.float64, lead)
         if in_dtype is not None:
             q, k = (None if x is None else x.astype(in_dtype).astype(np.float64) for x in (q, k))
     if k is not None:
@@ -264,7 +266,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
                              **options)
         return attention_in_dtype(q_b, k_b, v_b, causal, softmax_scale, in_dtype, **options)
 
-    return _kvcache.per_sequence(attend, q, k_cache, v_cache, keys, block_table)
+    return _kvcache.per_sequence(attend, q, k_cache, v_cache, keys, block_table, lead)
 
 
 def _padded_dropout_mask(dropout_p, dropout_mask):

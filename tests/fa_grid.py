@@ -104,8 +104,6 @@ def unsupported(test: str, case: dict) -> str | None:
         return "a torch.Generator argument (PyTorch's API)"
     if kind == "varlen" and (case.get("paged_kv_block_size") is not None or test.endswith("paged_kv_num_splits")):
         return "paged keys in a packed batch (attention_varlen takes no block_table)"
-    if test == "test_flash_attn_kvcache" and case["has_leftpad"]:
-        return "cache_leftpad (caches that start past position 0)"
     return None
 
 
@@ -314,12 +312,16 @@ def _run_kvcache(case: dict, xp, rng):
     masked = options["causal"] or "window_size" in options
     room = (seqlen_k - (seqlen_q if masked and rotary_dim > 1 else seqlen_new) + 1) if case["new_kv"] else seqlen_k + 1
     lengths = rng.integers(0 if case["new_kv"] else 1, room, batch).astype(np.int32)
+    if case["has_leftpad"]:   # each sequence's first key below its length, as FlashAttention draws it
+        new["cache_leftpad"] = np.array([rng.integers(0, n) if n else 0 for n in lengths], np.int32)
     if rotary_dim:
         angles = rng.random((seqlen_k, rotary_dim // 2)) * 2 * np.pi
         new.update(rotary_cos=xp.asarray(np.cos(angles).astype(np.float32)),
                    rotary_sin=xp.asarray(np.sin(angles).astype(np.float32)),
                    rotary_interleaved=case["rotary_interleaved"])
     host = {name: to_numpy(value) if hasattr(value, "shape") else value for name, value in {**new, **options}.items()}
+    if "cache_leftpad" in new:
+        new["cache_leftpad"] = xp.asarray(new["cache_leftpad"])
     ref_args = (to_numpy(q), *(to_numpy(c) for c in caches))
     ref_out, ref_lse = reference.attention_with_kvcache(*ref_args, cache_seqlens=lengths, **host)
     low_out, low_lse = reference.attention_with_kvcache(*ref_args, cache_seqlens=lengths, **host, in_dtype=dtype)

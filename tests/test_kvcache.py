@@ -493,3 +493,67 @@ def test_check_indices_reads_the_lengths_and_the_table(xp, rng):
                                        check_indices=1)
     for pool, want in zip(pools, before):
         np.testing.assert_array_equal(to_numpy(pool), want)
+
+
+@pytest.mark.parametrize("feature", ["plain", "causal-window", "alibi", "softcap-sinks"])
+@pytest.mark.parametrize("seqlen_new,rotary", [(0, False), (2, False), (2, True)], ids=["read", "append", "rotary"])
+def test_leftpad_is_a_cache_that_starts_later(xp, rng, feature, seqlen_new, rotary):
+    """cache_leftpad[b] = L: the call equals the same call on a cache whose rows L.. moved to 0 (lengths less L),
+    bit for bit, and the reference; new keys land at rows cache_seqlens[b].. of the padded cache."""
+    batch, capacity, heads, heads_kv, head_dim, seqlen_q = 3, 200, 8, 2, 64, 2
+    dtype = dtypes_of(xp)[rng.integers(len(dtypes_of(xp)))]
+    q = draw(xp, rng, (batch, seqlen_q, heads, head_dim), dtype)
+    caches = [draw(xp, rng, (batch, capacity, heads_kv, head_dim), dtype) for _ in range(2)]
+    lengths = np.array([50, 120, capacity - seqlen_new], np.int32)
+    leftpad = np.array([0, 37, capacity - seqlen_new - 3], np.int32)   # the last: 3 cached keys
+    new = {}
+    if seqlen_new:
+        new = dict(k=draw(xp, rng, (batch, seqlen_new, heads_kv, head_dim), dtype),
+                   v=draw(xp, rng, (batch, seqlen_new, heads_kv, head_dim), dtype))
+    if rotary:
+        angles = rng.random((capacity, 16)) * 2 * np.pi
+        new.update(rotary_cos=xp.asarray(np.cos(angles).astype(np.float32)),
+                   rotary_sin=xp.asarray(np.sin(angles).astype(np.float32)))
+    options = feature_arrays(xp, rng, FEATURES[feature], batch, heads)
+    shifted = [np.zeros_like(to_numpy(c)) for c in caches]
+    for b in range(batch):
+        for cache, moved in zip(caches, shifted):
+            moved[b, :lengths[b] - leftpad[b]] = to_numpy(cache)[b, leftpad[b]:lengths[b]]
+    shifted = [xp.asarray(c) for c in shifted]
+    before = [to_numpy(c).copy() for c in caches]
+    out, lse = cuflash.attention_with_kvcache(q, *caches, **new, cache_seqlens=xp.asarray(lengths),
+                                              cache_leftpad=xp.asarray(leftpad), check_indices=True, return_lse=True,
+                                              **options)
+    want, want_lse = cuflash.attention_with_kvcache(q, *shifted, **new, cache_seqlens=xp.asarray(lengths - leftpad),
+                                                    return_lse=True, **options)
+    np.testing.assert_array_equal(to_numpy(out).astype(np.float32), to_numpy(want).astype(np.float32))
+    np.testing.assert_array_equal(to_numpy(lse), to_numpy(want_lse))
+    if seqlen_new:   # written at the padded cache's rows cache_seqlens[b].., the same bits as the shifted one's
+        for b in range(batch):
+            for cache, moved, old in zip(caches, shifted, before):
+                rows = slice(lengths[b], lengths[b] + seqlen_new)
+                np.testing.assert_array_equal(to_numpy(cache)[b, rows],
+                                              to_numpy(moved)[b, lengths[b] - leftpad[b]:][:seqlen_new])
+                old[b, rows] = to_numpy(cache)[b, rows]
+    for cache, old in zip(caches, before):
+        np.testing.assert_array_equal(to_numpy(cache), old)
+    host_new = {name: value for name, value in new.items() if name not in ("k", "v")}
+    check_against_reference(out, lse, q, *(xp.asarray(x) for x in before), new.get("k"), new.get("v"), dtype,
+                            cache_seqlens=lengths, cache_leftpad=leftpad, **host_new, **options)
+
+
+def test_leftpad_refusals(rng):
+    q = draw(np, rng, (2, 1, 4, 32), np.float16)
+    caches = [draw(np, rng, (2, 64, 2, 32), np.float16) for _ in range(2)]
+    lengths = np.array([10, 20], np.int32)
+    with pytest.raises(TypeError, match="cache_leftpad must be an int32 array"):
+        cuflash.attention_with_kvcache(q, *caches, cache_seqlens=lengths, cache_leftpad=np.zeros(2, np.int64))
+    with pytest.raises(TypeError, match="cache_leftpad must be an int32 array"):
+        cuflash.attention_with_kvcache(q, *caches, cache_seqlens=lengths, cache_leftpad=np.zeros(3, np.int32))
+    with pytest.raises(ValueError, match=r"cache_leftpad\[1\] = 21 is outside \[0, 20\]"):
+        cuflash.attention_with_kvcache(q, *caches, cache_seqlens=lengths, cache_leftpad=np.array([0, 21], np.int32),
+                                       check_indices=True)
+    pools, table = paged_copies(np, rng, caches, 64)
+    with pytest.raises(ValueError, match="cache_leftpad takes a contiguous cache"):
+        cuflash.attention_with_kvcache(q, *pools, cache_seqlens=lengths, block_table=table,
+                                       cache_leftpad=np.zeros(2, np.int32))

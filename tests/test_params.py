@@ -70,8 +70,8 @@ def test_the_lists_read_from_the_source():
                                             "dropout_offset"]
     assert forward[-1].name == "query_blocks_fastest" and backward[-2:][0].name == "dq_splits"
     assert {f.name for f in forward if f.pointer} == {"q", "k", "v", "out", "lse", "alibi_slopes", "sinks",
-                                                     "cache_seqlens", "block_table", "out_partial", "lse_partial",
-                                                     "split_counters", "cu_seqlens_q", "cu_seqlens_k"}
+                                                     "cache_seqlens", "block_table", "cache_leftpad", "out_partial",
+                                                     "lse_partial", "split_counters", "cu_seqlens_q", "cu_seqlens_k"}
     assert _params.fields("CUFLASH_BWD_FIELDS")[9] == _params.Field("dq_accum", "float", True)
     assert dict((f.name, f.dtype) for f in forward)["dropout_threshold"] == np.uint32
     with pytest.raises(RuntimeError, match="no field list"):

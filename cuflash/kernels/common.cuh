@@ -589,7 +589,9 @@ struct DqAccum {
 // cache_seqlens[b] + seqlen_k_new (int32; null: seqlen_k for every batch) and sit at the bottom-right
 // corner (diagonal = keys - seqlen_q); block_table (int32, block_table_stride per batch; null: contiguous)
 // maps key n of batch b to row n % page_size of page block_table[b][n / page_size], k_sb and v_sb then
-// the page strides; pack query heads share each group of rows (CacheBlock); where num_splits > 1 the
+// the page strides; cache_leftpad (int32, null: 0; contiguous caches only) is the cache row of batch b's
+// first key: its keys are rows cache_leftpad[b] .. cache_seqlens[b] + seqlen_k_new - 1, counted (for the
+// diagonal, windows and ALiBi) from the first; pack query heads share each group of rows (CacheBlock); where num_splits > 1 the
 // blocks write float32 partials: out_partial (num_splits, batch, seqlen_q, heads, head_dim) normalized
 // over a split's keys, lse_partial (num_splits, batch, heads, seqlen_q), without the sinks, and count
 // themselves in split_counters[row_group] (int32, one per CacheBlock row group, zero before the launch and
@@ -605,7 +607,8 @@ struct DqAccum {
     VAL(int, seqlen_k) VAL(int, head_dim) VAL(int, diagonal) VAL(int, window_left)                    \
     VAL(int, window_right) VAL(int, alibi_batch_stride) VAL(float, softcap_in) VAL(float, softcap_out) \
     VAL(unsigned, dropout_threshold) VAL(float, dropout_scale) VAL(float, scale_log2)                  \
-    PTR(const int, cache_seqlens) PTR(const int, block_table) PTR(float, out_partial)                 \
+    PTR(const int, cache_seqlens) PTR(const int, block_table) PTR(const int, cache_leftpad)           \
+    PTR(float, out_partial)                                                                           \
     PTR(float, lse_partial) PTR(int, split_counters) PTR(const int, cu_seqlens_q)                   \
     PTR(const int, cu_seqlens_k) VAL(long long, block_table_stride) VAL(int, seqlen_k_new) VAL(int, pack)  \
     VAL(int, num_splits) VAL(int, page_size) VAL(int, vec_ok) LAST(int, query_blocks_fastest)

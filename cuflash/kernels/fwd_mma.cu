@@ -125,8 +125,11 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     int keys = seq.seqlen_k, diag = seq.diagonal;
     // the key count inside the key loop: in a packed batch read again at each use (Sequence::reread_seqlen_k)
     auto key_count = [&] { return VARLEN ? Sequence<VARLEN>::reread_seqlen_k(cu_seqlens_k, b) : keys; };
+    // a KV cache's first key (cache_leftpad, contiguous caches): the key rows before it are not the sequence's
+    const int lead = KVCACHE && cache_leftpad != nullptr ? cache_leftpad[b] : 0;
     if constexpr (KVCACHE) {
         if (cache_seqlens != nullptr) keys = cache_seqlens[b] + seqlen_k_new;
+        keys -= lead;
         diag = keys - seqlen_q;
     }
     const int pos_begin = position(m0), pos_end = position(m0 + BLOCK_M - 1) + 1;   // the rows' positions
@@ -140,8 +143,8 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     const Dropout<kDropout> dropout(dropout_seed, dropout_offset, dropout_threshold, bh);
 
     const T* q_head = q + b * q_sb + seq.q_start * q_ss + h * q_sh;
-    const T* k_head = k + b * k_sb + seq.k_start * k_ss + h_kv * k_sh;
-    const T* v_head = v + b * v_sb + seq.k_start * v_ss + h_kv * v_sh;
+    const T* k_head = k + b * k_sb + (seq.k_start + lead) * k_ss + h_kv * k_sh;
+    const T* v_head = v + b * v_sb + (seq.k_start + lead) * v_ss + h_kv * v_sh;
     // Under a mask the block walks only the key tiles its rows see: n_tiles tiles from key_first, the last
     // one first. Walking down from the highest keys meets the masked tiles of the diagonal first and, under
     // ALiBi, the largest scores of each row (its bias falls with the distance), so the row maxima seldom
