@@ -46,6 +46,9 @@ CASES = {
     # a contiguous cache: 3 keys appended per sequence, rotated (half-split) with the queries, 5 key splits
     "kvcache-append-rotary-72": dict(shape=(3, 2, 0, 6, 3, 72), kvcache=(300, 0), causal=True, append=3, rotary=32,
                                      num_splits=5),
+    # a left-padded contiguous cache: each sequence's keys from its own first row, rotary positions from there
+    "kvcache-leftpad-rotary-64": dict(shape=(3, 2, 0, 8, 2, 64), kvcache=(300, 0), causal=True, append=2, rotary=64,
+                                      leftpad=True),
     # ring attention on a local group of 3 (threads, one GPU): block calls at global offsets, the float32 merge
     # (merge_into) of parts into rows of the state and of the sinks, the backward's dk/dv sums around the ring
     "ring-3-zigzag-window-alibi-sinks": dict(shape=(2, 90, 90, 4, 2, 64), ring=3, causal=True, window_size=(40, -1),
@@ -92,6 +95,8 @@ def run_case(xp, rng, spec: dict) -> list:
             new.update(rotary_cos=xp.asarray(np.cos(angles).astype(np.float32)),
                        rotary_sin=xp.asarray(np.sin(angles).astype(np.float32)), rotary_interleaved=False)
         lengths = xp.asarray(np.array([keys, 1, keys // 2], np.int32)[:batch])
+        if spec.get("leftpad"):
+            new["cache_leftpad"] = xp.asarray(np.array([keys // 3, 0, keys // 2], np.int32)[:batch])
         if page_size:
             pages = -(-(keys + appended) // page_size)
             k_cache, v_cache = (draw(batch * pages + 1, page_size, heads_kv, head_dim) for _ in range(2))
