@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One pass over a GPU machine: warm the kernel cache, run the whole test suite, then the given benchmark
 # command. Logs and the benchmark's results (results.tgz) land in $CUFLASH_OUT (default ./gpu-run-out).
-# The suite runs as twelve pytest processes side by side, each under SUITE_TIMEOUT seconds (default 420): the
+# The suite runs as fourteen pytest processes side by side, each under SUITE_TIMEOUT seconds (default 420): the
 # dropout cases of test_features, its fuzzed cases and the rest of it, test_attention, test_backward,
-# test_kvcache, test_gpu with test_varlen, then the rest; then test_backward, test_features without its fuzzed
+# test_kvcache, test_gpu with test_varlen, test_fa_grid (FlashAttention-2's cases), test_distributed (ring
+# attention on local groups), then the rest; then test_backward, test_features without its fuzzed
 # cases (two groups) and test_varlen once more with an A100's plan (CUFLASH_TEST_PLAN=a100, tests/conftest.py:
 # on a Hopper GPU, the portable kernels at an A100's tiles, which its own plan leaves out). On an H200 machine
-# of 16 cores the twelve take 310-390 s, bound by the longest group (test_gpu with test_varlen, over 330 s in
+# of 16 cores the first twelve took 310-390 s, bound by the longest group (test_gpu with test_varlen, over 330 s in
 # one run); the float64 reference checks are CPU-bound. The compile check is left out: it needs no GPU, and CI runs it.
 # PYTEST_ARGS adds pytest options; SKIP_TESTS=1 skips the tests. Run from the repository's root:
 #   bash tools/gpu_run.sh [bench args...]      e.g. bash tools/gpu_run.sh grid memory
@@ -22,7 +23,7 @@ echo "warmup: $((SECONDS - start)) s"
 if [ -z "$SKIP_TESTS" ]; then
   start=$SECONDS
   files="tests/test_features.py tests/test_attention.py tests/test_backward.py tests/test_kvcache.py"
-  files="$files tests/test_gpu.py tests/test_varlen.py"
+  files="$files tests/test_gpu.py tests/test_varlen.py tests/test_fa_grid.py tests/test_distributed.py"
   rest="--ignore=tests/test_compile.py"
   for f in $files; do rest="$rest --ignore=$f"; done
   status=0
@@ -44,6 +45,8 @@ if [ -z "$SKIP_TESTS" ]; then
   group 3 tests/test_backward.py
   group 4 tests/test_kvcache.py
   group 5 tests/test_gpu.py tests/test_varlen.py
+  group 12 tests/test_fa_grid.py
+  group 13 tests/test_distributed.py
   # shellcheck disable=SC2086  # rest is several words
   group 6 tests $rest
   PLAN=a100 group 8 tests/test_backward.py
