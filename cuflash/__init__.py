@@ -557,7 +557,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                      causal: bool = False, softmax_scale: float | None = None,
                      window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes=None, sinks=None,
                      dropout_p: float = 0.0, seed: int | None = None, offset: int = 0, return_lse: bool = False,
-                     check_indices: bool = False):
+                     check_indices: bool = False, block_table=None):
     """Attention over a batch of sequences of different lengths packed along one axis: FlashAttention's
     ``flash_attn_varlen_func``.
 
@@ -587,6 +587,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     check_indices : bool
         Read the prefix sums to the host and check them even where both max lengths are given (a
         synchronizing copy on CuPy). NumPy arrays are always checked.
+    block_table : int32 array (batch, max_blocks_per_sequence), optional
+        Paged keys (FlashAttention's ``block_table``): k and v are then caches (num_blocks, page_size, heads_kv,
+        head_dim), and key ``n`` of sequence ``b`` (n < cu_seqlens_k[b + 1] - cu_seqlens_k[b]) is row ``n %
+        page_size`` of page ``block_table[b, n // page_size]``. They are gathered into a packed copy first,
+        which reads the total ``cu_seqlens_k[-1]`` to the host (on CuPy a synchronizing copy) and costs a copy
+        of the keys and values; with ``check_indices`` (always on NumPy) the block_table entries used are
+        checked too. Forward only.
 
     Returns
     -------
@@ -597,6 +604,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     """
     if dropout_p:  # seed and offset change per call (they are not in the plan key): checked on every call
         _, seed, offset = check_dropout(dropout_p, seed, offset)
+    if block_table is not None:
+        xp = array_module(q=q, k=k, v=v, cu_seqlens_k=cu_seqlens_k, block_table=block_table)
+        check_flag("check_indices", check_indices)
+        _varlen.check_pages(k, v, cu_seqlens_k, block_table)
+        k, v = _varlen.gather_pages(xp, k, v, cu_seqlens_k, block_table, check=xp is np or check_indices)
     key = _varlen_key(_VARLEN_FORWARD, (q, k, v, cu_seqlens_q, cu_seqlens_k), max_seqlen_q, max_seqlen_k,
                       check_indices, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p)
     plan = None if key is None else _plans.get(key)

@@ -47,6 +47,13 @@ class PackedBatch:
     packing: Packing | None
 
 
+def check_prefix_sums(name: str, cu):
+    """``cu`` is an int32 array (batch + 1,) (its values are checked where they are read)."""
+    if not hasattr(cu, "dtype") or cu.dtype != np.int32 or cu.ndim != 1 or cu.shape[0] < 1:
+        raise TypeError(f"{name} must be an int32 array (batch + 1,) of prefix sums, got "
+                        f"{getattr(cu, 'dtype', type(cu).__name__)} of shape {tuple(getattr(cu, 'shape', ()))}")
+
+
 def check_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, read: bool) -> PackedBatch:
     """Validate the packed layout. With ``read`` (or where a max length is missing), the prefix sums are read to
     the host (on CuPy a synchronizing copy) and checked there: 0 first, never decreasing, ending at the packed
@@ -67,9 +74,7 @@ def check_packing(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         if total > _INT32_MAX:
             raise ValueError(f"{name} packs {total} rows, past int32: the int32 prefix sums cannot reach them")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not hasattr(cu, "dtype") or cu.dtype != np.int32 or cu.ndim != 1 or cu.shape[0] < 1:
-            raise TypeError(f"{name} must be an int32 array (batch + 1,) of prefix sums, got "
-                            f"{getattr(cu, 'dtype', type(cu).__name__)} of shape {tuple(getattr(cu, 'shape', ()))}")
+        check_prefix_sums(name, cu)
         check_same_device(q=q, **{name: cu})
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1), got {cu_seqlens_q.shape[0]} "
@@ -146,3 +151,56 @@ def per_sequence_backward(xp, attend_backward, packing: Packing, dout, q, k, v, 
         if sinks is not None:
             dsinks += parts[3]
     return (*grads, dsinks) if sinks is not None else tuple(grads)
+
+
+def check_pages(k, v, cu_seqlens_k, block_table):
+    """Validate a packed call's paged keys (attention_varlen with ``block_table``): k and v caches (num_blocks,
+    page_size, heads_kv, head_dim) of one shape, block_table int32 (batch, max_blocks_per_sequence) for the batch
+    of cu_seqlens_k, on k's device. Their values are not read here (gather_pages reads the total)."""
+    for name, a in (("k", k), ("v", v)):
+        if a.ndim != 4:
+            raise ValueError(f"{name} must have 4 dimensions (num_blocks, page_size, heads_kv, head_dim) with "
+                             f"block_table, got {a.ndim} (shape {tuple(a.shape)})")
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if not hasattr(block_table, "dtype") or block_table.dtype != np.int32 or block_table.ndim != 2:
+        raise TypeError(f"block_table must be an int32 array (batch, max_blocks_per_sequence), got "
+                        f"{getattr(block_table, 'dtype', type(block_table).__name__)} of shape "
+                        f"{tuple(getattr(block_table, 'shape', ()))}")
+    check_prefix_sums("cu_seqlens_k", cu_seqlens_k)
+    if block_table.shape[0] != cu_seqlens_k.shape[0] - 1:
+        raise ValueError(f"block_table must have a row per sequence (batch = len(cu_seqlens_k) - 1 = "
+                         f"{cu_seqlens_k.shape[0] - 1}), got {block_table.shape[0]}")
+    if k.shape[1] == 0:
+        raise ValueError("the paged caches' page_size (k.shape[1]) must be positive, got 0")
+    check_same_device(k=k, block_table=block_table)
+
+
+def gather_pages(xp, k, v, cu_seqlens_k, block_table, check: bool):
+    """The packed (total_k, heads_kv, head_dim) keys and values of paged caches: sequence b's key n is row
+    n % page_size of page block_table[b, n // page_size]. Reads the total cu_seqlens_k[-1] to the host (on CuPy
+    a synchronizing copy); with ``check`` the prefix sums and the block_table entries used too (ValueError)."""
+    page_size, num_pages = k.shape[1], k.shape[0]
+    if check:
+        cu = to_host(cu_seqlens_k).astype(np.int64)
+        lengths = np.diff(cu)
+        if cu[0] != 0 or (lengths < 0).any():
+            raise ValueError(f"cu_seqlens_k must be prefix sums from 0, never decreasing, got {cu.tolist()}")
+        room = block_table.shape[1] * page_size
+        if (lengths > room).any():
+            b = int(np.flatnonzero(lengths > room)[0])
+            raise ValueError(f"sequence {b} has {lengths[b]} keys, past its block_table's {room}")
+        table = to_host(block_table)
+        used = np.arange(table.shape[1])[None, :] < -(-lengths // page_size)[:, None]
+        bad = np.argwhere(used & ((table < 0) | (table >= num_pages)))
+        if bad.size:
+            b, i = bad[0]
+            raise ValueError(f"block_table[{b}, {i}] = {table[b, i]} is outside [0, {num_pages}) (num_blocks of the "
+                             "paged caches)")
+    total = int(to_host(cu_seqlens_k[-1:])[0])
+    at = xp.arange(total, dtype=np.int64)
+    sequence = xp.searchsorted(cu_seqlens_k.astype(np.int64), at, side="right") - 1
+    n = at - cu_seqlens_k.astype(np.int64)[sequence]
+    pages = block_table[sequence, n // page_size]
+    rows = n % page_size
+    return k[pages, rows], v[pages, rows]

@@ -106,3 +106,21 @@ def paged_copies(xp, rng, caches, page_size: int, spare_pages: int = 3):
         pool[table.reshape(-1)] = padded.reshape(batch * per_sequence, page_size, *cache.shape[2:])
         pools.append(xp.asarray(pool))
     return pools, xp.asarray(table)
+
+
+def packed_pages(xp, rng, k, v, lengths, page_size):
+    """k and v (total_k, heads_kv, head_dim) as shuffled pages (with spare pages of noise) and a block table."""
+    per = max(1, -(-max(lengths) // page_size))
+    pool = len(lengths) * per + 2
+    table = rng.permutation(pool)[:len(lengths) * per].reshape(len(lengths), per).astype(np.int32)
+    caches = []
+    for x in (to_numpy(k), to_numpy(v)):
+        cache = rng.standard_normal((pool, page_size, *x.shape[1:])).astype(x.dtype)
+        start = 0
+        for b, n in enumerate(lengths):
+            padded = np.zeros((per * page_size, *x.shape[1:]), x.dtype)
+            padded[:n] = x[start:start + n]
+            cache[table[b]] = padded.reshape(per, page_size, *x.shape[1:])
+            start += n
+        caches.append(xp.asarray(cache))
+    return caches, xp.asarray(table)

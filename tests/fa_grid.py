@@ -102,8 +102,8 @@ def unsupported(test: str, case: dict) -> str | None:
     kind = GRID[test][1]
     if kind == "generator":
         return "a torch.Generator argument (PyTorch's API)"
-    if kind == "varlen" and (case.get("paged_kv_block_size") is not None or test.endswith("paged_kv_num_splits")):
-        return "paged keys in a packed batch (attention_varlen takes no block_table)"
+    if test.endswith("paged_kv_num_splits"):
+        return "num_splits of the packed forward (FlashAttention's internal _flash_attn_varlen_forward)"
     return None
 
 
@@ -267,10 +267,14 @@ def _run_varlen(test: str, case: dict, xp, rng):
     k, v = (_draw(xp, rng, (int(lengths_k.sum()), heads_kv, d), dtype) for _ in range(2))
     options = _options(xp, rng, test, case, batch, heads, seqlen_k)
     deterministic = case.get("deterministic", test == "test_flash_attn_varlen_deterministic")
-    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **options)
-    dout = _draw(xp, rng, q.shape, dtype)
-    grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, deterministic=deterministic,
-                                              **options)
+    if case.get("paged_kv_block_size"):   # paged keys: the forward (as FlashAttention tests it)
+        from ._checks import packed_pages
+
+        caches, table = packed_pages(xp, rng, k, v, lengths_k.tolist(), case["paged_kv_block_size"])
+        out, lse = cuflash.attention_varlen(q, *caches, cu_q, cu_k, return_lse=True, block_table=table,
+                                            check_indices=True, **options)
+    else:
+        out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **options)
     ref_options = {name: value for name, value in options.items() if name not in ("seed", "offset")}
     if options.get("dropout_p"):
         ref_options["dropout_mask"] = cuflash.dropout_mask(batch, heads, int(lengths_q.max()), int(lengths_k.max()),
@@ -280,6 +284,11 @@ def _run_varlen(test: str, case: dict, xp, rng):
     max_score = max_abs_finite(ref_lse)
     assert_fa_close(out, ref_out, low_out, dtype, 2, "out", max_score)
     assert_fa_close(lse, ref_lse, low_lse, np.float32, 2, "lse", max_score)
+    if case.get("paged_kv_block_size"):
+        return
+    dout = _draw(xp, rng, q.shape, dtype)
+    grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, deterministic=deterministic,
+                                              **options)
     refs = reference.attention_varlen_backward(dout, q, k, v, cu_q, cu_k, **ref_options)
     lows = reference.attention_varlen_backward(dout, q, k, v, cu_q, cu_k, **ref_options, in_dtype=dtype, out=out)
     given = reference.attention_varlen_backward(dout, q, k, v, cu_q, cu_k, **ref_options, out=out)
@@ -377,7 +386,7 @@ def main(argv=None) -> int:
             print(f"{test}: {total} cases, {skipped} skipped by FlashAttention, {ran} run by cuflash"
                   + (f" (not: {why})" if why else ""))
         print(f"all: {grand[0]} cases, {grand[1]} skipped by FlashAttention, {grand[2]} run by cuflash "
-              f"({grand[2] / (grand[0] - grand[1]):.1%} of those it runs)")
+              f"({grand[2] / (grand[0] - grand[1]):.3%} of those it runs)")
         return 0
     if args.numpy:
         xp = np

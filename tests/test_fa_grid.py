@@ -10,7 +10,7 @@ from . import fa_grid
 from .conftest import requires_gpu
 
 #: What cuflash cannot run of FlashAttention-2's grid, and how many cases each gap holds
-GAPS = {"paged keys in a packed batch (attention_varlen takes no block_table)": 1922,
+GAPS = {"num_splits of the packed forward (FlashAttention's internal _flash_attn_varlen_forward)": 2,
         "a torch.Generator argument (PyTorch's API)": 1}
 
 
@@ -25,7 +25,7 @@ def test_cuflash_runs_all_of_flashattentions_grid_but_its_known_gaps():
             gaps[reason] = gaps.get(reason, 0) + n
     assert (total, skipped) == (508777, 196416)   # the grid as transcribed (FlashAttention 2.8)
     assert gaps == GAPS and ran + sum(gaps.values()) == total - skipped
-    assert ran / (total - skipped) > 0.99
+    assert ran / (total - skipped) > 0.9999
 
 
 def _small(test: str, case: dict, entries: int) -> bool:

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 import cuflash
 from cuflash import reference
 
-from ._checks import DTYPES, assert_fa_close, feature_arrays, max_abs_finite, poison_pool, to_numpy
+from ._checks import (DTYPES, assert_fa_close, feature_arrays, max_abs_finite, packed_pages, poison_pool,
+                      to_numpy)
 
 FEATURES = {
     "plain": {},
@@ -244,3 +245,44 @@ def test_packed_batches_past_the_persistent_grids_keys_match_the_reference(xp, r
     for lengths in ([2200, 100, 700, 0, 1300], [900, 64, 1, 500]):
         for options in ({}, dict(causal=True), dict(window_size=(200, 0))):
             check_varlen(xp, rng, lengths, lengths, 4, 2, 64, np.dtype("float16"), options)
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+@pytest.mark.parametrize("feature", ["plain", "causal", "window-alibi"])
+def test_paged_keys_are_the_packed_keys(xp, rng, page_size, feature):
+    """attention_varlen with block_table gives the packed call's bits (an empty sequence and ragged tails among
+    them)."""
+    lengths_q, lengths_k = [17, 0, 40, 33], [23, 0, 300, 70]
+    dtype = DTYPES[0] if xp is not np else DTYPES[2]
+    cu_q, cu_k = (xp.asarray(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)) for n in (lengths_q, lengths_k))
+    q = xp.asarray(rng.standard_normal((sum(lengths_q), 4, 64), dtype=np.float32).astype(dtype))
+    k, v = (xp.asarray(rng.standard_normal((sum(lengths_k), 2, 64), dtype=np.float32).astype(dtype)) for _ in range(2))
+    options = {"plain": {}, "causal": dict(causal=True),
+               "window-alibi": dict(window_size=(50, 3), alibi_slopes=True)}[feature]
+    options = feature_arrays(xp, rng, options, len(lengths_q), 4)
+    (k_cache, v_cache), table = packed_pages(xp, rng, k, v, lengths_k, page_size)
+    paged, paged_lse = cuflash.attention_varlen(q, k_cache, v_cache, cu_q, cu_k, block_table=table, return_lse=True,
+                                                check_indices=True, **options)
+    packed, packed_lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **options)
+    np.testing.assert_array_equal(to_numpy(paged).astype(np.float32), to_numpy(packed).astype(np.float32))
+    np.testing.assert_array_equal(to_numpy(paged_lse), to_numpy(packed_lse))
+
+
+def test_paged_keys_refusals(rng):
+    lengths = [5, 40]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q = rng.standard_normal((10, 2, 32)).astype(np.float32)
+    k = rng.standard_normal((45, 2, 32)).astype(np.float32)
+    (k_cache, v_cache), table = packed_pages(np, rng, k, k, lengths, 16)
+    with pytest.raises(TypeError, match="block_table must be an int32 array"):
+        cuflash.attention_varlen(q, k_cache, v_cache, cu, cu, block_table=table.astype(np.int64))
+    with pytest.raises(ValueError, match="a row per sequence"):
+        cuflash.attention_varlen(q, k_cache, v_cache, cu, cu, block_table=table[:1])
+    with pytest.raises(ValueError, match="4 dimensions"):
+        cuflash.attention_varlen(q, k, k, cu, cu, block_table=table)
+    bad = table.copy()
+    bad[1, 2] = k_cache.shape[0]
+    with pytest.raises(ValueError, match=r"block_table\[1, 2\]"):
+        cuflash.attention_varlen(q, k_cache, v_cache, cu, cu, block_table=bad)
+    with pytest.raises(ValueError, match="past its block_table"):
+        cuflash.attention_varlen(q, k_cache, v_cache, cu, cu, block_table=table[:, :2])
