@@ -67,6 +67,20 @@ def assert_fa_close(actual, ref, lowp, dtype, factor: float, what: str, max_scor
     assert err <= bound, f"{what}: max error {err:.3g} > {factor} x {lowp_err:.3g} + rounding = {bound:.3g}"
 
 
+def assert_forward_close(out, lse, q, k, v, causal: bool, ref_options: dict, dtype) -> float:
+    """out and lse of an attention call on (q, k, v) against the float64 reference within FlashAttention's forward
+    rule (``ref_options``: the reference's keywords); returns the largest finite |lse|, the max_score of the
+    gradients' checks."""
+    from cuflash import reference
+
+    ref_out, ref_lse = reference.attention(q, k, v, causal, **ref_options)
+    lp_out, lp_lse = lowp_attention(q, k, v, causal, None, dtype, **ref_options)
+    max_score = max_abs_finite(ref_lse)
+    assert_fa_close(out, ref_out, lp_out, dtype, 2, "out", max_score)
+    assert_fa_close(lse, ref_lse, lp_lse, np.float32, 2, "lse", max_score)
+    return max_score
+
+
 def poison_pool(xp, nbytes: int = 64 << 20):
     """Fill free device-pool memory with NaN so an output element the kernel never writes shows up.
 

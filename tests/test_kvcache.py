@@ -12,11 +12,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import cuflash
-from cuflash import _config, reference
+from cuflash import reference
 
 from ._checks import (BF16, assert_fa_close, feature_arrays, max_abs_finite, paged_copies, poison_pool,
                       to_numpy)
-from .conftest import GPU, requires_gpu
+from .conftest import requires_gpu
 
 HALF = (np.dtype(np.float16), BF16)
 
