@@ -447,3 +447,18 @@ def test_scaling_report_shows_rate_per_gpu_efficiency_and_moves(tmp_path):
     text = report.markdown(*read_json(path), "scaling")
     assert "| 4 GPUs / 1 GPU | 0.83 |" in text and "| 4 GPUs, moves | 0.17 |" in text
     report.write_reports(path)
+
+
+def test_the_still_communicator_runs_the_rings_calls_without_moves():
+    """The scaling suite's "no moves" runs: a rank of 4 runs every step's calls on its own buffers (their values
+    unread by the timing) and returns its shard's shapes, alone, without waiting for other ranks."""
+    import warnings
+
+    from cuflash import distributed
+
+    q = np.random.default_rng(0).standard_normal((1, 8, 2, 16)).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # the receive buffers hold whatever was in memory
+        out, lse = distributed.ring_attention(q, q, q, scaling.StillCommunicator(1, 4), causal=True, return_lse=True)
+        grads = distributed.ring_attention_backward(q, q, q, q, out, lse, scaling.StillCommunicator(1, 4), causal=True)
+    assert out.shape == q.shape and [g.shape for g in grads] == [q.shape] * 3
