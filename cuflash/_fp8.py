@@ -9,12 +9,14 @@ layout); q's query heads use the factor of the kv head they read (head ``h`` tha
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from ._config import FLOAT8_E4M3
 
-#: the largest finite float8_e4m3fn (S.1111.110: e4m3fn has no infinity, only NaN at S.1111.111)
-E4M3_MAX = float(np.finfo(FLOAT8_E4M3).max)
+#: the largest finite float8_e4m3fn (S.1111.110: e4m3fn has no infinity, only NaN at S.1111.111); ml_dtypes'
+#: finfo (NumPy's refuses ml_dtypes' float8 types in some NumPy and ml_dtypes versions)
+E4M3_MAX = float(ml_dtypes.finfo(FLOAT8_E4M3).max)
 GRANULARITIES = ("tensor", "head")
 
 
