@@ -18,11 +18,12 @@ from ._merge import merge_states
 from ._philox import dropout_mask
 from ._validate import (array_module, check_backward, check_cache_indices, check_cache_length, check_dropout,
                         check_flag, check_forward, check_kvcache, check_same_device)
+from ._validate import optional_arrays as _optional_arrays
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_with_kvcache",
-           "distributed", "dropout_mask", "hadamard_rotation", "merge_states", "quantize_fp8", "quantize_qkv", "reference",
-           "FLOAT8_E4M3", "HEAD_DIMS", "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "__version__"]
+           "distributed", "dropout_mask", "hadamard_rotation", "merge_states", "quantize_fp8", "quantize_qkv",
+           "reference", "FLOAT8_E4M3", "HEAD_DIMS", "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "__version__"]
 
 #: Plans of the calls seen, keyed on everything validation and the kernel choice read: each array's class,
 #: shape, strides, dtype and device, and the options with their types (``causal=1`` is refused where
@@ -121,10 +122,6 @@ def _zero_gradients(xp, q, k, v, sinks):
     """The gradients of a call in which no row sees a key: all 0 (dsinks too: float32 (heads,), with sinks)."""
     grads = xp.zeros(q.shape, q.dtype), xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype)
     return grads if sinks is None else (*grads, xp.zeros(sinks.shape, xp.float32))
-
-
-def _optional_arrays(**arrays) -> dict:
-    return {name: a for name, a in arrays.items() if a is not None}
 
 
 def _optional_key(x):
@@ -282,11 +279,11 @@ def _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
                   alibi_slopes, sinks, num_splits, rotary_cos, rotary_sin, rotary_interleaved, check_indices,
                   descales=(None, None, None), out_dtype=None, cache_leftpad=None):
     """Validate an attention_with_kvcache call and return the function that runs it: ``(q, k_cache, v_cache, k,
-    v, cache_seqlens, block_table, alibi_slopes, sinks, rotary_cos, rotary_sin, with_lse[, descales]) -> (out,
-    lse)``, which checks an int ``cache_seqlens`` (its value is not part of the plan), and with
-    ``check_indices`` the values of a cache_seqlens array and of block_table, before anything is written.
-    ``descales``: a float8 call's (q_descale, k_descale, v_descale), NumPy arrays (CuPy holds no float8). The
-    run takes ``cache_leftpad`` after ``block_table``."""
+    v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks, rotary_cos, rotary_sin, with_lse[,
+    descales]) -> (out, lse)``, which checks an int ``cache_seqlens`` (its value is not part of the plan), and
+    with ``check_indices`` the values of a cache_seqlens array, of block_table and of cache_leftpad, before
+    anything is written. ``descales``: a float8 call's (q_descale, k_descale, v_descale), NumPy arrays (CuPy
+    holds no float8)."""
     arrays = _optional_arrays(k=k, v=v, block_table=block_table, cache_leftpad=cache_leftpad,
                               alibi_slopes=alibi_slopes, sinks=sinks,
                               cache_seqlens=cache_seqlens if hasattr(cache_seqlens, "dtype") else None,
@@ -424,7 +421,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     try:
         lengths_key = cache_seqlens.__class__ if not hasattr(cache_seqlens, "dtype") else _array_key(cache_seqlens)
         key = (_KVCACHE, _array_key(q), _array_key(k_cache), _array_key(v_cache), _optional_key(k), _optional_key(v),
-               lengths_key, _optional_key(block_table), _optional_key(cache_leftpad), _optional_key(rotary_cos), _optional_key(rotary_sin),
+               lengths_key, _optional_key(block_table), _optional_key(cache_leftpad), _optional_key(rotary_cos),
+               _optional_key(rotary_sin),
                rotary_interleaved, rotary_interleaved.__class__, causal, causal.__class__, softmax_scale,
                softmax_scale.__class__, window_size, softcap, softcap.__class__, _optional_key(alibi_slopes),
                _optional_key(sinks), num_splits, num_splits.__class__, check_indices, check_indices.__class__,

@@ -39,6 +39,11 @@ def _cupy():
     return cupy
 
 
+def optional_arrays(**arrays) -> dict:
+    """``arrays`` without the ones that are None (optional arguments, for array_module and check_same_device)."""
+    return {name: a for name, a in arrays.items() if a is not None}
+
+
 def array_module(**arrays):
     """numpy or cupy, whichever all of ``arrays`` belong to; TypeError for anything else or a mix."""
     cupy = _cupy()
@@ -425,10 +430,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
     if paged:
         from ._config import PAGE_SIZE_MULTIPLE
 
-        if not hasattr(block_table, "dtype") or block_table.dtype != np.int32 or block_table.ndim != 2:
-            raise TypeError(f"block_table must be an int32 array (batch, max_blocks_per_sequence), got "
-                            f"{getattr(block_table, 'dtype', type(block_table).__name__)} of shape "
-                            f"{tuple(getattr(block_table, 'shape', ()))}")
+        check_block_table_type(block_table)
         if block_table.shape[0] != batch:
             raise ValueError(f"block_table must have batch = {batch} rows, got {block_table.shape[0]}")
         page_size, num_pages = cache_len, cache_rows
@@ -549,6 +551,27 @@ def check_cache_length(cache_seqlens: int, p: CacheProblem) -> int:
     return int(cache_seqlens)
 
 
+def check_block_table_type(block_table):
+    """``block_table`` is an int32 array (batch, max_blocks_per_sequence) (its values are checked where they are
+    read: check_block_table_entries)."""
+    if not hasattr(block_table, "dtype") or block_table.dtype != np.int32 or block_table.ndim != 2:
+        raise TypeError(f"block_table must be an int32 array (batch, max_blocks_per_sequence), got "
+                        f"{getattr(block_table, 'dtype', type(block_table).__name__)} of shape "
+                        f"{tuple(getattr(block_table, 'shape', ()))}")
+
+
+def check_block_table_entries(table: np.ndarray, keys: np.ndarray, page_size: int, num_pages: int):
+    """Every entry of the host block table ``table`` that a sequence of ``keys[b]`` keys uses (its first
+    ceil(keys[b] / page_size) pages) within [0, num_pages); entries past a sequence's last page are not read, so
+    not checked."""
+    used = np.arange(table.shape[1])[None, :] < (-(-keys // page_size))[:, None]
+    bad = np.argwhere(used & ((table < 0) | (table >= num_pages)))
+    if bad.size:
+        b, i = bad[0]
+        raise ValueError(f"block_table[{b}, {i}] = {table[b, i]} is outside [0, {num_pages}) (num_blocks of the "
+                         "paged cache)")
+
+
 def check_cache_indices(p: CacheProblem, cache_seqlens, block_table, cache_leftpad=None):
     """The checks that read device memory (``attention_with_kvcache(..., check_indices=True)``; on CuPy a
     synchronizing copy of cache_seqlens, block_table and cache_leftpad to the host): every length within the
@@ -575,11 +598,4 @@ def check_cache_indices(p: CacheProblem, cache_seqlens, block_table, cache_leftp
             raise ValueError(f"rotary_cos and rotary_sin cover positions [0, {p.rotary_positions}); sequence {bad[0]} "
                              f"rotates up to position {needed[bad[0]] - 1}")
     if block_table is not None:
-        table = to_host(block_table)
-        pages = -(-(lengths + p.seqlen_new) // p.page_size)  # pages each sequence's keys occupy
-        used = np.arange(table.shape[1])[None, :] < pages[:, None]
-        bad = np.argwhere(used & ((table < 0) | (table >= p.num_pages)))
-        if bad.size:
-            b, i = bad[0]
-            raise ValueError(f"block_table[{b}, {i}] = {table[b, i]} is outside [0, {p.num_pages}) (num_blocks of "
-                             "the paged cache)")
+        check_block_table_entries(to_host(block_table), lengths + p.seqlen_new, p.page_size, p.num_pages)

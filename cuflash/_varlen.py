@@ -16,8 +16,9 @@ import numbers
 import numpy as np
 
 from ._kvcache import sequence_slopes, to_host
-from ._validate import (_INT32_MAX, Problem, _check_dtype, _is_number, check_dropout, check_flag, check_head_vectors,
-                        check_heads, check_same_device, check_softcap, check_window, resolve_scale)
+from ._validate import (_INT32_MAX, Problem, _check_4d, _check_dtype, _is_number, check_block_table_entries,
+                        check_block_table_type, check_dropout, check_flag, check_head_vectors, check_heads,
+                        check_same_device, check_softcap, check_window, resolve_scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,15 +159,10 @@ def check_pages(k, v, cu_seqlens_k, block_table):
     page_size, heads_kv, head_dim) of one shape, block_table int32 (batch, max_blocks_per_sequence) for the batch
     of cu_seqlens_k, on k's device. Their values are not read here (gather_pages reads the total)."""
     for name, a in (("k", k), ("v", v)):
-        if a.ndim != 4:
-            raise ValueError(f"{name} must have 4 dimensions (num_blocks, page_size, heads_kv, head_dim) with "
-                             f"block_table, got {a.ndim} (shape {tuple(a.shape)})")
+        _check_4d(name, a, "(num_blocks, page_size, heads_kv, head_dim) with block_table")
     if tuple(k.shape) != tuple(v.shape):
         raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if not hasattr(block_table, "dtype") or block_table.dtype != np.int32 or block_table.ndim != 2:
-        raise TypeError(f"block_table must be an int32 array (batch, max_blocks_per_sequence), got "
-                        f"{getattr(block_table, 'dtype', type(block_table).__name__)} of shape "
-                        f"{tuple(getattr(block_table, 'shape', ()))}")
+    check_block_table_type(block_table)
     check_prefix_sums("cu_seqlens_k", cu_seqlens_k)
     if block_table.shape[0] != cu_seqlens_k.shape[0] - 1:
         raise ValueError(f"block_table must have a row per sequence (batch = len(cu_seqlens_k) - 1 = "
@@ -190,17 +186,12 @@ def gather_pages(xp, k, v, cu_seqlens_k, block_table, check: bool):
         if (lengths > room).any():
             b = int(np.flatnonzero(lengths > room)[0])
             raise ValueError(f"sequence {b} has {lengths[b]} keys, past its block_table's {room}")
-        table = to_host(block_table)
-        used = np.arange(table.shape[1])[None, :] < -(-lengths // page_size)[:, None]
-        bad = np.argwhere(used & ((table < 0) | (table >= num_pages)))
-        if bad.size:
-            b, i = bad[0]
-            raise ValueError(f"block_table[{b}, {i}] = {table[b, i]} is outside [0, {num_pages}) (num_blocks of the "
-                             "paged caches)")
+        check_block_table_entries(to_host(block_table), lengths, page_size, num_pages)
     total = int(to_host(cu_seqlens_k[-1:])[0])
+    starts = cu_seqlens_k.astype(np.int64)
     at = xp.arange(total, dtype=np.int64)
-    sequence = xp.searchsorted(cu_seqlens_k.astype(np.int64), at, side="right") - 1
-    n = at - cu_seqlens_k.astype(np.int64)[sequence]
+    sequence = xp.searchsorted(starts, at, side="right") - 1
+    n = at - starts[sequence]
     pages = block_table[sequence, n // page_size]
     rows = n % page_size
     return k[pages, rows], v[pages, rows]

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _numpy_path, _ring
 from ._ring import LAYOUTS, ZIGZAG
-from ._validate import array_module, check_backward, check_flag, check_forward
+from ._validate import array_module, check_backward, check_flag, check_forward, optional_arrays
 
 __all__ = ["LAYOUTS", "LocalCommunicator", "PeerFailed", "local_communicators", "ring_attention",
            "ring_attention_backward", "run_local", "shard_sequence", "unshard_sequence"]
@@ -366,14 +366,14 @@ def _merge_into(xp, acc, acc_lse, rows: slice, part, part_lse, sinks=None):
     if part is None:
         part_lse = np.broadcast_to(sinks[None, :, None], acc_lse.shape)
     old = acc_lse[:, :, rows]
-    new = xp.logaddexp(old, part_lse)
-    seen = new != -xp.inf
-    base = xp.where(seen, new, xp.float32(0))
-    keep = xp.where(seen, xp.exp(old - base), xp.float32(0)).transpose(0, 2, 1)[..., None]
+    new = np.logaddexp(old, part_lse)
+    seen = new != -np.inf
+    base = np.where(seen, new, np.float32(0))
+    keep = np.where(seen, np.exp(old - base), np.float32(0)).transpose(0, 2, 1)[..., None]
     block = acc[:, rows] * keep
     if part is not None:
-        share = xp.where(seen, xp.exp(part_lse - base), xp.float32(0)).transpose(0, 2, 1)[..., None]
-        block += xp.where(share > 0, share * part.astype(xp.float32, copy=False), xp.float32(0))
+        share = np.where(seen, np.exp(part_lse - base), np.float32(0)).transpose(0, 2, 1)[..., None]
+        block += np.where(share > 0, share * part.astype(np.float32, copy=False), np.float32(0))
     acc[:, rows] = block
     acc_lse[:, :, rows] = new
 
@@ -408,19 +408,6 @@ def _receive_buffers(xp, ring, arrays) -> list:
     if ring.world_size == 1:
         return []
     return [tuple(xp.empty(a.shape, a.dtype) for a in arrays) for _ in range(2)]
-
-
-def _empty_forward(xp, q, p, sinks, return_lse):
-    """The result of a shard with no rows or no heads: nothing moves."""
-    out = xp.zeros(q.shape, q.dtype)
-    lse = xp.full((p.batch, p.heads, p.seqlen_q), -xp.inf, xp.float32)
-    if sinks is not None:
-        lse[...] = sinks[None, :, None]
-    return (out, lse) if return_lse else out
-
-
-def _contiguous(xp, a):
-    return a if a.flags.c_contiguous else xp.ascontiguousarray(a)
 
 
 def ring_attention(q, k, v, comm, causal: bool = False, softmax_scale: float | None = None,
@@ -462,15 +449,17 @@ def ring_attention(q, k, v, comm, causal: bool = False, softmax_scale: float | N
     offered. With a NCCL communicator the moves run on a stream of their own, ordered against CuPy's
     current stream; the call does not synchronize the host.
     """
-    xp = array_module(q=q, k=k, v=v, **{n: a for n, a in (("alibi_slopes", alibi_slopes), ("sinks", sinks))
-                                         if a is not None})
+    xp = array_module(q=q, k=k, v=v, **optional_arrays(alibi_slopes=alibi_slopes, sinks=sinks))
     p = check_forward(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks)
     check_flag("return_lse", return_lse)
     ring, schedule, device_id = _setup(xp, q, comm, layout, p)
     blocks = _Blocks(xp, device_id)
     with _on_device(xp, device_id):
-        if p.is_empty:
-            return _empty_forward(xp, q, p, sinks, return_lse)
+        if p.is_empty:   # no rows or no heads: nothing moves
+            from . import _no_keys
+
+            out, lse = _no_keys(xp, q, (p.batch, p.heads, p.seqlen_q), sinks)
+            return (out, lse) if return_lse else out
         acc = xp.zeros(q.shape, xp.float32)
         acc_lse = xp.full((p.batch, p.heads, p.seqlen_q), -xp.inf, xp.float32)
         sink_at = _sink_call(schedule, p.seqlen_q) if sinks is not None else None
@@ -479,7 +468,7 @@ def ring_attention(q, k, v, comm, causal: bool = False, softmax_scale: float | N
         for step, (_, calls) in enumerate(schedule):
             moving = step + 1 < ring.world_size
             if moving:   # ``sending`` stays referenced until the move is waited for (a copy's memory must live)
-                sending = tuple(_contiguous(xp, x) for x in held)
+                sending = tuple(xp.ascontiguousarray(x) for x in held)
                 moved = ring.start(sending, receive[step % 2], ("ring_attention", layout, p, step, "k, v"))
             for i, call in enumerate(calls):
                 with_sinks = sink_at == (step, i)
@@ -527,15 +516,16 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, causal: bool = False,
     the sum of every rank's (reduce it with the other replicated parameters' gradients).
     """
     xp = array_module(dout=dout, q=q, k=k, v=v, out=out, lse=lse,
-                      **{n: a for n, a in (("alibi_slopes", alibi_slopes), ("sinks", sinks)) if a is not None})
+                      **optional_arrays(alibi_slopes=alibi_slopes, sinks=sinks))
     p = check_backward(dout, q, k, v, out, lse, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks)
     check_flag("deterministic", deterministic)
     ring, schedule, device_id = _setup(xp, q, comm, layout, p)
     blocks = _Blocks(xp, device_id, bool(deterministic))
     with _on_device(xp, device_id):
         if p.is_empty:
-            grads = tuple(xp.zeros(x.shape, x.dtype) for x in (q, k, v))
-            return grads if sinks is None else (*grads, xp.zeros(sinks.shape, xp.float32))
+            from . import _zero_gradients
+
+            return _zero_gradients(xp, q, k, v, sinks)
         dq = xp.zeros(q.shape, xp.float32)
         # float32 dk, dv of the shard held: this step's sums (two pairs, the other one perhaps still on its
         # way to the next rank), and the previous ranks' sums for it, received during this step's work
@@ -549,7 +539,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, causal: bool = False,
         for step, (_, calls) in enumerate(schedule):
             moving = step + 1 < ring.world_size
             if moving:
-                sending = tuple(_contiguous(xp, x) for x in held)
+                sending = tuple(xp.ascontiguousarray(x) for x in held)
                 moved = ring.start(sending, receive[step % 2], ("ring_attention_backward", layout, p, step, "k, v"))
             dk, dv = step_dkv[step % 2]
             dk.fill(0)

@@ -43,8 +43,8 @@ def ring_options(xp, rng, batch, heads, spec: dict) -> dict:
 
 
 def visible_pairs(calls, q_positions, k_positions, seqlen: int) -> np.ndarray:
-    """(local rows, global keys) counts of the pairs the calls let through; asserts that ALiBi's distance
-    in each call (|i + diagonal - j|) is the global one where ``check_distance``."""
+    """(local rows, global keys) counts of the pairs the calls let through (``k_positions``: the global position
+    of each local key row); asserts that every call lets some pair through."""
     counts = np.zeros((len(q_positions), seqlen), int)
     for c in calls:
         i = np.arange(c.q_end - c.q_begin)[:, None]
