@@ -388,6 +388,14 @@ def _sink_call(schedule, seqlen_local: int):
     return None
 
 
+def _single_call(schedule, seqlen_local: int):
+    """The schedule's only call when it has one and that call covers every local query row, else None."""
+    calls = [c for _, step_calls in schedule for c in step_calls]
+    if len(calls) == 1 and calls[0].q_begin == 0 and calls[0].q_end == seqlen_local:
+        return calls[0]
+    return None
+
+
 def _setup(xp, q, comm, layout, p):
     """The ring and the schedule of this rank."""
     _check_layout(layout)
@@ -445,7 +453,8 @@ def ring_attention(q, k, v, comm, causal: bool = False, softmax_scale: float | N
     -----
     Each block of the ring is a :func:`cuflash.attention` call (the chunks' global positions set its mask
     and ALiBi); the partial results are merged in float32 and rounded once. Memory beyond the output: a
-    float32 accumulator of the output's shape, and two receive buffers of k's and v's shapes. Dropout is not
+    float32 accumulator of the output's shape (none where this rank's schedule is one call over all its rows, as
+    at world size 1: that call's result is returned as it comes), and two receive buffers of k's and v's shapes. Dropout is not
     offered. With a NCCL communicator the moves run on a stream of their own, ordered against CuPy's
     current stream; the call does not synchronize the host.
     """
@@ -460,9 +469,13 @@ def ring_attention(q, k, v, comm, causal: bool = False, softmax_scale: float | N
 
             out, lse = _no_keys(xp, q, (p.batch, p.heads, p.seqlen_q), sinks)
             return (out, lse) if return_lse else out
-        acc = xp.zeros(q.shape, xp.float32)
-        acc_lse = xp.full((p.batch, p.heads, p.seqlen_q), -xp.inf, xp.float32)
         sink_at = _sink_call(schedule, p.seqlen_q) if sinks is not None else None
+        # a rank whose schedule is one call over all its rows (world size 1, for one) returns that call's
+        # result: no float32 state, no merge, no rounding beyond attention's own
+        whole = _single_call(schedule, p.seqlen_q)
+        if whole is None:
+            acc = xp.zeros(q.shape, xp.float32)
+            acc_lse = xp.full((p.batch, p.heads, p.seqlen_q), -xp.inf, xp.float32)
         held = (k, v)
         receive = _receive_buffers(xp, ring, (k, v))
         for step, (_, calls) in enumerate(schedule):
@@ -475,14 +488,18 @@ def ring_attention(q, k, v, comm, causal: bool = False, softmax_scale: float | N
                 rows, keys = slice(call.q_begin, call.q_end), slice(call.k_begin, call.k_end)
                 part, part_lse = blocks.forward(_block_problem(p, call, with_sinks), q[:, rows], held[0][:, keys],
                                                 held[1][:, keys], alibi_slopes, sinks if with_sinks else None)
-                _merge_into(xp, acc, acc_lse, rows, part, part_lse)
+                if whole is None:
+                    _merge_into(xp, acc, acc_lse, rows, part, part_lse)
+                else:
+                    out, acc_lse = part, part_lse
             if moving:
                 ring.wait(moved)
                 held = receive[step % 2]
                 del sending
         if sinks is not None and sink_at is None:   # the sink joins each row once, as a part of output 0
             _merge_into(xp, acc, acc_lse, slice(None), None, None, sinks)
-        out = acc.astype(q.dtype)
+        if whole is None:
+            out = acc.astype(q.dtype)
     return (out, acc_lse) if return_lse else out
 
 

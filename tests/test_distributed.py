@@ -188,6 +188,24 @@ def test_world_size_one_is_attention_bitwise(xp, rng, layout, spec):
         np.testing.assert_array_equal(to_numpy(got), to_numpy(expected), err_msg=name)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_a_one_call_rank_returns_that_call(rng, monkeypatch, dtype):
+    """At world size 1 the schedule is one call over every row: its result comes back as attention gives it,
+    with no float32 state merged (the merge would raise here)."""
+    def no_merge(*args, **kwargs):
+        raise AssertionError("a one-call rank merged")
+
+    monkeypatch.setattr(distributed, "_merge_into", no_merge)
+    q, k, v = make_qkv(np, rng, 1, 10, 10, 4, 2, 16, dtype)
+    sinks = rng.standard_normal(4).astype(np.float32)
+    out, lse = distributed.run_local(1, lambda comm: distributed.ring_attention(
+        q, k, v, comm, causal=True, return_lse=True, sinks=sinks))[0]
+    want_out, want_lse = cuflash.attention(q, k, v, causal=True, return_lse=True, sinks=sinks)
+    assert out.dtype == want_out.dtype
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_array_equal(lse, want_lse)
+
+
 def test_rows_that_see_no_key_get_zero_and_their_sink(rng):
     """A window that lets row i see only keys after i + 2 leaves the last rows with no key: out 0 and lse
     -inf (the sink with sinks), zero gradients there, as attention gives them."""
