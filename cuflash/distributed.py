@@ -543,6 +543,11 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, causal: bool = False,
             from . import _zero_gradients
 
             return _zero_gradients(xp, q, k, v, sinks)
+        whole = _single_call(schedule, p.seqlen_q)
+        if ring.world_size == 1 and whole is not None and (whole.k_begin, whole.k_end) == (0, p.seqlen_k):
+            # one call over the whole shard and nothing to send: its gradients, as attention_backward's
+            return blocks.backward(_block_problem(p, whole, sinks is not None), dout, q, k, v, out, lse,
+                                   alibi_slopes, sinks)
         dq = xp.zeros(q.shape, xp.float32)
         # float32 dk, dv of the shard held: this step's sums (two pairs, the other one perhaps still on its
         # way to the next rank), and the previous ranks' sums for it, received during this step's work

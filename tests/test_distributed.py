@@ -190,8 +190,8 @@ def test_world_size_one_is_attention_bitwise(xp, rng, layout, spec):
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_a_one_call_rank_returns_that_call(rng, monkeypatch, dtype):
-    """At world size 1 the schedule is one call over every row: its result comes back as attention gives it,
-    with no float32 state merged (the merge would raise here)."""
+    """At world size 1 the schedule is one call over every row: its result and its gradients come back as
+    attention and attention_backward give them, with no float32 state merged (the merge would raise here)."""
     def no_merge(*args, **kwargs):
         raise AssertionError("a one-call rank merged")
 
@@ -204,6 +204,13 @@ def test_a_one_call_rank_returns_that_call(rng, monkeypatch, dtype):
     assert out.dtype == want_out.dtype
     np.testing.assert_array_equal(out, want_out)
     np.testing.assert_array_equal(lse, want_lse)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    grads = distributed.run_local(1, lambda comm: distributed.ring_attention_backward(
+        dout, q, k, v, out, lse, comm, causal=True, sinks=sinks))[0]
+    want = cuflash.attention_backward(dout, q, k, v, want_out, want_lse, causal=True, sinks=sinks)
+    for name, got, expected in zip(("dq", "dk", "dv", "dsinks"), grads, want):
+        assert got.dtype == expected.dtype, name
+        np.testing.assert_array_equal(got, expected, err_msg=name)
 
 
 def test_rows_that_see_no_key_get_zero_and_their_sink(rng):
