@@ -28,6 +28,8 @@ SUPPORTED_DTYPES = tuple(CUDA_TYPES)
 #: its output is one of FLOAT8_OUTPUT_DTYPES (bfloat16 by default). Forward only.
 FLOAT8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 FLOAT8_OUTPUT_DTYPES = (BFLOAT16, np.dtype(np.float16))
+#: every kernel element type: the supported dtypes' and the float8 forward's
+KERNEL_TYPES = {**CUDA_TYPES, FLOAT8_E4M3: "__nv_fp8_e4m3"}
 
 #: threads of every SIMT (CUDA-core) kernel; mirrors ``kSimtThreads`` in kernels/simt.cu
 SIMT_THREADS = 256
@@ -65,6 +67,7 @@ KERNEL_FILES = {
     "merge_into": "merge.cu",
     "append_rotary": "cache.cu",
     "fwd_wgmma": "fwd_wgmma.cu",
+    "transpose_v_float8": "fwd_wgmma.cu",
     "bwd_dkdv_wgmma": "bwd_wgmma.cu",
     "varlen_order": "varlen.cu",
 }
@@ -73,7 +76,7 @@ VARLEN_KERNELS = _MASKED_KERNELS | {"bwd_dq_convert"}
 #: tensor-core kernels: shared memory derived from the tile shape
 MMA_KERNELS = frozenset({"fwd_mma", "bwd_dkdv_mma", "bwd_dkdv_rows_mma", "bwd_dq_mma"})
 #: Hopper kernels (wgmma, TMA, setmaxnreg): compiled for sm_90a, which runs on compute capability 9.0 only
-SM90A_KERNELS = frozenset({"fwd_wgmma", "bwd_dkdv_wgmma"})
+SM90A_KERNELS = frozenset({"fwd_wgmma", "transpose_v_float8", "bwd_dkdv_wgmma"})
 #: fwd_wgmma's rows per consumer warpgroup (a block of block_m rows has block_m / 64 consumers and a producer)
 WGMMA_ROWS_PER_CONSUMER = 64
 #: its K and V stages (``kWgmmaStages`` in kernels/fwd_wgmma.cu)
@@ -179,7 +182,9 @@ class KernelSpec:
         """The C++ template instance, e.g. ``cuflash::fwd_mma<__half, 128, true, 128, 64, 4, 1>``."""
         if self.kernel == "varlen_order":   # int32 throughout: its template argument is the mask kind alone
             return f"cuflash::varlen_order<{int(self.mask)}>"
-        ctype = CUDA_TYPES[np.dtype(self.dtype)]
+        if self.kernel == "transpose_v_float8":   # bytes: its template argument is the head dim alone
+            return f"cuflash::transpose_v_float8<{self.head_dim}>"
+        ctype = KERNEL_TYPES[np.dtype(self.dtype)]
         if self.kernel in ("bwd_preprocess", "merge_parts", "merge_into", "append_rotary"):
             args = [ctype]
         elif self.kernel == "bwd_dq_convert":
@@ -998,6 +1003,14 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
         for mask in MASK_KINDS:
             spec = varlen_order_spec(mask)
             specs[spec.cache_key] = spec
+    if device.tensor_maps:   # the float8 forward (head_dim 128, 128 x 128), plain and with every modifier it takes,
+        # and its V^T transpose
+        for mask in MASK_KINDS:
+            for mods in (0, ALL_MODS & ~MOD_DROPOUT):
+                spec = wgmma_spec(FLOAT8_E4M3, 128, mask, 128, 128, mods, device)
+                specs[spec.cache_key] = spec
+        spec = KernelSpec("transpose_v_float8", FLOAT8_E4M3, 128, threads=256)
+        specs[spec.cache_key] = spec
     for dtype in SUPPORTED_DTYPES:
         for kernel in ("merge_parts", "merge_into"):
             spec = KernelSpec(kernel, dtype, threads=MERGE_WARPS * 32)

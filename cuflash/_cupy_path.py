@@ -140,6 +140,9 @@ BACKWARD_PER_CALL = ("q", "k", "v", "dout", "lse", "delta", "dq", "dk", "dv", "d
 NO_CACHE_FIELDS = dict(cache_seqlens=_NULL, block_table=_NULL, cache_leftpad=_NULL, out_partial=_NULL,
                        lse_partial=_NULL, split_counters=_NULL, block_table_stride=0, seqlen_k_new=0, pack=1,
                        num_splits=1, page_size=0)
+#: the float8 fields (q_descale, k_descale, v_descale and their strides per batch and kv head) of a forward of
+#: another dtype
+NO_FLOAT8_FIELDS = dict(q_descale=_NULL, k_descale=_NULL, v_descale=_NULL, descale_sb=0, descale_sh=0)
 #: a packed batch's prefix sums, the per-call arguments of the packed plans after the others'
 PACKED_PER_CALL = ("cu_seqlens_q", "cu_seqlens_k")
 #: the same fields of a dense batch
@@ -235,7 +238,8 @@ class ForwardPlan:
         self.strides_vector_ok = _strides_vector_ok(p.head_dim, itemsize, *strides)
         fields = _params.forward_fields()
         fixed = {**_stride_fields(q=strides[0], k=strides[1], v=strides[2], o=strides[3]), **_problem_fields(p),
-                 **_tail_fields(fields, launch.tail), **NO_CACHE_FIELDS, **({} if packed else DENSE_FIELDS)}
+                 **_tail_fields(fields, launch.tail), **NO_CACHE_FIELDS, **NO_FLOAT8_FIELDS,
+                 **({} if packed else DENSE_FIELDS)}
         per_call = FORWARD_PER_CALL + (PACKED_PER_CALL if packed else ())
         self.arguments = _params.Arguments(fields, fixed, per_call, _by_value)
 
@@ -460,7 +464,8 @@ def kvcache_fixed_fields(p: CacheProblem, plan: _plan.CacheLaunches, strides, ta
     ``strides`` the (batch or page, seq, head) element strides of q, k_cache, v_cache and out."""
     fields = _params.forward_fields()
     fixed = {**_stride_fields(q=strides[0], k=strides[1], v=strides[2], o=strides[3]), **_problem_fields(p.attn),
-             **_tail_fields(fields, plan.forward.tail), **DENSE_FIELDS, "dropout_seed": 0, "dropout_offset": 0,
+             **_tail_fields(fields, plan.forward.tail), **DENSE_FIELDS, **NO_FLOAT8_FIELDS, "dropout_seed": 0,
+             "dropout_offset": 0,
              "block_table_stride": table_stride, "seqlen_k_new": p.seqlen_new, "pack": plan.pack,
              "num_splits": plan.splits, "page_size": p.page_size}
     del fixed["seqlen_k"]  # per call: an int cache_seqlens changes from step to step

@@ -19,6 +19,9 @@ import numpy as np
 
 from ._config import BFLOAT16, SWIZZLE_ELEMS
 
+#: the bytes of a box's row, the 128-byte swizzle's: SWIZZLE_ELEMS of 16-bit types, 128 float8 bytes
+SWIZZLE_BYTES = 2 * SWIZZLE_ELEMS
+
 #: the bytes TMA wants the address and each stride to be a multiple of
 ALIGNMENT = 16
 #: maps kept (three per forward call: q, k, v)
@@ -54,10 +57,12 @@ def _map_dtype() -> np.dtype:
 
 
 def _data_type(dtype: np.dtype):
+    """bfloat16, float16, or bytes (uint8: float8 e4m3 bit patterns)."""
     from cuda.bindings import driver
 
     kinds = driver.CUtensorMapDataType
-    return kinds.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if dtype == BFLOAT16 else kinds.CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+    return {BFLOAT16: kinds.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, np.dtype(np.float16): kinds.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+            np.dtype(np.uint8): kinds.CU_TENSOR_MAP_DATA_TYPE_UINT8}[np.dtype(dtype)]
 
 
 @functools.lru_cache(maxsize=CACHED_MAPS)
@@ -71,7 +76,7 @@ def _encode(pointer: int, dtype: np.dtype, shape: tuple[int, int, int, int], str
         _data_type(dtype), 4, pointer,
         [driver.cuuint64_t(n) for n in (head_dim, heads, rows, batch)],
         [driver.cuuint64_t(s * itemsize) for s in reversed(strides)],          # head, row, batch (bytes)
-        [driver.cuuint32_t(n) for n in (SWIZZLE_ELEMS, 1, box_rows, 1)],
+        [driver.cuuint32_t(n) for n in (SWIZZLE_BYTES // itemsize, 1, box_rows, 1)],
         [driver.cuuint32_t(1)] * 4,
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,

@@ -139,7 +139,7 @@ SMEM_LAYOUTS = {
     "bwd_dkdv_rows_mma": lambda s, t: (f"DkdvRowsSmem<{t}, {s.head_dim}, {s.block_m}, {s.block_n}, "
                                        f"{str(s.atomic_dq).lower()}>"),
     "bwd_dq_mma": lambda s, t: f"DqSmem<{t}, {s.head_dim}, {s.block_m}, {s.block_n}>",
-    "fwd_wgmma": lambda s, t: f"WgmmaFwdSmem<{s.head_dim}, {s.block_m}, {s.block_n}>",
+    "fwd_wgmma": lambda s, t: f"WgmmaFwdSmem<{t}, {s.head_dim}, {s.block_m}, {s.block_n}>",
     "bwd_dkdv_wgmma": lambda s, t: f"BwdWgmmaSmem<{s.head_dim}, {s.block_m}, {s.block_n}>",
 }
 
@@ -151,7 +151,7 @@ def smem_asserts(source_file: str) -> list[str]:
     for device in TARGETS.values():
         for spec in _config.all_specs(device):
             if spec.kernel in SMEM_LAYOUTS and spec.source_file == source_file:
-                layout = SMEM_LAYOUTS[spec.kernel](spec, _config.CUDA_TYPES[np.dtype(spec.dtype)])
+                layout = SMEM_LAYOUTS[spec.kernel](spec, _config.KERNEL_TYPES[np.dtype(spec.dtype)])
                 asserts.add(f"static_assert(cuflash::{layout}::kBytes == {spec.smem_bytes}, "
                             f"\"mma_smem_bytes of {spec.name}\");")
     return sorted(asserts)

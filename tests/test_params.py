@@ -71,7 +71,8 @@ def test_the_lists_read_from_the_source():
     assert forward[-1].name == "query_blocks_fastest" and backward[-2:][0].name == "dq_splits"
     assert {f.name for f in forward if f.pointer} == {"q", "k", "v", "out", "lse", "alibi_slopes", "sinks",
                                                      "cache_seqlens", "block_table", "cache_leftpad", "out_partial",
-                                                     "lse_partial", "split_counters", "cu_seqlens_q", "cu_seqlens_k"}
+                                                     "lse_partial", "split_counters", "cu_seqlens_q", "cu_seqlens_k",
+                                                     "q_descale", "k_descale", "v_descale"}
     assert _params.fields("CUFLASH_BWD_FIELDS")[9] == _params.Field("dq_accum", "float", True)
     assert dict((f.name, f.dtype) for f in forward)["dropout_threshold"] == np.uint32
     with pytest.raises(RuntimeError, match="no field list"):
@@ -89,7 +90,7 @@ def test_a_plan_names_every_field_once(options):
     strides = [(1, 2, 3), (4, 5, 6), (7, 8, 9), (10, 11, 12)]
     fixed = {**_cupy_path._stride_fields(q=strides[0], k=strides[1], v=strides[2], o=strides[3]),
              **_cupy_path._problem_fields(p), **_cupy_path._tail_fields(fields, launch.tail),
-             **_cupy_path.NO_CACHE_FIELDS, **_cupy_path.DENSE_FIELDS}
+             **_cupy_path.NO_CACHE_FIELDS, **_cupy_path.NO_FLOAT8_FIELDS, **_cupy_path.DENSE_FIELDS}
     per_call = [f"<{name}>" for name in _cupy_path.FORWARD_PER_CALL]
     args = dict(zip([f.name for f in fields], _params.Arguments(fields, fixed, _cupy_path.FORWARD_PER_CALL)(tuple(per_call))))
     assert [args[name] for name in _cupy_path.FORWARD_PER_CALL] == per_call

@@ -9,6 +9,7 @@
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #define CUFLASH_INF __int_as_float(0x7f800000)
 
@@ -30,6 +31,13 @@ template <> __device__ __forceinline__ __half from_float<__half>(float x) { retu
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
     return __float2bfloat16_rn(x);
 }
+
+// float8 e4m3 inputs (the Hopper forward's float8 form): their output is bfloat16; other types' is their own.
+template <typename T> constexpr bool kFloat8 = false;
+template <> constexpr bool kFloat8<__nv_fp8_e4m3> = true;
+template <typename T> struct OutputOf { using type = T; };
+template <> struct OutputOf<__nv_fp8_e4m3> { using type = __nv_bfloat16; };
+template <typename T> using Output = typename OutputOf<T>::type;
 
 // Reduce over the 4 lanes of a quad (the lanes that share one accumulator row of an mma tile).
 __device__ __forceinline__ float quad_max(float x) {
@@ -596,7 +604,9 @@ struct DqAccum {
 // over a split's keys, lse_partial (num_splits, batch, heads, seqlen_q), without the sinks, and count
 // themselves in split_counters[row_group] (int32, one per CacheBlock row group, zero before the launch and
 // left zero after it): the row group's last block to count merges its parts (merge_row, merge.cuh). cu_seqlens_q and cu_seqlens_k (int32 (batch + 1,)) are
-// a packed batch's prefix sums (Sequence; null in a dense batch).
+// a packed batch's prefix sums (Sequence; null in a dense batch). The float8 forward's (fwd_wgmma of
+// __nv_fp8_e4m3; null and 0 elsewhere): q_descale, k_descale and v_descale (float32, null: 1), the factor of
+// batch b, kv head h at [b * descale_sb + h * descale_sh] (both 0: one per tensor); its out holds Output<T>.
 #define CUFLASH_FWD_FIELDS(PTR, VAL, LAST)                                                            \
     PTR(const T, q) PTR(const T, k) PTR(const T, v) PTR(T, out) PTR(float, lse)                       \
     PTR(const float, alibi_slopes) PTR(const float, sinks) VAL(unsigned long long, dropout_seed)      \
@@ -611,7 +621,9 @@ struct DqAccum {
     PTR(float, out_partial)                                                                           \
     PTR(float, lse_partial) PTR(int, split_counters) PTR(const int, cu_seqlens_q)                   \
     PTR(const int, cu_seqlens_k) VAL(long long, block_table_stride) VAL(int, seqlen_k_new) VAL(int, pack)  \
-    VAL(int, num_splits) VAL(int, page_size) VAL(int, vec_ok) LAST(int, query_blocks_fastest)
+    VAL(int, num_splits) VAL(int, page_size) PTR(const float, q_descale) PTR(const float, k_descale)          \
+    PTR(const float, v_descale) VAL(int, descale_sb) VAL(int, descale_sh) VAL(int, vec_ok)                   \
+    LAST(int, query_blocks_fastest)
 
 // The backward's (bwd_dkdv_mma, bwd_dkdv_rows_mma, bwd_dq_mma, bwd_dkdv_simt, bwd_dq_simt;
 // _cupy_path.BackwardPlan), the forward's fields as there, plus: delta = rowsum(dout * out) (float32,

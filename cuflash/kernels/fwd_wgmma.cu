@@ -57,13 +57,14 @@ template <int BLOCK_M> struct WgmmaRoles {
                   "the setmaxnreg budgets fit in the block's registers");
 };
 
-// fwd_wgmma's shared memory, bytes: Q [HEAD_DIM / 64][BLOCK_M rows][64], then K stages and V stages, each
-// [HEAD_DIM / 64][BLOCK_N rows][64] (128-byte swizzled blocks as TMA writes them: hopper.cuh), then the
-// mbarriers: q_full, q_empty, k_full[stages], v_full[stages], k_empty[stages], v_empty[stages],
-// item_full[2], item_empty[2]; then the two work-item slots (unsigned) the producer hands the consumers. kBytes is what the
+// fwd_wgmma's shared memory, bytes: Q [HEAD_DIM / E][BLOCK_M rows][E], then K stages and V stages, each
+// [HEAD_DIM / E][BLOCK_N rows][E] (E = kSwizzleElemsOf<T>, a 128-byte row; swizzled blocks as TMA writes them:
+// hopper.cuh), a float8 V stage V^T [HEAD_DIM rows][BLOCK_N = 128 keys] (the same bytes), then the mbarriers:
+// q_full, q_empty, k_full[stages], v_full[stages], k_empty[stages], v_empty[stages], item_full[2],
+// item_empty[2]; then the two work-item slots (unsigned) the producer hands the consumers. kBytes is what the
 // launch gives it (_config.wgmma_smem_bytes, checked by tests/test_compile.py).
-template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct WgmmaFwdSmem {
-    static constexpr int kColBlocks = HEAD_DIM / kSwizzleElems;
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct WgmmaFwdSmem {
+    static constexpr int kColBlocks = HEAD_DIM / kSwizzleElemsOf<T>;
     static constexpr int kQBlock = BLOCK_M * kSwizzleRowBytes;        // one [BLOCK_M][64] column block of Q
     static constexpr int kKVBlock = BLOCK_N * kSwizzleRowBytes;        // one [BLOCK_N][64] block of K or V
     static constexpr int kKVStage = kColBlocks * kKVBlock;
@@ -78,13 +79,17 @@ __global__ void __launch_bounds__(WgmmaRoles<BLOCK_M>::kThreads, 1)
 fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
           const __grid_constant__ TmaMap v_map, int* __restrict__ work_counter, const int* __restrict__ item_order,
           CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
-    static_assert(sizeof(T) == 2, "wgmma runs float16 and bfloat16");
+    static_assert(sizeof(T) == 2 || kFloat8<T>, "wgmma runs float16, bfloat16 and float8 e4m3");
+    // float8: V comes transposed, V^T (batch, heads_kv, head_dim, keys) with the keys of each 32 in the order of
+    // P's A fragments (transpose_v_float8, below); a key tile is one 128-byte row of it
+    static_assert(!kFloat8<T> || (BLOCK_N == kSwizzleRowBytes && !VARLEN && (MODS & kModDropout) == 0),
+                  "float8: key tiles of 128, dense batches, no dropout");
     using Roles = WgmmaRoles<BLOCK_M>;
     static_assert(BLOCK_M % 64 == 0 && Roles::kConsumers >= 2 && Roles::kConsumers <= 3,
                   "two or three consumer warpgroups of 64 rows");
-    static_assert(HEAD_DIM % kSwizzleElems == 0 && BLOCK_N % 16 == 0, "whole 64-column blocks, k16 steps of keys");
+    static_assert(HEAD_DIM % kSwizzleElemsOf<T> == 0 && BLOCK_N % 16 == 0, "whole 128-byte column blocks, k16 steps");
     constexpr bool kDropout = (MODS & kModDropout) != 0;
-    using Smem = WgmmaFwdSmem<HEAD_DIM, BLOCK_M, BLOCK_N>;
+    using Smem = WgmmaFwdSmem<T, HEAD_DIM, BLOCK_M, BLOCK_N>;
     extern __shared__ __align__(1024) unsigned char smem_raw[];   // the swizzle's 1024-byte atoms
     const unsigned q_s = smem_addr(smem_raw), k_s = q_s + Smem::kK, v_s = q_s + Smem::kV;
     const unsigned bars = q_s + Smem::kBarriers;
@@ -176,7 +181,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
                 ++q_loads;
                 mbarrier_expect_bytes(q_full, Smem::kK);
                 for (int c = 0; c < Smem::kColBlocks; ++c)
-                    tma_load_4d(q_s + c * Smem::kQBlock, q_map, q_full, c * kSwizzleElems, h, q_row, batch_coord);
+                    tma_load_4d(q_s + c * Smem::kQBlock, q_map, q_full, c * kSwizzleElemsOf<T>, h, q_row, batch_coord);
                 for (int j = 0; j < w.n_tiles; ++j, ++kv_loads) {
                     const int stage = kv_loads % kWgmmaStages, refill_phase = (kv_loads / kWgmmaStages - 1) & 1;
                     const int row = k_row + w.tile_key(j);
@@ -184,12 +189,16 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
                     mbarrier_expect_bytes(k_full(stage), Smem::kKVStage);
                     for (int c = 0; c < Smem::kColBlocks; ++c)
                         tma_load_4d(k_s + stage * Smem::kKVStage + c * Smem::kKVBlock, k_map, k_full(stage),
-                                    c * kSwizzleElems, h_kv, row, batch_coord);
+                                    c * kSwizzleElemsOf<T>, h_kv, row, batch_coord);
                     if (kv_loads >= kWgmmaStages) mbarrier_wait(v_empty(stage), refill_phase);
                     mbarrier_expect_bytes(v_full(stage), Smem::kKVStage);
-                    for (int c = 0; c < Smem::kColBlocks; ++c)
-                        tma_load_4d(v_s + stage * Smem::kKVStage + c * Smem::kKVBlock, v_map, v_full(stage),
-                                    c * kSwizzleElems, h_kv, row, batch_coord);
+                    if constexpr (kFloat8<T>)   // V^T's box (its map: keys, kv heads, head_dim rows, batch): the
+                        // tile's 128 keys of every head_dim row
+                        tma_load_4d(v_s + stage * Smem::kKVStage, v_map, v_full(stage), row, h_kv, 0, batch_coord);
+                    else
+                        for (int c = 0; c < Smem::kColBlocks; ++c)
+                            tma_load_4d(v_s + stage * Smem::kKVStage + c * Smem::kKVBlock, v_map, v_full(stage),
+                                        c * kSwizzleElemsOf<T>, h_kv, row, batch_coord);
                 }
             }
             if (work_counter != nullptr) {
@@ -207,7 +216,13 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     // and accumulator element e of n8 column tile nb (of S or O) is at row g + 8 (e / 2), column 8 nb + 2 t + e % 2.
     warpgroup_registers_increase<Roles::kConsumerRegisters>();
     const int cw = warpgroup - 1, warp = tid_wg / 32, lane = tid_wg % 32, g = lane / 4, t = lane % 4;
-    constexpr int kS = BLOCK_N / 2, kO = HEAD_DIM / 2, kPSteps = BLOCK_N / 16;
+    // k steps of 32 bytes: 16 elements of 16-bit types, 32 of float8
+    constexpr int kS = BLOCK_N / 2, kO = HEAD_DIM / 2, kKStep = 32 / static_cast<int>(sizeof(T));
+    constexpr int kPSteps = BLOCK_N / kKStep;
+    // float8 P is exp2(score - max + kPOffset), in [0, 256] (FlashAttention-3's max offset): the probabilities
+    // down to 2**-17 of the row's largest keep e4m3's subnormal bits; l and O carry the factor, which the
+    // epilogue takes out (kPUnscale)
+    constexpr float kPOffset = kFloat8<T> ? 8.f : 0.f, kPUnscale = kFloat8<T> ? 1.f / 256.f : 1.f;
     // O stored in whole 16-byte chunks (`store`) by two consumers of 232 registers: it gained 4-11% at head_dim 128
     // and 6-19% at 256 at seqlen 512-2k. Three consumers of 160 (head_dim 64's 192-row blocks) spill 8-360 bytes
     // with it under the modifiers and gained nothing measurable (-4..+2%; bench/NOTES.md, session 25): they store
@@ -216,7 +231,8 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     using Mod = ScoreMod<MODS>;
     // The factor the exponent's FMA applies to a score as softmax leaves it: the plain product's scale and the
     // softcap's output factor are positive, so the row max may be taken before them
-    const float score_factor = Mod::kAlibi ? 1.f : Mod::kSoftcap ? softcap_out : scale_log2;
+    // (float8: times the item's q_descale * k_descale, `item_scale`, below)
+    float score_factor = Mod::kAlibi ? 1.f : Mod::kSoftcap ? softcap_out : scale_log2;
 
     float o[kO], s[kS];
     unsigned p[kPSteps][4];
@@ -228,8 +244,8 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         pin_registers(s);
         wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-            const int block = ks / 4;                  // the 64-column block of k16 step ks
+        for (int ks = 0; ks < HEAD_DIM / kKStep; ++ks) {
+            const int block = ks / 4;                  // the 128-byte column block of k step ks
             const unsigned col = (ks % 4) * 32;         // and its bytes into the block's 128-byte rows
             wgmma_ss<T, BLOCK_N>(s, smem_descriptor(q_rows + block * Smem::kQBlock + col, 0),
                                  smem_descriptor(k_s + stage * Smem::kKVStage + block * Smem::kKVBlock + col, 0),
@@ -244,9 +260,13 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         pin_registers(p);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kPSteps; ++kk)
-            wgmma_rs<T, HEAD_DIM>(o, p[kk], smem_descriptor(v_s + stage * Smem::kKVStage + kk * 16 * kSwizzleRowBytes,
-                                                            Smem::kKVBlock), 1);
+        for (int kk = 0; kk < kPSteps; ++kk) {
+            if constexpr (kFloat8<T>)   // V^T K-major: k step kk is bytes 32 kk.. of each head_dim row
+                wgmma_rs_k<T, HEAD_DIM>(o, p[kk], smem_descriptor(v_s + stage * Smem::kKVStage + kk * 32, 0), 1);
+            else
+                wgmma_rs<T, HEAD_DIM>(o, p[kk], smem_descriptor(v_s + stage * Smem::kKVStage + kk * 16 * kSwizzleRowBytes,
+                                                                Smem::kKVBlock), 1);
+        }
         wgmma_commit();
         pin_registers(o);
         pin_registers(p);
@@ -254,14 +274,30 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     // P (s, exponentiated) of the keys n0.. into A fragments: k16 step kk holds n8 tiles 2 kk and 2 kk + 1;
     // dropout then zeroes the dropped ones (row: the thread's row g of its warp's 16; the generator's key and
     // threshold read from the parameters here, not held in registers across the loop)
+    // float8: k32 step kk holds n8 tiles 4 kk .. 4 kk + 3; register 2 h + r (h: the step's half, r: the row) holds
+    // the thread's four values of row g + 8 r in tiles 4 kk + 2 h and + 1 as its four k positions 16 h + 4 t ..,
+    // the order V^T's keys are stored in (transpose_v_float8)
     auto pack_p = [&](int bh, int row, int n0) {
-        const Dropout<kDropout> dropout(dropout_seed, dropout_offset, dropout_threshold, bh);
+        if constexpr (kFloat8<T>) {
 #pragma unroll
-        for (int nb = 0; nb < kS / 4; ++nb) {
-            p[nb / 2][(nb % 2) * 2 + 0] = pack2<T>(s[4 * nb + 0], s[4 * nb + 1]);
-            p[nb / 2][(nb % 2) * 2 + 1] = pack2<T>(s[4 * nb + 2], s[4 * nb + 3]);
+            for (int kk = 0; kk < kPSteps; ++kk)
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int nb = 4 * kk + 2 * half;
+                        p[kk][2 * half + r] = pack4_e4m3(s[4 * nb + 2 * r], s[4 * nb + 2 * r + 1],
+                                                         s[4 * nb + 4 + 2 * r], s[4 * nb + 4 + 2 * r + 1]);
+                    }
+        } else {
+            const Dropout<kDropout> dropout(dropout_seed, dropout_offset, dropout_threshold, bh);
+#pragma unroll
+            for (int nb = 0; nb < kS / 4; ++nb) {
+                p[nb / 2][(nb % 2) * 2 + 0] = pack2<T>(s[4 * nb + 0], s[4 * nb + 1]);
+                p[nb / 2][(nb % 2) * 2 + 1] = pack2<T>(s[4 * nb + 2], s[4 * nb + 3]);
+            }
+            dropout.drop_pairs(p, row, n0 + 2 * t);   // n0 is a multiple of 32: BLOCK_N
         }
-        dropout.drop_pairs(p, row, n0 + 2 * t);   // n0 is a multiple of 32: BLOCK_N
     };
     auto rescale_o = [&] {
 #pragma unroll
@@ -289,18 +325,23 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     // sink: the sink). `store`, once O is final: O times the rows' 1 / l (0 for a row that saw no key) to the
     // output, each thread's pairs of columns. In between, all that is held is what `finish` returns.
     struct Rows {
-        T* out_row;         // row0's output row (row0: elements 0, 1's row; the thread's other row is 8 below)
+        Output<T>* out_row;   // row0's output row (row0: elements 0, 1's row; the thread's other row is 8 below)
         float inv_l[2];
         bool stored[2];     // the row is one of the sequence's
     };
+    // float8: out holds Output<T> (bfloat16), which the field list types T; O times v_descale of the item's kv head
+    Output<T>* const out_values = reinterpret_cast<Output<T>*>(out);
     auto finish = [&](const Item& w) {
         const int row0 = w.blk.m0 + 64 * cw + 16 * warp + g;
         float* lse_head = lse == nullptr ? nullptr : lse + w.seq.stats(w.blk.b, heads, w.blk.h);
-        Rows rows{out + w.blk.b * o_sb + (w.seq.q_start + row0) * o_ss + w.blk.h * o_sh, {0.f, 0.f}, {false, false}};
+        Rows rows{out_values + w.blk.b * o_sb + (w.seq.q_start + row0) * o_ss + w.blk.h * o_sh, {0.f, 0.f},
+                  {false, false}};
+        float v_scale = kPUnscale;   // what O carries beyond the probabilities' sum: 2**kPOffset, 1 / v_descale
+        if (kFloat8<T> && v_descale != nullptr) v_scale *= v_descale[w.blk.b * descale_sb + w.blk.h_kv * descale_sh];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = row0 + 8 * r;
-            float l = quad_sum(l_i[r]), m = m_i[r], o_factor = 1.f;
+            float l = quad_sum(l_i[r]) * kPUnscale, m = m_i[r], o_factor = 1.f;
             if constexpr ((MODS & kModSinks) != 0) {
                 const float sink2 = sinks[w.blk.h] * kLog2e;
                 const float m_new = safe_max(fmaxf(m, sink2));
@@ -309,7 +350,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
                 m = m_new;
             }
             rows.stored[r] = row < w.seq.seqlen_q;
-            rows.inv_l[r] = l == 0.f ? 0.f : (kDropout ? o_factor * dropout_scale : o_factor) / l;
+            rows.inv_l[r] = l == 0.f ? 0.f : (kDropout ? o_factor * dropout_scale : o_factor) * v_scale / l;
             if (rows.stored[r] && lse_head != nullptr && t == 0)
                 lse_head[row] = l == 0.f ? -CUFLASH_INF : (m + log2f(l)) * kLn2;
         }
@@ -342,7 +383,8 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
 #pragma unroll
                     for (int c = 0; c < 4; ++c) {
                         const int nb = 4 * group + c;
-                        w[c] = pack2<T>(o[4 * nb + 2 * r] * rows.inv_l[r], o[4 * nb + 2 * r + 1] * rows.inv_l[r]);
+                        w[c] = pack2<Output<T>>(o[4 * nb + 2 * r] * rows.inv_l[r],
+                                                o[4 * nb + 2 * r + 1] * rows.inv_l[r]);
                     }
                     swap_by_lane(w);    // w[i]: the word of chunk t ^ i
 #pragma unroll
@@ -358,13 +400,13 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 if (!rows.stored[r]) continue;
-                T* dst = rows.out_row + 8 * r * o_ss;
+                Output<T>* dst = rows.out_row + 8 * r * o_ss;
 #pragma unroll
                 for (int nb = 0; nb < kO / 4; ++nb) {
                     const int col = 8 * nb + 2 * t;
                     if (col < head_dim)
                         *reinterpret_cast<unsigned*>(dst + col) =
-                            pack2<T>(o[4 * nb + 2 * r] * rows.inv_l[r], o[4 * nb + 2 * r + 1] * rows.inv_l[r]);
+                            pack2<Output<T>>(o[4 * nb + 2 * r] * rows.inv_l[r], o[4 * nb + 2 * r + 1] * rows.inv_l[r]);
                 }
             }
         }
@@ -414,7 +456,16 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         if (w.idle()) continue;
         const int b = w.blk.b, h = w.blk.h;
         const int wg_row0 = w.blk.m0 + 64 * cw, row0 = wg_row0 + 16 * warp + g;   // row0: elements 0, 1's row
-        const Mod mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
+        // float8: the item's scores are q.k times q_descale * k_descale of its kv head
+        float item_scale = 1.f;
+        if constexpr (kFloat8<T>) {
+            const int at = b * descale_sb + w.blk.h_kv * descale_sh;
+            if (q_descale != nullptr) item_scale *= q_descale[at];
+            if (k_descale != nullptr) item_scale *= k_descale[at];
+            score_factor = Mod::kAlibi ? 1.f : Mod::kSoftcap ? softcap_out : scale_log2 * item_scale;
+        }
+        const float item_softcap_in = softcap_in * item_scale;
+        const Mod mod(scale_log2 * item_scale, item_softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
         // The scores of S (the tile of keys n0..) through the modifiers and the mask, their row maxima, and the
         // moved references: returns whether O must be rescaled by `alpha` (only when some row's max grew past
         // its reference by kRescaleSlack, as fwd_mma), leaves exp2(score - m_i) in s and adds it to l_i.
@@ -431,7 +482,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
                                                   w.seq.diagonal);
             } else if constexpr (Mod::kSoftcap) {
 #pragma unroll
-                for (int i = 0; i < kS; ++i) s[i] = mod.tanh(s[i] * softcap_in);   // score_factor: softcap_out
+                for (int i = 0; i < kS; ++i) s[i] = mod.tanh(s[i] * item_softcap_in);   // score_factor: softcap_out
             }
             if (need_mask) {
 #pragma unroll
@@ -457,7 +508,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
                     l_i[r] *= alpha[r];
                 }
             }
-            const float neg_base[2] = {-safe_max(m_i[0]), -safe_max(m_i[1])};
+            const float neg_base[2] = {kPOffset - safe_max(m_i[0]), kPOffset - safe_max(m_i[1])};
 #pragma unroll
             for (int i = 0; i < kS; ++i) {
                 s[i] = exp2f(fmaf(s[i], score_factor, neg_base[(i % 4) / 2]));
@@ -536,6 +587,47 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     }
     if (pending) flush();
     if (kPingPong<HEAD_DIM> && cw == 0) take_turn();   // the last consumer's final pass
+}
+
+// The float8 forward's V^T: vt (batch, heads_kv, HEAD_DIM, keys_padded), e4m3 bytes, from v (batch, seqlen_k,
+// heads_kv, HEAD_DIM; element strides v_sb, v_ss, v_sh, rows 16-byte aligned). Within each 32 keys, column
+// 16 h + 4 t + i holds the key that P's A fragment has there (pack_p): 16 h + 2 t + i for i < 2, 16 h + 8 + 2 t +
+// i - 2 for i >= 2. Keys past seqlen_k are zeros (keys_padded, a multiple of 128, is what the TMA box reads). A
+// block per (128 keys, kv head, batch) turns the tile through shared memory: coalesced 16-byte reads of key rows,
+// 16-byte writes of head_dim rows.
+template <int HEAD_DIM>
+__global__ void __launch_bounds__(256)
+transpose_v_float8(const unsigned char* __restrict__ v, unsigned char* __restrict__ vt, long long v_sb, long long v_ss,
+                   long long v_sh, int seqlen_k, int keys_padded, int heads_kv) {
+    constexpr int kKeys = 128, kChunks = HEAD_DIM / 16, kRowBytes = HEAD_DIM + 16;   // 16 bytes of padding a row
+    __shared__ __align__(16) unsigned char tile[kKeys * kRowBytes];
+    const int key0 = blockIdx.x * kKeys, h = blockIdx.y, b = blockIdx.z;
+    for (int i = threadIdx.x; i < kKeys * kChunks; i += blockDim.x) {
+        const int key = i / kChunks, chunk = i % kChunks;
+        uint4 bytes = make_uint4(0u, 0u, 0u, 0u);
+        if (key0 + key < seqlen_k)
+            bytes = *reinterpret_cast<const uint4*>(v + b * v_sb + (key0 + key) * v_ss + h * v_sh + 16 * chunk);
+        *reinterpret_cast<uint4*>(tile + key * kRowBytes + 16 * chunk) = bytes;
+    }
+    __syncthreads();
+    auto key_at = [](int column) {   // the key of V^T's column within the tile
+        const int group = column & ~31, half = (column >> 4) & 1, t = (column >> 2) & 3, i = column & 3;
+        return group + 16 * half + (i < 2 ? 2 * t + i : 8 + 2 * t + i - 2);
+    };
+    unsigned char* const head = vt + (static_cast<long long>(b) * heads_kv + h) * HEAD_DIM * keys_padded + key0;
+    for (int i = threadIdx.x; i < HEAD_DIM * (kKeys / 16); i += blockDim.x) {
+        const int d = i / (kKeys / 16), column0 = 16 * (i % (kKeys / 16));
+        unsigned words[4];
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            words[w] = 0;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                words[w] |= static_cast<unsigned>(tile[key_at(column0 + 4 * w + j) * kRowBytes + d]) << (8 * j);
+        }
+        *reinterpret_cast<uint4*>(head + static_cast<long long>(d) * keys_padded + column0) =
+            make_uint4(words[0], words[1], words[2], words[3]);
+    }
 }
 
 }  // namespace cuflash

@@ -20,9 +20,10 @@ struct __align__(64) TmaMap {
     unsigned long long words[16];
 };
 
-// Elements of a 128-byte swizzled row (the inner extent of every TMA box): 64 of 16-bit types.
+// Elements of a 128-byte swizzled row (the inner extent of every TMA box): 64 of 16-bit types, 128 of float8.
 constexpr int kSwizzleElems = 64;
 constexpr int kSwizzleRowBytes = 128;
+template <typename T> constexpr int kSwizzleElemsOf = kSwizzleRowBytes / static_cast<int>(sizeof(T));
 
 __device__ __forceinline__ void mbarrier_init(unsigned bar, int arrivals) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals));
@@ -55,6 +56,15 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaMap& map, uns
         "%5}], [%6];\n" ::"r"(dst),
         "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c), "r"(h), "r"(s), "r"(b), "r"(bar)
         : "memory");
+}
+
+// Four floats as e4m3 bytes of one word, a0 in the lowest byte (round to nearest even, saturating to +-448):
+// cvt's e4m3x2 puts its first source in the upper byte.
+__device__ __forceinline__ unsigned pack4_e4m3(float a0, float a1, float a2, float a3) {
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(a1), "f"(a0));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(a3), "f"(a2));
+    return static_cast<unsigned>(lo) | static_cast<unsigned>(hi) << 16;
 }
 
 // A wgmma shared-memory matrix descriptor, 128-byte swizzle: start address >> 4 (bits 0-13), leading byte
