@@ -508,7 +508,8 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
                     l_i[r] *= alpha[r];
                 }
             }
-            const float neg_base[2] = {kPOffset - safe_max(m_i[0]), kPOffset - safe_max(m_i[1])};
+            float neg_base[2] = {-safe_max(m_i[0]), -safe_max(m_i[1])};
+            if constexpr (kFloat8<T>) neg_base[0] += kPOffset, neg_base[1] += kPOffset;
 #pragma unroll
             for (int i = 0; i < kS; ++i) {
                 s[i] = exp2f(fmaf(s[i], score_factor, neg_base[(i % 4) / 2]));
