@@ -60,8 +60,7 @@ def _plan_forward(q, k, v, causal, softmax_scale, window_size, softcap, alibi_sl
                   descales=(None, None, None), out_dtype=None):
     """Validate a forward call and return the function that runs it:
     ``(q, k, v, alibi_slopes, sinks, seed, offset, with_lse[, descales]) -> (out, lse)`` (lse may be None where
-    ``with_lse`` is False; ``descales``, a float8 call's (q_descale, k_descale, v_descale): NumPy arrays only,
-    CuPy holding no float8 dtype)."""
+    ``with_lse`` is False; ``descales``, a float8 call's (q_descale, k_descale, v_descale))."""
     xp = array_module(q=q, k=k, v=v, **_optional_arrays(alibi_slopes=alibi_slopes, sinks=sinks, q_descale=descales[0],
                                                          k_descale=descales[1], v_descale=descales[2]))
     problem = check_forward(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks, dropout_p,
@@ -175,10 +174,12 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     alignment : "bottom_right" or "top_left"
         Where the diagonal of ``causal``, the window and ALiBi lies (PyTorch's ``is_causal`` is top_left).
     q_descale, k_descale, v_descale : arrays of the kind of q, float32, (1,) or () or (batch, heads_kv), optional
-        For float8_e4m3fn q, k and v (FlashAttention-3's FP8 interface; NumPy arrays in this version): each
-        array stands for its values times its factor, one per tensor or one per (batch, kv head) (query
-        head ``h`` takes kv head ``h // (heads // heads_kv)``'s); None is 1. :func:`quantize_fp8` and
-        :func:`quantize_qkv` make them. No backward takes float8 inputs.
+        For float8 e4m3 q, k and v (FlashAttention-3's FP8 interface): ``float8_e4m3fn`` arrays, or ``uint8``
+        arrays of e4m3 bit patterns (the form on CuPy, which has no float8 dtype). Each array stands for its
+        values times its factor, one per tensor or one per (batch, kv head) (query head ``h`` takes kv head
+        ``h // (heads // heads_kv)``'s); None is 1. :func:`quantize_fp8` and :func:`quantize_qkv` make them. On
+        the GPU the Hopper float8 forward runs them (compute capability 9.0, head_dim 128, no dropout; else a
+        TypeError). No backward takes float8 inputs.
     out_dtype : bfloat16 or float16, optional
         The output dtype of float8 inputs (default bfloat16); other inputs give their own dtype.
 
@@ -215,8 +216,8 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
         check_flag("return_lse", return_lse)
     if q_descale is None and k_descale is None and v_descale is None:
         out, lse = plan(q, k, v, alibi_slopes, sinks, seed, offset, return_lse)
-    else:   # a float8 call's factors (a NumPy plan: CuPy holds no float8 array)
-        out, lse = plan(q, k, v, alibi_slopes, sinks, seed, offset, return_lse, descales)
+    else:   # a float8 call's factors
+        out, lse = plan(q, k, v, alibi_slopes, sinks, seed, offset, return_lse, descales=descales)
     return (out, lse) if return_lse else out
 
 

@@ -552,6 +552,30 @@ def wgmma_forward_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mod
     return wgmma_spec(dtype, d, mask, block_m, block_n, mods, device)
 
 
+#: the float8 forward's head dims and tile (fwd_wgmma of e4m3): a key tile is one 128-byte row of V^T, and its S, P
+#: (a quarter of S's registers) and O fit two consumers at head_dim 128 (ptxas: no spill under every modifier);
+#: at 256 the same tile spills and serializes the wgmma, and 64 or 256 with 64-key tiles need the 64-byte swizzle
+FLOAT8_HEAD_DIMS = (128,)
+FLOAT8_TILE = (128, 128)
+#: transpose_v_float8's threads (its __launch_bounds__)
+FLOAT8_TRANSPOSE_THREADS = 256
+
+
+def float8_forward_spec(head_dim: int, mask: int, device: DeviceProps, mods: int = 0,
+                        varlen: bool = False) -> KernelSpec | None:
+    """The float8 forward (fwd_wgmma of e4m3) for one problem, or None where it does not serve: a GPU other than
+    compute capability 9.0 or no tensor maps, a head dim other than FLOAT8_HEAD_DIMS, dropout, a packed batch."""
+    if (device.compute_capability != 90 or not device.tensor_maps or head_dim not in FLOAT8_HEAD_DIMS
+            or mods & MOD_DROPOUT or varlen):
+        return None
+    return wgmma_spec(FLOAT8_E4M3, head_dim, mask, *FLOAT8_TILE, mods, device)
+
+
+def float8_transpose_spec(head_dim: int) -> KernelSpec:
+    """transpose_v_float8 (kernels/fwd_wgmma.cu), which writes the float8 forward's V^T."""
+    return KernelSpec("transpose_v_float8", FLOAT8_E4M3, head_dim, threads=FLOAT8_TRANSPOSE_THREADS)
+
+
 #: fwd_wgmma runs on a persistent grid (a block per SM, taking work items from a counter) where a query block
 #: visits at most this many keys
 WGMMA_PERSISTENT_MAX_KEYS = 2048
@@ -1003,14 +1027,14 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
         for mask in MASK_KINDS:
             spec = varlen_order_spec(mask)
             specs[spec.cache_key] = spec
-    if device.tensor_maps:   # the float8 forward (head_dim 128, 128 x 128), plain and with every modifier it takes,
-        # and its V^T transpose
-        for mask in MASK_KINDS:
-            for mods in (0, ALL_MODS & ~MOD_DROPOUT):
-                spec = wgmma_spec(FLOAT8_E4M3, 128, mask, 128, 128, mods, device)
-                specs[spec.cache_key] = spec
-        spec = KernelSpec("transpose_v_float8", FLOAT8_E4M3, 128, threads=256)
-        specs[spec.cache_key] = spec
+    if device.tensor_maps:   # the float8 forward, plain and with every modifier it takes, and its V^T transpose
+        for d in FLOAT8_HEAD_DIMS:
+            for mask in MASK_KINDS:
+                for mods in (0, ALL_MODS & ~MOD_DROPOUT):
+                    spec = float8_forward_spec(d, mask, device, mods)
+                    specs[spec.cache_key] = spec
+            spec = float8_transpose_spec(d)
+            specs[spec.cache_key] = spec
     for dtype in SUPPORTED_DTYPES:
         for kernel in ("merge_parts", "merge_into"):
             spec = KernelSpec(kernel, dtype, threads=MERGE_WARPS * 32)

@@ -143,6 +143,20 @@ NO_CACHE_FIELDS = dict(cache_seqlens=_NULL, block_table=_NULL, cache_leftpad=_NU
 #: the float8 fields (q_descale, k_descale, v_descale and their strides per batch and kv head) of a forward of
 #: another dtype
 NO_FLOAT8_FIELDS = dict(q_descale=_NULL, k_descale=_NULL, v_descale=_NULL, descale_sb=0, descale_sh=0)
+#: a float8 forward's descale factors, its per-call arguments after the others'
+FLOAT8_PER_CALL = ("q_descale", "k_descale", "v_descale")
+
+
+def _float8_strides(p: Problem) -> dict:
+    """A float8 forward's descale strides per batch and kv head: (heads_kv, 1) for factors of shape (batch,
+    heads_kv), (0, 0) for one per tensor (a factor not given is a null pointer: 1)."""
+    per_head = {len(shape) == 2 for shape in p.descale_shapes if shape is not None}
+    if len(per_head) > 1:
+        raise NotImplementedError("the float8 kernel takes its factors all per tensor or all per (batch, kv head); "
+                                  "broadcast the per-tensor ones to (batch, heads_kv)")
+    return dict(descale_sb=p.heads_kv, descale_sh=1) if True in per_head else dict(descale_sb=0, descale_sh=0)
+
+
 #: a packed batch's prefix sums, the per-call arguments of the packed plans after the others'
 PACKED_PER_CALL = ("cu_seqlens_q", "cu_seqlens_k")
 #: the same fields of a dense batch
@@ -209,6 +223,8 @@ class ForwardPlan:
         self.problem = p
         self.device_id = device_id
         self.copies = tuple(_needs_copy(x) for x in (q, k, v))
+        if p.dtype == _config.FLOAT8_E4M3 and not v.flags.c_contiguous:   # the V^T transpose reads v contiguous
+            self.copies = self.copies[:2] + (True,)
         itemsize = q.dtype.itemsize
         strides_of = _packed_strides if packed else _strides_of
         strides = [strides_of(x, c) for x, c in zip((q, k, v), self.copies)]
@@ -221,6 +237,14 @@ class ForwardPlan:
             self.kernel = get_kernel(launch.spec, device_id)
             # the packed Hopper forward's item order, written into a buffer of order_ints by its own launch
             self.order = None if launch.order is None else _Launch(launch.order, device_id)
+            # the float8 forward's V^T, written into a buffer of transpose_shape by its own launch from v (16-byte
+            # rows, aligned: copied where not)
+            self.transpose = None
+            if launch.transpose is not None:
+                self.transpose = _Launch(launch.transpose, device_id, (
+                    *(_by_value(s, np.int64) for s in strides[2]),
+                    *(_int32(n) for n in (p.seqlen_k, launch.transpose_shape[3], p.heads_kv))))
+        self.transpose_shape = launch.transpose_shape
         self.order_ints = launch.order_ints
         self.grid = launch.grid
         self.block = (launch.spec.threads,)
@@ -231,27 +255,38 @@ class ForwardPlan:
         if launch.spec.kernel == "fwd_wgmma":
             box_rows = (launch.spec.block_m, launch.spec.block_n, launch.spec.block_n)
             map_strides = [_tma.map_strides(itemsize, shape, s) for shape, s in zip(map_shapes, strides)]
+            if launch.transpose is not None:   # v's map is V^T's: (batch, head_dim rows, kv heads, keys) in boxes
+                # of every head_dim row (fwd_wgmma's float8 V stage)
+                batch, heads_kv, head_dim, keys = launch.transpose_shape
+                map_shapes[2], map_strides[2] = (batch, head_dim, heads_kv, keys), (heads_kv * head_dim * keys, keys,
+                                                                                       head_dim * keys)
+                box_rows = box_rows[:2] + (launch.spec.head_dim,)
             self.maps = tuple(zip(map_shapes, map_strides, box_rows))
-        self.out_shape, self.dtype = tuple(q.shape), q.dtype
+        # float8: the kernel writes bfloat16 (Output<T>), converted where out_dtype asks for float16
+        self.out_shape, self.dtype = tuple(q.shape), _config.BFLOAT16 if launch.transpose is not None else q.dtype
+        self.output_dtype = p.output_dtype
         self.lse_shape = (p.heads, q.shape[0]) if packed else (p.batch, p.heads, p.seqlen_q)
         strides.append(strides_of(q, True))  # out, contiguous
         self.strides_vector_ok = _strides_vector_ok(p.head_dim, itemsize, *strides)
         fields = _params.forward_fields()
+        float8 = launch.transpose is not None
         fixed = {**_stride_fields(q=strides[0], k=strides[1], v=strides[2], o=strides[3]), **_problem_fields(p),
-                 **_tail_fields(fields, launch.tail), **NO_CACHE_FIELDS, **NO_FLOAT8_FIELDS,
-                 **({} if packed else DENSE_FIELDS)}
-        per_call = FORWARD_PER_CALL + (PACKED_PER_CALL if packed else ())
+                 **_tail_fields(fields, launch.tail), **NO_CACHE_FIELDS,
+                 **(_float8_strides(p) if float8 else NO_FLOAT8_FIELDS), **({} if packed else DENSE_FIELDS)}
+        per_call = FORWARD_PER_CALL + (PACKED_PER_CALL if packed else ()) + (FLOAT8_PER_CALL if float8 else ())
         self.arguments = _params.Arguments(fields, fixed, per_call, _by_value)
 
     def run(self, q, k, v, alibi_slopes=None, sinks=None, seed=0, offset=0, with_lse: bool = True,
-            cu_seqlens=()):
+            cu_seqlens=(), descales=(None, None, None)):
         """out, and lse where ``with_lse`` (else None: the kernel stores none), on CuPy's current stream.
         ``alibi_slopes``, ``sinks``, ``seed`` and ``offset`` are read where the problem has them;
-        ``cu_seqlens`` is a packed plan's (cu_seqlens_q, cu_seqlens_k), int32."""
+        ``cu_seqlens`` is a packed plan's (cu_seqlens_q, cu_seqlens_k), int32; ``descales`` a float8 plan's
+        (q_descale, k_descale, v_descale), each float32 or None (1)."""
         return _run_on(self.device_id, self._launch, q, k, v, alibi_slopes, sinks,
-                       _dropout_args(self.problem, seed, offset), with_lse, tuple(map(_vector, cu_seqlens)))
+                       _dropout_args(self.problem, seed, offset), with_lse, tuple(map(_vector, cu_seqlens)),
+                       tuple(map(_vector, descales)) if self.transpose is not None else ())
 
-    def _launch(self, q, k, v, alibi_slopes, sinks, dropout, with_lse, cu_seqlens):
+    def _launch(self, q, k, v, alibi_slopes, sinks, dropout, with_lse, cu_seqlens, descales):
         copy_q, copy_k, copy_v = self.copies
         if copy_q or copy_k or copy_v:
             q, k, v = _readable(q, copy_q), _readable(k, copy_k), _readable(v, copy_v)
@@ -259,6 +294,12 @@ class ForwardPlan:
         out = cupy.ndarray(self.out_shape, self.dtype)
         lse = cupy.ndarray(self.lse_shape, np.float32) if with_lse else None
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k.data.ptr | v.data.ptr) & 15
+        if self.transpose is not None:   # float8: V^T first; fwd_wgmma reads it through v's map, not v
+            if v.data.ptr % _tma.ALIGNMENT:
+                v = v.copy()
+            vt = cupy.ndarray(self.transpose_shape, np.uint8)
+            self.transpose((v, vt))
+            v = vt
         maps, copies = _tensor_maps((q, k, v), self.maps) if self.maps else ((), ())
         if self.maps:   # fwd_wgmma's work counter follows its maps (the stream's zeroed ints on a persistent
             # grid), then the item order
@@ -270,9 +311,12 @@ class ForwardPlan:
             maps += (counter, order)
         self.kernel(self.grid, self.block,
                     maps + self.arguments((q, k, v, out, _NULL if lse is None else lse, _vector(alibi_slopes),
-                                           _vector(sinks)) + dropout + (_VECTOR_OK[vector_ok],) + cu_seqlens),
+                                           _vector(sinks)) + dropout + (_VECTOR_OK[vector_ok],) + cu_seqlens
+                                          + descales),
                     shared_mem=self.smem)
         del copies   # queued: their memory may go back to the pool (stream order protects it)
+        if out.dtype != self.output_dtype:
+            out = out.astype(self.output_dtype)
         return out, lse
 
 

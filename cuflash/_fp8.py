@@ -30,9 +30,11 @@ def _grouped_factors(descale, batch: int, heads: int, heads_kv: int) -> np.ndarr
 
 
 def dequantize(x, descale, heads_kv: int, dtype=np.float64) -> np.ndarray:
-    """``x * descale`` in ``dtype`` (NumPy), x (batch, seqlen, heads, head_dim) of any dtype, descale None (1),
-    shape (1,) or () or (batch, heads_kv)."""
+    """``x * descale`` in ``dtype`` (NumPy), x (batch, seqlen, heads, head_dim) of any dtype (uint8: e4m3 bit
+    patterns), descale None (1), shape (1,) or () or (batch, heads_kv)."""
     x = np.asarray(x)
+    if x.dtype == np.uint8:
+        x = x.view(FLOAT8_E4M3)
     if descale is None:
         return x.astype(dtype)
     batch, _, heads, _ = x.shape

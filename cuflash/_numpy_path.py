@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _fp8, _philox
+from ._config import FLOAT8_E4M3
 from ._validate import Problem
 
 LOG2E = float(np.log2(np.e))
@@ -110,8 +111,8 @@ def forward(q, k, v, p: Problem, alibi_slopes=None, sinks=None, seed: int = 0, o
     """out (p.output_dtype), lse float32 (batch, heads, seqlen_q). ``batch_index``: the dropout stream of batch
     entry 0 is that of entry ``batch_index`` (a packed sequence's, computed on its own). ``descales``: a float8
     call's (q_descale, k_descale, v_descale): q, k and v are dequantized to float32 first."""
-    q, k, v = (x if descale is None else _fp8.dequantize(x, descale, p.heads_kv, np.float32)
-               for x, descale in zip((q, k, v), descales))
+    if p.dtype == FLOAT8_E4M3:   # float8_e4m3fn or its uint8 bit patterns
+        q, k, v = (_fp8.dequantize(x, descale, p.heads_kv, np.float32) for x, descale in zip((q, k, v), descales))
     qg = _grouped(q, p.heads_kv)  # (b, hk, g, sq, d)
     kg = k.astype(np.float32).transpose(0, 2, 1, 3)[:, :, None]  # (b, hk, 1, sk, d)
     vg = v.astype(np.float32).transpose(0, 2, 1, 3)[:, :, None]

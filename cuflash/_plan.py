@@ -29,6 +29,10 @@ class Launch:
     #: ``order_ints`` before it (kernels/varlen.cu)
     order: Launch | None = None
     order_ints: int = 0
+    #: the float8 forward: transpose_v_float8's launch, which writes V^T before it into a uint8 buffer of
+    #: ``transpose_shape`` (batch, heads_kv, head_dim, keys rounded up to a key tile)
+    transpose: Launch | None = None
+    transpose_shape: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +91,8 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
     if spec is None:
         if not tensor_maps:
             device = dataclasses.replace(device, tensor_maps=False)
+        if p.dtype == _config.FLOAT8_E4M3:
+            return float8_forward(p, device, packed)
         spec = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device, p.mods, packed).forward
     order = _config.forward_query_blocks_fastest(spec.head_dim, p.masked)
     items = -(-p.seqlen_q // spec.block_m) * p.batch * p.heads
@@ -106,6 +112,22 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
         order_ints = 1 + capacity   # the count, then the entries
     return Launch(spec, grid(min(items, device.sm_count) if persistent else items), (int(order),), persistent,
                   ordered, order_ints)
+
+
+def float8_forward(p: Problem, device: _config.DeviceProps, packed: bool = False) -> Launch:
+    """The float8 forward's launch (its V^T transpose first), on fwd_mma's grid choices; TypeError where the
+    float8 kernel does not serve (_config.float8_forward_spec): float8 inputs have no other GPU kernel."""
+    spec = _config.float8_forward_spec(p.head_dim, p.mask_kind, device, p.mods, packed)
+    if spec is None:
+        raise TypeError(
+            f"float8 inputs run on the GPU in the Hopper float8 forward: compute capability 9.0 with tensor maps "
+            f"(this GPU: {device.compute_capability / 10:.1f}{'' if device.tensor_maps else ', no tensor maps'}), "
+            f"head_dim in {_config.FLOAT8_HEAD_DIMS} (got {p.head_dim}), dense batches, no dropout"
+            f"{' (got dropout)' if p.dropout_p else ''}; elsewhere pass bfloat16 (their values times their factors)")
+    keys = -(-p.seqlen_k // spec.block_n) * spec.block_n
+    transpose = Launch(_config.float8_transpose_spec(spec.head_dim), (keys // spec.block_n, p.heads_kv, p.batch))
+    launch = forward(p, device, spec)
+    return dataclasses.replace(launch, transpose=transpose, transpose_shape=(p.batch, p.heads_kv, p.head_dim, keys))
 
 
 def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,

@@ -21,6 +21,9 @@ BOTTOM_RIGHT, TOP_LEFT = "bottom_right", "top_left"
 #: i + seqlen_k - seqlen_q (bottom_right, FlashAttention's) or i (top_left, PyTorch's is_causal)
 ALIGNMENTS = (BOTTOM_RIGHT, TOP_LEFT)
 _DTYPE_NAMES = ", ".join(d.name for d in SUPPORTED_DTYPES)
+#: the dtypes attention reads as float8 e4m3: ml_dtypes' float8_e4m3fn (NumPy), and uint8 holding its bit patterns
+#: (CuPy has no float8 dtype)
+FLOAT8_CARRIERS = (FLOAT8_E4M3, np.dtype(np.uint8))
 LOG2E = math.log2(math.e)
 #: The largest base-2 score (scale * log2(e) * q . k) the kernels take exactly enough: they subtract a row's
 #: maximum from its scores in one FMA against the maximum's rounded product, exact to half an ulp of it,
@@ -139,14 +142,18 @@ def _check_4d(name: str, a, layout: str):
         raise ValueError(f"{name} must have 4 dimensions {layout}, got {a.ndim} (shape {tuple(a.shape)})")
 
 
-def _check_dtype(name: str, a, float8: bool = False):
-    """``float8``: the call takes float8_e4m3fn too (the forwards: attention, attention_with_kvcache)."""
-    if np.dtype(a.dtype) in SUPPORTED_DTYPES or (float8 and np.dtype(a.dtype) == FLOAT8_E4M3):
+def _check_dtype(name: str, a, float8: tuple = ()):
+    """``float8``: the float8 e4m3 dtypes the call takes too (attention: FLOAT8_CARRIERS; attention_with_kvcache:
+    float8_e4m3fn alone, its float8 path being NumPy's)."""
+    dtype = np.dtype(a.dtype)
+    if dtype in SUPPORTED_DTYPES or dtype in float8:
         return
-    if np.dtype(a.dtype) == FLOAT8_E4M3:
-        raise TypeError(f"{name} is float8_e4m3fn, which only the forwards attention() and "
-                        f"attention_with_kvcache() take; this call takes {_DTYPE_NAMES}")
-    raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}{', float8_e4m3fn' if float8 else ''}, got {a.dtype}")
+    if dtype in FLOAT8_CARRIERS:
+        raise TypeError(f"{name} is {a.dtype} (float8 e4m3), which only the forwards attention() and "
+                        f"attention_with_kvcache() take (attention() as float8_e4m3fn or uint8 bit patterns, "
+                        f"attention_with_kvcache() as float8_e4m3fn); this call takes {_DTYPE_NAMES}")
+    extra = "".join(f", {d.name}" + (" (e4m3 bit patterns)" if d == np.uint8 else "") for d in float8)
+    raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}{extra}, got {a.dtype}")
 
 
 def check_float8(q, descales, out_dtype, batch: int, heads_kv: int) -> tuple:
@@ -155,7 +162,7 @@ def check_float8(q, descales, out_dtype, batch: int, heads_kv: int) -> tuple:
     or (batch, heads_kv) on q's device, and give out_dtype None (bfloat16) or one of FLOAT8_OUTPUT_DTYPES;
     other inputs take neither."""
     names = ("q_descale", "k_descale", "v_descale")
-    if np.dtype(q.dtype) != FLOAT8_E4M3:
+    if np.dtype(q.dtype) not in FLOAT8_CARRIERS:
         for name, descale in zip(names, descales):
             if descale is not None:
                 raise ValueError(f"{name} applies to float8_e4m3fn inputs only; q, k and v are {q.dtype}")
@@ -208,7 +215,7 @@ def check_forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=
                             ("k", k, "(batch, seqlen_k, heads_kv, head_dim)"),
                             ("v", v, "(batch, seqlen_k, heads_kv, head_dim)")):
         _check_4d(name, a, layout)
-        _check_dtype(name, a, float8=descales is not None)
+        _check_dtype(name, a, float8=() if descales is None else FLOAT8_CARRIERS)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     batch, seqlen_q, heads, head_dim = q.shape
@@ -230,7 +237,8 @@ def check_forward(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=
     alibi_shape = check_head_vectors(q, alibi_slopes, sinks, batch, heads)
     dropout_p, _, _ = check_dropout(dropout_p, 0, 0)
     output, descale_shapes = (None, ()) if descales is None else check_float8(q, descales, out_dtype, batch, heads_kv)
-    return Problem(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, np.dtype(q.dtype), bool(causal),
+    dtype = FLOAT8_E4M3 if np.dtype(q.dtype) in FLOAT8_CARRIERS else np.dtype(q.dtype)
+    return Problem(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, dtype, bool(causal),
                    resolve_scale(softmax_scale, head_dim), left, right,
                    seqlen_k - seqlen_q if alignment == BOTTOM_RIGHT else 0, check_softcap(softcap), alibi_shape,
                    sinks is not None, dropout_p, output, descale_shapes)
@@ -414,7 +422,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
     for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if name != "q":
             _check_4d(name, a, layout)
-        _check_dtype(name, a, float8=True)
+        _check_dtype(name, a, float8=(FLOAT8_E4M3,))
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(f"q, k_cache and v_cache must share one dtype, got q {q.dtype}, k_cache {k_cache.dtype}, "
                         f"v_cache {v_cache.dtype}")

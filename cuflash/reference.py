@@ -30,7 +30,7 @@ from . import _fp8, _kvcache, _varlen
 from ._kvcache import to_host as _host  # a CuPy argument comes to the host
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_with_kvcache",
-           "attention_in_dtype",
+           "attention_in_dtype", "attention_float8_in_dtype",
            "attention_backward_in_dtype", "causal_mask", "mask", "merge_states", "rounding", "tolerance"]
 
 
@@ -357,6 +357,46 @@ def merge_states(outs, lses):
 def _round(x: np.ndarray, dtype) -> np.ndarray:
     """float32 -> dtype -> float32: what storing an intermediate in the input dtype does."""
     return x.astype(dtype).astype(np.float32)
+
+
+#: the float8 kernels' P is exp(score - row max) times 2**FLOAT8_P_OFFSET rounded to e4m3 (FlashAttention-3's max
+#: offset: the probabilities down to 2**-17 of the largest keep e4m3's subnormal bits)
+FLOAT8_P_OFFSET = 8
+
+
+def attention_float8_in_dtype(q, k, v, causal, softmax_scale, q_descale=None, k_descale=None, v_descale=None,
+                              **options):
+    """The float8 kernels' math, the low-precision side of the tolerance rule for them: q, k and v (float8_e4m3fn
+    or uint8 bit patterns) dequantized, the scores and their modifiers in float32, each probability's
+    exp(score - max) * 2**FLOAT8_P_OFFSET rounded to e4m3 for P V while the row sum l takes it unrounded, out =
+    P V / (2**FLOAT8_P_OFFSET l) rounded to bfloat16. ``options``: :func:`attention`'s (no dropout). Returns
+    float32 (out, lse)."""
+    heads_kv = k.shape[2]
+    q, k, v = (_fp8.dequantize(_host(x), None if d is None else _host(d), heads_kv, np.float32)
+               for x, d in ((q, q_descale), (k, k_descale), (v, v_descale)))
+    scale, visible, softcap, bias, sink, _ = _options(q, k, causal, softmax_scale, **options)
+    group = q.shape[2] // heads_kv if heads_kv else 1
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    work = np.float32
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        y = np.einsum("bihd,bjhd->bhij", q, k) * work(scale)
+        if softcap:
+            y = work(softcap) * np.tanh(y / work(softcap))
+        if bias is not None:
+            y = y + bias.astype(work)
+        z = np.where(visible, y, -np.inf)
+        m = z.max(axis=-1, keepdims=True) if z.shape[-1] else np.full(z.shape[:-1] + (1,), -np.inf, work)
+        if sink is not None:
+            m = np.maximum(m, sink.astype(work))
+        m = np.where(m == -np.inf, work(0), m)
+        e = np.where(visible, np.exp(z - m), work(0))
+        l = e.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            l = l + np.exp(sink.astype(work) - m)
+        p = _round(e * work(2.0**FLOAT8_P_OFFSET), ml_dtypes.float8_e4m3fn)
+        out = np.einsum("bhij,bjhd->bihd", p / np.where(l == 0, 1, l * work(2.0**FLOAT8_P_OFFSET)), v)
+        lse = np.where(l[..., 0] == 0, -np.inf, (m + np.log(l))[..., 0])
+    return _round(out, ml_dtypes.bfloat16), lse.astype(np.float32)
 
 
 def attention_in_dtype(q, k, v, causal, softmax_scale, dtype, **options):

@@ -1,6 +1,8 @@
-"""float8_e4m3fn inputs: quantization and its descale factors, the Hadamard rotation, and the forwards on them
-(attention, attention_with_kvcache) against the float64 reference of their dequantized values (NumPy path; the
-GPU kernels take no float8 yet)."""
+"""float8 e4m3 inputs: quantization and its descale factors, the Hadamard rotation, and the forwards on them
+(attention, attention_with_kvcache) against the float64 reference of their dequantized values: the NumPy path
+(float8_e4m3fn arrays, and uint8 bit patterns for attention) and, on a Hopper GPU, attention's float8 kernel
+(uint8 bit patterns: CuPy has no float8 dtype), within FlashAttention's rule against the same math with P
+rounded to e4m3."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import pytest
 import cuflash
 from cuflash import _fp8, reference
 
-from ._checks import BF16, assert_fa_close, lowp_attention, max_abs_finite, paged_copies
+from ._checks import BF16, assert_fa_close, lowp_attention, max_abs_finite, paged_copies, poison_pool
+from .conftest import GPU, requires_gpu
 
 E4M3 = cuflash.FLOAT8_E4M3
 # (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim): both seqlen orders, GQA and MQA, odd head dims
@@ -253,3 +256,79 @@ def test_float8_kvcache_refuses_rotary_and_stray_factors(rng):
         cuflash.attention_with_kvcache(q8, k_cache, v_cache)
     out = cuflash.attention_with_kvcache(q8[:, :, :0], k8, v8, out_dtype=np.float16)   # no heads: zeros of out_dtype
     assert out.dtype == np.float16 and out.shape == (1, 1, 0, 32)
+
+
+def test_uint8_bit_patterns_are_float8(rng):
+    # CuPy has no float8 dtype: uint8 arrays of e4m3 bit patterns are read as float8_e4m3fn
+    q8, k8, v8, *descales = cuflash.quantize_qkv(*_inputs(rng, FLOAT8_SHAPES[0]))
+    names = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
+    as_float8 = cuflash.attention(q8, k8, v8, causal=True, **names)
+    as_bytes = cuflash.attention(q8.view(np.uint8), k8.view(np.uint8), v8.view(np.uint8), causal=True, **names)
+    np.testing.assert_array_equal(as_bytes.astype(np.float32), as_float8.astype(np.float32))
+    with pytest.raises(TypeError, match=r"uint8 \(float8 e4m3\), which only the forwards attention\(\)"):
+        cuflash.attention_backward(q8.view(np.uint8), q8.view(np.uint8), k8.view(np.uint8), v8.view(np.uint8),
+                                   q8.view(np.uint8), np.zeros((2, 4, 70), np.float32))
+
+
+def test_the_float8_kernel_is_planned_where_it_serves():
+    from cuflash import _config, _plan
+    from cuflash._validate import Problem
+
+    def problem(head_dim=128, dropout_p=0.0, causal=True):
+        return Problem(2, 1000, 1000, 8, 2, head_dim, E4M3, causal, head_dim**-0.5, -1, 0 if causal else -1, 0,
+                       dropout_p=dropout_p, out_dtype=BF16, descale_shapes=((2, 2),) * 3)
+
+    launch = _plan.forward(problem(), _config.H100)
+    assert launch.spec.kernel == "fwd_wgmma" and launch.spec.dtype == E4M3 and launch.spec.head_dim == 128
+    assert launch.spec.name.startswith("cuflash::fwd_wgmma<__nv_fp8_e4m3, 128, 1, 0, 128, 128")
+    # V^T of the keys rounded up to a key tile, written by a block per (key tile, kv head, batch)
+    assert launch.transpose.spec.name == "cuflash::transpose_v_float8<128>"
+    assert launch.transpose_shape == (2, 2, 128, 1024) and launch.transpose.grid == (8, 2, 2)
+    with pytest.raises(TypeError, match="compute capability 9.0"):
+        _plan.forward(problem(), _config.A100)
+    with pytest.raises(TypeError, match=r"head_dim in \(128,\) \(got 64\)"):
+        _plan.forward(problem(head_dim=64), _config.H100)
+    with pytest.raises(TypeError, match="got dropout"):
+        _plan.forward(problem(dropout_p=0.1), _config.H100)
+
+
+def _hopper_gpu() -> bool:
+    if not GPU:
+        return False
+    from cuflash import _cupy_path
+
+    return _cupy_path.device_props(0).tensor_maps
+
+
+@requires_gpu
+@pytest.mark.parametrize("granularity", _fp8.GRANULARITIES)
+@pytest.mark.parametrize("option", FLOAT8_OPTIONS)
+@pytest.mark.parametrize("shape", [(2, 70, 90, 4, 2, 128), (1, 300, 1000, 2, 1, 128), (1, 1000, 300, 2, 2, 128),
+                                   (1, 1, 130, 2, 1, 128)], ids=str)
+def test_the_float8_kernel_matches_the_reference_of_its_values(rng, shape, option, granularity):
+    import cupy as cp
+
+    if not _hopper_gpu():
+        pytest.skip("the float8 kernel runs on compute capability 9.0 with tensor maps")
+    q8, k8, v8, *descales = cuflash.quantize_qkv(*_inputs(rng, shape), granularity)
+    options = _options(rng, shape[3], FLOAT8_OPTIONS[option])
+    names = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
+    on_device = {name: cp.asarray(x) if isinstance(x, np.ndarray) else x for name, x in {**names, **options}.items()}
+    poison_pool(cp)
+    out, lse = cuflash.attention(*(cp.asarray(x.view(np.uint8)) for x in (q8, k8, v8)), return_lse=True, **on_device)
+    assert out.dtype == BF16
+    ref, ref_lse = reference.attention(q8, k8, v8, **names, **options)
+    causal = options.pop("causal", False)
+    lowp, lowp_lse = reference.attention_float8_in_dtype(q8, k8, v8, causal, None, *descales, **options)
+    max_score = max_abs_finite(ref_lse)
+    assert_fa_close(out, ref, lowp, BF16, 2, "out", max_score)
+    assert_fa_close(lse, ref_lse, lowp_lse, np.float32, 2, "lse", max_score)
+
+
+@requires_gpu
+def test_float8_on_the_gpu_outside_the_kernel_is_refused(rng):
+    import cupy as cp
+
+    q8, k8, v8, *_ = cuflash.quantize_qkv(*_inputs(rng, (1, 64, 64, 2, 2, 64)))
+    with pytest.raises(TypeError, match="float8 inputs run on the GPU in the Hopper float8 forward"):
+        cuflash.attention(*(cp.asarray(x.view(np.uint8)) for x in (q8, k8, v8)))

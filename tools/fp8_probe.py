@@ -1,7 +1,8 @@
 """The float8 forward kernel (fwd_wgmma of __nv_fp8_e4m3, head_dim 128) called directly on the GPU, before the API
 routes float8 to it: its V^T transpose checked byte for byte, its output against the float64 reference of the
-quantized inputs and against the same math with P rounded to e4m3 (FlashAttention's rule between the two), and its
-speed beside cuflash's bfloat16 forward at FlashAttention's grid shapes.
+quantized inputs and against the same math with P rounded to e4m3 (cuflash.reference.attention_float8_in_dtype:
+FlashAttention's rule between the two), and its speed beside cuflash's bfloat16 forward at FlashAttention's grid
+shapes, with and without the V^T transpose.
 
     python tools/fp8_probe.py [--seqlens 512 1024 4096 16384]
 
@@ -100,28 +101,6 @@ class Float8Forward:
         return out, lse
 
 
-def e4m3_probabilities_reference(q, k, v, q_descale, k_descale, v_descale, causal):
-    """The kernel's math on the host: scores of the dequantized inputs in float32, P = exp2(score - max + 8)
-    rounded to e4m3, O = P V / l (l of the unrounded P), bfloat16 out. (batch, seqlen, heads, head_dim)."""
-    from cuflash import _fp8
-
-    heads_kv = k.shape[2]
-    qf, kf, vf = (_fp8.dequantize(x, d, heads_kv, np.float32) for x, d in ((q, q_descale), (k, k_descale),
-                                                                          (v, v_descale)))
-    group = q.shape[2] // heads_kv
-    kf, vf = np.repeat(kf, group, axis=2), np.repeat(vf, group, axis=2)
-    s = np.einsum("bihd,bjhd->bhij", qf, kf) * np.float32(HEAD_DIM ** -0.5 * np.log2(np.e))
-    if causal:
-        sq, sk = s.shape[-2:]
-        s = np.where(np.arange(sk)[None, :] <= np.arange(sq)[:, None] + sk - sq, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    p = np.exp2(s - m + 8)
-    l = p.sum(axis=-1, keepdims=True)
-    p = p.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    out = np.einsum("bhij,bjhd->bihd", p / l, vf)
-    return out
-
-
 def check(rng, batch, seqlen_q, seqlen_k, heads, heads_kv, causal):
     import cupy as cp
 
@@ -145,8 +124,8 @@ def check(rng, batch, seqlen_q, seqlen_k, heads, heads_kv, causal):
     out = out.get().astype(np.float64)
     ref, ref_lse = reference.attention(q8, k8, v8, causal, q_descale=q_descale, k_descale=k_descale,
                                        v_descale=v_descale)
-    lowp = e4m3_probabilities_reference(q8, k8, v8, q_descale, k_descale, v_descale, causal)
-    lowp = lowp.astype(ml_dtypes.bfloat16).astype(np.float64)
+    lowp, _ = reference.attention_float8_in_dtype(q8, k8, v8, causal, None, q_descale, k_descale, v_descale)
+    lowp = lowp.astype(np.float64)
     err, lowp_err = np.abs(out - ref).max(), np.abs(lowp - ref).max()
     bound = 2 * lowp_err + reference.rounding(ref, ml_dtypes.bfloat16)
     lse_err = np.abs(lse.get() - ref_lse).max()
