@@ -223,6 +223,9 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     // down to 2**-17 of the row's largest keep e4m3's subnormal bits; l and O carry the factor, which the
     // epilogue takes out (kPUnscale)
     constexpr float kPOffset = kFloat8<T> ? 8.f : 0.f, kPUnscale = kFloat8<T> ? 1.f / 256.f : 1.f;
+    // The rescale slack (kRescaleSlack: the reference max may lag a row's max by this much). float8: P =
+    // exp2(score - reference + kPOffset) must stay within e4m3's 448 (2**8.8), so the reference lags by 0.5 at most
+    constexpr float kSlack = kFloat8<T> ? 0.5f : kRescaleSlack;
     // O stored in whole 16-byte chunks (`store`) by two consumers of 232 registers: it gained 4-11% at head_dim 128
     // and 6-19% at 256 at seqlen 512-2k. Three consumers of 160 (head_dim 64's 192-row blocks) spill 8-360 bytes
     // with it under the modifiers and gained nothing measurable (-4..+2%; bench/NOTES.md, session 25): they store
@@ -468,7 +471,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         const Mod mod(scale_log2 * item_scale, item_softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
         // The scores of S (the tile of keys n0..) through the modifiers and the mask, their row maxima, and the
         // moved references: returns whether O must be rescaled by `alpha` (only when some row's max grew past
-        // its reference by kRescaleSlack, as fwd_mma), leaves exp2(score - m_i) in s and adds it to l_i.
+        // its reference by kSlack, as fwd_mma), leaves exp2(score - m_i) in s and adds it to l_i.
         auto softmax = [&](int n0) -> bool {
             const bool need_mask =
                 n0 + BLOCK_N > w.seq.seqlen_k || !w.window.covers(wg_row0, wg_row0 + 64, n0, n0 + BLOCK_N);
@@ -497,7 +500,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             for (int i = 0; i < kS; ++i) tile_max[(i % 4) / 2] = fmaxf(tile_max[(i % 4) / 2], s[i]);
 #pragma unroll
             for (int r = 0; r < 2; ++r) tile_max[r] = quad_max(tile_max[r]) * score_factor;
-            const bool grown = tile_max[0] > m_i[0] + kRescaleSlack || tile_max[1] > m_i[1] + kRescaleSlack;
+            const bool grown = tile_max[0] > m_i[0] + kSlack || tile_max[1] > m_i[1] + kSlack;
             const bool rescale = __any_sync(0xffffffffu, grown);
             if (rescale) {
 #pragma unroll
