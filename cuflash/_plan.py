@@ -115,8 +115,9 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
 
 
 def float8_forward(p: Problem, device: _config.DeviceProps, packed: bool = False) -> Launch:
-    """The float8 forward's launch (its V^T transpose first), on fwd_mma's grid choices; TypeError where the
-    float8 kernel does not serve (_config.float8_forward_spec): float8 inputs have no other GPU kernel."""
+    """The float8 forward's launch, with its V^T transpose's (``Launch.transpose``), on the grid the 16-bit
+    fwd_wgmma would take (persistent where the query blocks visit few keys); TypeError where the float8 kernel
+    does not serve (_config.float8_forward_spec): float8 inputs have no other GPU kernel."""
     spec = _config.float8_forward_spec(p.head_dim, p.mask_kind, device, p.mods, packed)
     if spec is None:
         raise TypeError(
