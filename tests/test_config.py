@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -265,8 +266,12 @@ def test_all_specs_are_distinct_and_cover_the_table():
     # dim: plain, and windowed with every modifier with and without dropout); its head_dim 64 three-consumer
     # tile with dropout (every modifier but the softcap: no mask and a window, and packed under a window), where
     # all modifiers take two consumers and all but dropout three
-    hopper = [s for s in specs if s.kernel == "fwd_wgmma"]
+    hopper = [s for s in specs if s.kernel == "fwd_wgmma" and s.dtype != _config.FLOAT8_E4M3]
     assert sum(not s.varlen for s in hopper) == 2 * masks * 4 + 2 * 2 * 4 + 2
+    # its float8 form per float8 head dim and mask, plain and with every modifier but dropout, and the V^T transpose
+    float8 = [s for s in specs if s.dtype == _config.FLOAT8_E4M3]
+    assert collections.Counter(s.kernel for s in float8) == {"fwd_wgmma": 2 * masks * len(_config.FLOAT8_HEAD_DIMS),
+                                                            "transpose_v_float8": len(_config.FLOAT8_HEAD_DIMS)}
     assert sum(s.varlen for s in hopper) == 3 * 4 + 1
     fitting = _config.ALL_MODS & ~_config.MOD_SOFTCAP
     tiles_64 = {s.mods: s.block_m for s in hopper if s.head_dim == 64 and not s.varlen}
@@ -285,7 +290,7 @@ def test_all_specs_are_distinct_and_cover_the_table():
     assert sorted(s.mask for s in specs if s.kernel == "varlen_order") == sorted(_config.MASK_KINDS)
     assert len(specs) == (2 * half + single + modified + kvcache + len(packed) + 2 * len(_config.SUPPORTED_DTYPES)
                           + len(_config.KVCACHE_DTYPES) + sum(not s.varlen for s in hopper)
-                          + sum(not s.varlen for s in hopper_dkdv) + len(_config.MASK_KINDS))
+                          + sum(not s.varlen for s in hopper_dkdv) + len(_config.MASK_KINDS) + len(float8))
     no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT
     assert {s.mods for s in specs} == {0, _config.ALL_MODS, _config.ALL_MODS & ~_config.MOD_SINKS, no_dropout,
                                        no_dropout & ~_config.MOD_SINKS, fitting}
