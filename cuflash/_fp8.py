@@ -9,10 +9,13 @@ layout); q's query heads use the factor of the kv head they read (head ``h`` tha
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 
 from ._config import FLOAT8_E4M3
+from ._validate import array_module
 
 #: the largest finite float8_e4m3fn (S.1111.110: e4m3fn has no infinity, only NaN at S.1111.111); ml_dtypes'
 #: finfo (NumPy's refuses ml_dtypes' float8 types in some NumPy and ml_dtypes versions)
@@ -42,39 +45,54 @@ def dequantize(x, descale, heads_kv: int, dtype=np.float64) -> np.ndarray:
 
 
 def quantize(x, granularity: str = "tensor", heads_kv: int | None = None):
-    """(x8, descale): ``x`` (batch, seqlen, heads, head_dim; NumPy, float16, bfloat16, float32 or float64) in
-    float8_e4m3fn and its float32 descale factors, each block scaled so that its largest magnitude maps to
-    E4M3_MAX (the format's whole range; a block of zeros takes factor 1). ``granularity`` "tensor": one factor,
-    shape (1,); "head": one per (batch, kv head), shape (batch, heads_kv), each over the ``heads // heads_kv``
-    heads of its group (``heads_kv`` defaults to ``heads``: a k or v; for q pass k's heads). Rounding is to
-    nearest, ties to even: each element within 2**-4 of its magnitude, or 2**-10 times the factor below
-    e4m3's normal range."""
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"x must be a numpy.ndarray (float8 quantization runs on the host), got "
-                        f"{type(x).__module__}.{type(x).__name__}")
+    """(x8, descale): ``x`` (batch, seqlen, heads, head_dim; float16, bfloat16, float32 or float64, NumPy or CuPy)
+    in e4m3 and its float32 descale factors, each block scaled so that its largest magnitude maps to E4M3_MAX (the
+    format's whole range; a block of zeros takes factor 1). ``granularity`` "tensor": one factor, shape (1,);
+    "head": one per (batch, kv head), shape (batch, heads_kv), each over the ``heads // heads_kv`` heads of its
+    group (``heads_kv`` defaults to ``heads``: a k or v; for q pass k's heads). In float32 on either path, so both
+    give the same bits: each element times the float32 reciprocal of its factor, rounded to nearest (ties to
+    even) and saturated to E4M3_MAX: within 2**-4 of its magnitude, or 2**-10 times the factor below e4m3's
+    normal range (and float32's rounding of the product). x8 is float8_e4m3fn on NumPy, uint8 bit patterns on CuPy (which has no float8 dtype). Checks x
+    for NaN and infinity (on CuPy a synchronization)."""
+    xp = array_module(x=x)
     if x.ndim != 4:
         raise ValueError(f"x must have 4 dimensions (batch, seqlen, heads, head_dim), got shape {x.shape}")
     if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
         raise TypeError(f"x must be a floating-point array, got {x.dtype}")
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    batch, _, heads, _ = x.shape
+    batch, seqlen, heads, head_dim = x.shape
     heads_kv = heads if heads_kv is None else heads_kv
     if isinstance(heads_kv, bool) or not isinstance(heads_kv, (int, np.integer)) or heads_kv <= 0 \
             or heads % heads_kv:
         raise ValueError(f"heads_kv must be a positive divisor of x's heads ({heads}), got {heads_kv!r}")
-    values = x.astype(np.float64)
-    if not np.isfinite(values).all():
-        raise ValueError("x holds NaN or infinity: float8_e4m3fn has no infinity, and no factor scales them")
-    if granularity == "tensor":
-        amax = np.abs(values).max(initial=0.0).reshape(1)
+    values = x.astype(xp.float32)
+    if not bool(xp.isfinite(values).all()):
+        raise ValueError("x holds NaN or infinity: e4m3 has no infinity, and no factor scales them")
+    blocks = (1,) if granularity == "tensor" else (batch, heads_kv)
+    if values.size == 0:
+        amax = xp.zeros(blocks, xp.float32)
+    elif granularity == "tensor":
+        amax = xp.abs(values).max().reshape(1)
     else:  # the largest magnitude per (batch, kv head): over seqlen, the group's heads and head_dim
-        grouped = np.abs(values).reshape(batch, values.shape[1], heads_kv, heads // heads_kv, values.shape[3])
-        amax = grouped.max(axis=(1, 3, 4), initial=0.0)
-    descale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
-    scaled = values / _grouped_factors(descale, batch, heads, heads_kv)
-    # the factor is rounded to float32: the largest element may land a hair past E4M3_MAX, which rounds back
-    return np.clip(scaled, -E4M3_MAX, E4M3_MAX).astype(FLOAT8_E4M3), descale
+        amax = xp.abs(values).reshape(batch, seqlen, heads_kv, heads // heads_kv, head_dim).max(axis=(1, 3, 4))
+    descale = xp.where(amax > 0, amax / xp.float32(E4M3_MAX), xp.float32(1)).astype(xp.float32)
+    inverse = (xp.float32(1) / descale).astype(xp.float32)
+    inverse = inverse.reshape(1, 1, 1, 1) if granularity == "tensor" else xp.repeat(
+        inverse.reshape(batch, 1, heads_kv, 1), heads // heads_kv, axis=2)
+    if xp is np:
+        return np.clip(values * inverse, -E4M3_MAX, E4M3_MAX).astype(FLOAT8_E4M3), descale
+    return _e4m3_bits()(values, inverse), descale
+
+
+@functools.lru_cache(maxsize=1)
+def _e4m3_bits():
+    """x * inverse as e4m3 bit patterns on CuPy (float32 product, rounded to nearest even, saturated)."""
+    import cupy
+
+    return cupy.ElementwiseKernel("float32 x, float32 inverse", "uint8 y",
+                                  "y = __nv_cvt_float_to_fp8(x * inverse, __NV_SATFINITE, __NV_E4M3);",
+                                  "cuflash_quantize_e4m3", preamble="#include <cuda_fp8.h>")
 
 
 def hadamard_rotation(head_dim: int, seed: int = 0) -> np.ndarray:
@@ -93,20 +111,20 @@ def hadamard_rotation(head_dim: int, seed: int = 0) -> np.ndarray:
 
 
 def quantize_qkv(q, k, v, granularity: str = "head", hadamard: bool = False, seed: int = 0):
-    """(q8, k8, v8, q_descale, k_descale, v_descale): q, k and v (NumPy, (batch, seqlen, heads, head_dim) and
-    (batch, seqlen_k, heads_kv, head_dim)) quantized for ``attention(q8, k8, v8, q_descale=q_descale, ...)``,
-    factors per ``granularity`` (:func:`quantize`; q's per kv head of k). ``hadamard``: q and k are rotated
-    first by :func:`hadamard_rotation` (head_dim, seed), which leaves every score as it is and spreads
-    outlier channels before they set a block's factor."""
+    """(q8, k8, v8, q_descale, k_descale, v_descale): q, k and v ((batch, seqlen, heads, head_dim) and (batch,
+    seqlen_k, heads_kv, head_dim); NumPy or CuPy) quantized for ``attention(q8, k8, v8, q_descale=q_descale,
+    ...)``, factors per ``granularity`` (:func:`quantize`; q's per kv head of k). ``hadamard``: q and k are
+    rotated first, in float32, by :func:`hadamard_rotation` (head_dim, seed), which leaves every score as it is
+    and spreads outlier channels before they set a block's factor."""
+    xp = array_module(q=q, k=k, v=v)
     for name, a in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(a, np.ndarray) or a.ndim != 4:
-            raise TypeError(f"{name} must be a 4-dimensional numpy.ndarray, got {type(a).__name__} "
-                            f"{getattr(a, 'shape', '')}")
+        if a.ndim != 4:
+            raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(a.shape)}")
     if hadamard:
         if q.shape[3] != k.shape[3]:
             raise ValueError(f"head_dim must match: q {q.shape[3]}, k {k.shape[3]}")
-        rotation = hadamard_rotation(q.shape[3], seed)
-        q, k = q.astype(np.float64) @ rotation, k.astype(np.float64) @ rotation
+        rotation = xp.asarray(hadamard_rotation(q.shape[3], seed).astype(np.float32))
+        q, k = q.astype(xp.float32) @ rotation, k.astype(xp.float32) @ rotation
     heads_kv = k.shape[2]
     (q8, q_descale), (k8, k_descale), (v8, v_descale) = (
         quantize(q, granularity, heads_kv), quantize(k, granularity), quantize(v, granularity))

@@ -61,7 +61,7 @@ def test_quantization_rounds_each_element_to_e4m3(rng, granularity, dtype):
     restored = _fp8.dequantize(x8, descale, heads_kv=3)
     factors = _fp8._grouped_factors(descale, 2, 6, 3)
     # within half an e4m3 ulp: 2**-4 of the magnitude in the normal range, 2**-10 of the factor below it
-    assert (np.abs(restored - values) <= 2.0**-4 * np.abs(values) + 2.0**-10 * factors * (1 + 1e-6)).all()
+    assert (np.abs(restored - values) <= (2.0**-4 * np.abs(values) + 2.0**-10 * factors) * (1 + 1e-6)).all()
     # each block's largest magnitude maps to the format's largest value (the whole range is used)
     blocks = np.abs(x8.astype(np.float64)).reshape(2, 37, 3, 2, 40).max(axis=(1, 3, 4))
     assert blocks.max() == _fp8.E4M3_MAX
@@ -323,6 +323,29 @@ def test_the_float8_kernel_matches_the_reference_of_its_values(rng, shape, optio
     max_score = max_abs_finite(ref_lse)
     assert_fa_close(out, ref, lowp, BF16, 2, "out", max_score)
     assert_fa_close(lse, ref_lse, lowp_lse, np.float32, 2, "lse", max_score)
+
+
+@requires_gpu
+@pytest.mark.parametrize("granularity", _fp8.GRANULARITIES)
+@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32])
+def test_quantization_on_the_gpu_gives_the_hosts_bits(rng, granularity, dtype):
+    import cupy as cp
+
+    q, k, v = _inputs(rng, (2, 70, 90, 4, 2, 64), dtype)
+    q[..., :3] *= 40   # outlier channels
+    host = cuflash.quantize_qkv(q, k, v, granularity)
+    device = cuflash.quantize_qkv(*(cp.asarray(x) for x in (q, k, v)), granularity)
+    for h, d in zip(host, device):
+        assert d.dtype == (np.uint8 if h.dtype == E4M3 else h.dtype)
+        np.testing.assert_array_equal(d.get(), h.view(np.uint8) if h.dtype == E4M3 else h)
+    # rotated, the matrix products sum in other orders: each value within one e4m3 step of the host's
+    host = cuflash.quantize_qkv(q, k, v, granularity, hadamard=True, seed=5)
+    device = cuflash.quantize_qkv(*(cp.asarray(x) for x in (q, k, v)), granularity, hadamard=True, seed=5)
+    for (h8, h_descale), (d8, d_descale) in zip(zip(host[:3], host[3:]), zip(device[:3], device[3:])):
+        np.testing.assert_allclose(d_descale.get(), h_descale, rtol=1e-5)
+        expected = _fp8.dequantize(h8, h_descale, 2)
+        restored = _fp8.dequantize(d8.get(), d_descale.get(), 2)
+        assert (np.abs(restored - expected) <= 2.0**-3 * np.abs(expected) + 2.0**-9 * h_descale.max()).all()
 
 
 @requires_gpu
