@@ -19,8 +19,8 @@ from . import naive
 from .records import Shape
 from .report import fmt_bytes
 
-IMPL_NAMES = ("cuflash", "cuflash-deterministic", "naive-cupy", "torch-flash", "torch-cudnn", "torch-efficient",
-              "torch-flex")
+IMPL_NAMES = ("cuflash", "cuflash-deterministic", "cuflash-fp8", "naive-cupy", "torch-flash", "torch-cudnn",
+              "torch-efficient", "torch-flex")
 #: torch implementation -> member of torch.nn.attention.SDPBackend
 TORCH_BACKENDS = {"torch-flash": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENTION",
                   "torch-efficient": "EFFICIENT_ATTENTION"}
@@ -190,6 +190,35 @@ class CuflashDeterministic(Cuflash):
 
     name = "cuflash-deterministic"
     deterministic = True
+
+
+class CuflashFloat8(Cuflash):
+    """cuflash's float8 forward: the inputs quantized to e4m3 per (batch, kv head) before the timed calls
+    (``cuflash.quantize_qkv``), bfloat16 out. Forward only, at the head dims the float8 kernel takes. Checked
+    against cuflash's own result within 10x the input dtype's tolerance: e4m3 keeps 3 mantissa bits, so the
+    quantized inputs alone move the output by up to ~0.1 on standard-normal inputs (tests/test_fp8.py holds the
+    exact check, against the reference of the quantized values)."""
+
+    name = "cuflash-fp8"
+    tolerance_factor = 10.0
+
+    def check_fits(self, shape: Shape, pass_: str):
+        from cuflash import _config
+
+        if pass_ != "fwd":
+            raise Unfit("refused", "float8 is forward only")
+        if shape.head_dim not in _config.FLOAT8_HEAD_DIMS:
+            raise Unfit("refused", f"the float8 kernel takes head_dim {_config.FLOAT8_HEAD_DIMS}")
+
+    def make_call(self, pass_: str, x: Inputs, causal: bool, feature=None):
+        import cuflash
+
+        options = feature.cuflash_options(x.shape.heads) if feature is not None else {}
+        if options.get("dropout_p"):
+            raise Unfit("refused", "the float8 kernel takes no dropout")
+        q8, k8, v8, *descales = cuflash.quantize_qkv(x.q, x.k, x.v, "head")
+        factors = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
+        return lambda: (cuflash.attention(q8, k8, v8, causal=causal, **factors, **options),)
 
 
 class NaiveCupy(CupyImpl):
@@ -442,5 +471,5 @@ def make_impls(names: list[str]) -> list:
             impls.append(TorchSdpa(name))
         else:
             impls.append({"cuflash": Cuflash, "cuflash-deterministic": CuflashDeterministic,
-                          "naive-cupy": NaiveCupy}[name]())
+                          "cuflash-fp8": CuflashFloat8, "naive-cupy": NaiveCupy}[name]())
     return impls

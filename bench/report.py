@@ -14,8 +14,8 @@ import pathlib
 from .records import read_json
 
 #: Table rows and plot lines, in this order; unknown implementations follow, sorted.
-IMPL_ORDER = ("cuflash", "cuflash-padded", "cuflash-deterministic", "naive-cupy", "torch-flash", "torch-cudnn",
-              "torch-efficient", "torch-flex")
+IMPL_ORDER = ("cuflash", "cuflash-padded", "cuflash-deterministic", "cuflash-fp8", "naive-cupy", "torch-flash",
+              "torch-cudnn", "torch-efficient", "torch-flex")
 SUBJECT = "cuflash"
 PASS_ORDER = ("fwd", "bwd", "fwd+bwd", "compile-cold", "compile-warm")
 #: The plots show one dtype, to stay readable; the tables show all.

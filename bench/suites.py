@@ -60,9 +60,9 @@ COMPILE_SEQLEN, COMPILE_HEADS = 1024, 16
 COMPILE_HEAD_DIMS = GRID_HEAD_DIMS
 QUICK_COMPILE_HEAD_DIMS = (128,)
 #: The grid times these implementations' forward only: the materialized baseline runs at 5-10 TFLOP/s,
-#: and its backward passes over the whole grid would take longer than the 8 minutes the suite may use.
-#: Its backward is measured by the memory suite.
-GRID_FORWARD_ONLY = ("naive-cupy",)
+#: and its backward passes over the whole grid would take longer than the 8 minutes the suite may use
+#: (the memory suite measures it); float8 has no backward.
+GRID_FORWARD_ONLY = ("naive-cupy", "cuflash-fp8")
 #: ... and these implementations' backward passes only: their forward is cuflash's own.
 GRID_BACKWARD_ONLY = ("cuflash-deterministic",)
 # features: masks and score modifiers (bench.features), causal, bfloat16, on FlashAttention's grid
