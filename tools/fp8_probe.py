@@ -124,15 +124,18 @@ def check(rng, batch, seqlen_q, seqlen_k, heads, heads_kv, causal):
     out = out.get().astype(np.float64)
     ref, ref_lse = reference.attention(q8, k8, v8, causal, q_descale=q_descale, k_descale=k_descale,
                                        v_descale=v_descale)
-    lowp, _ = reference.attention_float8_in_dtype(q8, k8, v8, causal, None, q_descale, k_descale, v_descale)
+    lowp, lowp_lse = reference.attention_float8_in_dtype(q8, k8, v8, causal, None, q_descale, k_descale, v_descale)
     lowp = lowp.astype(np.float64)
     err, lowp_err = np.abs(out - ref).max(), np.abs(lowp - ref).max()
     bound = 2 * lowp_err + reference.rounding(ref, ml_dtypes.bfloat16)
-    lse_err = np.abs(lse.get() - ref_lse).max()
+    seen = np.isfinite(ref_lse)   # rows that see no key: -inf on both sides
+    lse = lse.get()
+    lse_err, lowp_lse_err = np.abs(lse - ref_lse)[seen].max(), np.abs(lowp_lse - ref_lse)[seen].max()
+    lse_same_unseen = np.array_equal(lse[~seen], ref_lse[~seen])
     print(f"  ({batch}, {seqlen_q}, {seqlen_k}, {heads}, {heads_kv}) causal={causal}: V^T {'ok' if transpose_ok else 'WRONG'};"
-          f" out err {err:.4f} (e4m3-P math {lowp_err:.4f}, bound {bound:.4f}: {'ok' if err <= bound else 'FAIL'});"
-          f" lse err {lse_err:.2e}")
-    return transpose_ok and err <= bound
+          f" out err {err:.4f} (e4m3 math {lowp_err:.4f}, bound {bound:.4f}: {'ok' if err <= bound else 'FAIL'});"
+          f" lse err {lse_err:.2e} (e4m3 math {lowp_lse_err:.2e}){'' if lse_same_unseen else '; unseen rows WRONG'}")
+    return transpose_ok and err <= bound and lse_same_unseen
 
 
 def speed(seqlens):
