@@ -34,7 +34,7 @@ def key_at(column: int) -> int:
 class Float8Forward:
     """The float8 forward of one shape: V^T's transpose and fwd_wgmma, launched as a plan would."""
 
-    def __init__(self, batch, seqlen_q, seqlen_k, heads, heads_kv, causal):
+    def __init__(self, batch, seqlen_q, seqlen_k, heads, heads_kv, causal, defines=()):
         import cupy as cp
 
         from cuflash import _compile, _config, _cupy_path, _params
@@ -47,7 +47,7 @@ class Float8Forward:
         self.fwd_name = f"cuflash::fwd_wgmma<__nv_fp8_e4m3, {HEAD_DIM}, {mask}, 0, {BLOCK_M}, {BLOCK_N}, false>"
         self.transpose_name = f"cuflash::transpose_v_float8<{HEAD_DIM}>"
         module = cp.RawModule(code=_compile.kernel_source("fwd_wgmma.cu"),
-                              options=_compile.COMMON_OPTIONS + ("-arch=sm_90a",),
+                              options=_compile.COMMON_OPTIONS + ("-arch=sm_90a",) + tuple(f"-D{d}" for d in defines),
                               name_expressions=[self.fwd_name, self.transpose_name])
         self.forward_kernel = module.get_function(self.fwd_name)
         self.transpose_kernel = module.get_function(self.transpose_name)
@@ -101,7 +101,7 @@ class Float8Forward:
         return out, lse
 
 
-def check(rng, batch, seqlen_q, seqlen_k, heads, heads_kv, causal):
+def check(rng, batch, seqlen_q, seqlen_k, heads, heads_kv, causal, defines=()):
     import cupy as cp
 
     import cuflash
@@ -111,7 +111,7 @@ def check(rng, batch, seqlen_q, seqlen_k, heads, heads_kv, causal):
                ((batch, seqlen_q, heads, HEAD_DIM), (batch, seqlen_k, heads_kv, HEAD_DIM),
                 (batch, seqlen_k, heads_kv, HEAD_DIM)))
     q8, k8, v8, q_descale, k_descale, v_descale = cuflash.quantize_qkv(q, k, v, "head")
-    forward = Float8Forward(batch, seqlen_q, seqlen_k, heads, heads_kv, causal)
+    forward = Float8Forward(batch, seqlen_q, seqlen_k, heads, heads_kv, causal, defines)
     device = [cp.asarray(x.view(np.uint8)) for x in (q8, k8, v8)] + [cp.asarray(d) for d in (q_descale, k_descale,
                                                                                              v_descale)]
     vt = forward.transpose(device[2]).get()
@@ -138,7 +138,7 @@ def check(rng, batch, seqlen_q, seqlen_k, heads, heads_kv, causal):
     return transpose_ok and err <= bound and lse_same_unseen
 
 
-def speed(seqlens):
+def speed(seqlens, defines=()):
     import cupy as cp
 
     import cuflash
@@ -154,7 +154,7 @@ def speed(seqlens):
                     for _ in range(3)]
             u8 = [cp.asarray(rng.integers(0x20, 0x40, shape, dtype=np.uint8)) for _ in range(3)]   # |x| in 2**-3..2
             descales = [cp.full((batch, heads), 0.5, cp.float32) for _ in range(3)]
-            forward = Float8Forward(batch, seqlen, seqlen, heads, heads, causal)
+            forward = Float8Forward(batch, seqlen, seqlen, heads, heads, causal, defines)
             vt = forward.transpose(u8[2])
             flops = 4 * batch * heads * HEAD_DIM * seqlen * seqlen / (2 if causal else 1)
             ms_bf16 = np.median(timer(lambda: cuflash.attention(*bf16, causal=causal)))
@@ -168,14 +168,15 @@ def speed(seqlens):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--define", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="macros for the float8 kernel's compilation (a variant to measure)")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
-    print("correctness (head_dim 128, per-(batch, kv head) descales):")
-    ok = all([check(rng, 2, 256, 256, 4, 2, False), check(rng, 2, 256, 256, 4, 2, True),
-              check(rng, 1, 300, 1000, 2, 1, True), check(rng, 1, 1000, 300, 2, 2, True),
-              check(rng, 1, 1, 77, 2, 1, False)])
+    print(f"correctness (head_dim 128, per-(batch, kv head) descales; defines {args.define}):")
+    ok = all([check(rng, *shape, args.define) for shape in ((2, 256, 256, 4, 2, False), (2, 256, 256, 4, 2, True),
+              (1, 300, 1000, 2, 1, True), (1, 1000, 300, 2, 2, True), (1, 1, 77, 2, 1, False))])
     print("speed (FlashAttention's grid, 16 heads):")
-    speed(args.seqlens)
+    speed(args.seqlens, args.define)
     return 0 if ok else 1
 
 

@@ -226,6 +226,10 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     // The rescale slack (kRescaleSlack: the reference max may lag a row's max by this much). float8: P =
     // exp2(score - reference + kPOffset) must stay within e4m3's 448 (2**8.8), so the reference lags by 0.5 at most
     constexpr float kSlack = kFloat8<T> ? 0.5f : kRescaleSlack;
+#ifndef CUFLASH_FP8_EXP2_FMA_EVERY
+#define CUFLASH_FP8_EXP2_FMA_EVERY 0
+#endif
+    constexpr int kExp2FmaEvery = kFloat8<T> ? CUFLASH_FP8_EXP2_FMA_EVERY : 0;
     // O stored in whole 16-byte chunks (`store`) by two consumers of 232 registers: it gained 4-11% at head_dim 128
     // and 6-19% at 256 at seqlen 512-2k. Three consumers of 160 (head_dim 64's 192-row blocks) spill 8-360 bytes
     // with it under the modifiers and gained nothing measurable (-4..+2%; bench/NOTES.md, session 25): they store
@@ -515,7 +519,8 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             if constexpr (kFloat8<T>) neg_base[0] += kPOffset, neg_base[1] += kPOffset;
 #pragma unroll
             for (int i = 0; i < kS; ++i) {
-                s[i] = exp2f(fmaf(s[i], score_factor, neg_base[(i % 4) / 2]));
+                const float x = fmaf(s[i], score_factor, neg_base[(i % 4) / 2]);
+                s[i] = kExp2FmaEvery > 0 && i % kExp2FmaEvery == kExp2FmaEvery - 1 ? exp2_fma(x) : exp2f(x);
                 l_i[(i % 4) / 2] += s[i];
             }
             return rescale;
