@@ -226,6 +226,9 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     // The rescale slack (kRescaleSlack: the reference max may lag a row's max by this much). float8: P =
     // exp2(score - reference + kPOffset) must stay within e4m3's 448 (2**8.8), so the reference lags by 0.5 at most
     constexpr float kSlack = kFloat8<T> ? 0.5f : kRescaleSlack;
+    // float8: every kExp2FmaEvery-th exponential on the FMA pipe (exp2_fma), the rest on MUFU (0: none). The
+    // float8 tile's softmax is bound by MUFU (bench/NOTES.md, session 27); the macro lets tools/fp8_probe.py
+    // (--define) measure the split without a spec field per candidate
 #ifndef CUFLASH_FP8_EXP2_FMA_EVERY
 #define CUFLASH_FP8_EXP2_FMA_EVERY 0
 #endif
