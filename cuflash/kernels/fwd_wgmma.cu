@@ -233,6 +233,12 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
 #define CUFLASH_FP8_EXP2_FMA_EVERY 0
 #endif
     constexpr int kExp2FmaEvery = kFloat8<T> ? CUFLASH_FP8_EXP2_FMA_EVERY : 0;
+    // float8: each row's tile max in kMaxSplit independent chains (1: one chain of kS / 2 fmaxf), an experiment
+    // on the float8 tile's latency like the macro above
+#ifndef CUFLASH_FP8_MAX_SPLIT
+#define CUFLASH_FP8_MAX_SPLIT 1
+#endif
+    constexpr int kMaxSplit = kFloat8<T> ? CUFLASH_FP8_MAX_SPLIT : 1;
     // O stored in whole 16-byte chunks (`store`) by two consumers of 232 registers: it gained 4-11% at head_dim 128
     // and 6-19% at 256 at seqlen 512-2k. Three consumers of 160 (head_dim 64's 192-row blocks) spill 8-360 bytes
     // with it under the modifiers and gained nothing measurable (-4..+2%; bench/NOTES.md, session 25): they store
@@ -502,9 +508,20 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
                         if (!w.window.sees(row0 + 8 * (e / 2), key0 + 8 * nb + (e & 1), w.seq.seqlen_k))
                             s[4 * nb + e] = -CUFLASH_INF;
             }
-            float tile_max[2] = {-CUFLASH_INF, -CUFLASH_INF};
+            // each row's max in kMaxSplit partial maxima (independent chains), then joined
+            float partial_max[2][kMaxSplit];
 #pragma unroll
-            for (int i = 0; i < kS; ++i) tile_max[(i % 4) / 2] = fmaxf(tile_max[(i % 4) / 2], s[i]);
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int c = 0; c < kMaxSplit; ++c) partial_max[r][c] = -CUFLASH_INF;
+#pragma unroll
+            for (int i = 0; i < kS; ++i)
+                partial_max[(i % 4) / 2][(i / 4) % kMaxSplit] = fmaxf(partial_max[(i % 4) / 2][(i / 4) % kMaxSplit], s[i]);
+            float tile_max[2] = {partial_max[0][0], partial_max[1][0]};
+#pragma unroll
+            for (int c = 1; c < kMaxSplit; ++c)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) tile_max[r] = fmaxf(tile_max[r], partial_max[r][c]);
 #pragma unroll
             for (int r = 0; r < 2; ++r) tile_max[r] = quad_max(tile_max[r]) * score_factor;
             const bool grown = tile_max[0] > m_i[0] + kSlack || tile_max[1] > m_i[1] + kSlack;
