@@ -63,22 +63,6 @@ __device__ __forceinline__ float warp_sum(float x) {
 // masked keys has m_i = -inf, and exp2(-inf - (-inf)) would be NaN; use 0 so every p is exp2(-inf) = 0.
 __device__ __forceinline__ float safe_max(float m) { return m == -CUFLASH_INF ? 0.f : m; }
 
-// 2**x on the FMA pipe (FlashAttention-4's emulation), for kernels whose exponentials outrun the MUFU unit:
-// adding 1.5 * 2**23 rounds x to an integer n held in the sum's low mantissa bits, 2**(x - n) on [-0.5, 0.5]
-// is a degree-3 polynomial (relative error 1.0e-4 by a least-squares fit on relative error, exact at 0), and n
-// joins its exponent by an integer add (the sum's bits shifted by 23 are n's). x below -126 (a masked score:
-// -inf) gives 0, as exp2f does. Ten instructions on the FMA and integer pipes for one MUFU.
-__device__ __forceinline__ float exp2_fma(float x) {
-    constexpr float kRound = 12582912.f;   // 1.5 * 2**23
-    constexpr float kC1 = 0.6932829f, kC2 = 0.24221052f, kC3 = 0.05500874f;
-    const float clamped = fmaxf(x, -126.f);
-    const float rounded = clamped + kRound;
-    const float f = clamped - (rounded - kRound);
-    const float p = fmaf(fmaf(fmaf(kC3, f, kC2), f, kC1), f, 1.f);
-    const float y = __int_as_float(__float_as_int(p) + (__float_as_int(rounded) << 23));
-    return x < -126.f ? 0.f : y;
-}
-
 // How far (base 2) a row's max may exceed the reference its exponents are taken against before the
 // forward's warps rescale: P stays below 2^8, well inside bf16/fp16 and the float32 sums (fwd_mma).
 constexpr float kRescaleSlack = 8.f;

@@ -226,19 +226,6 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     // The rescale slack (kRescaleSlack: the reference max may lag a row's max by this much). float8: P =
     // exp2(score - reference + kPOffset) must stay within e4m3's 448 (2**8.8), so the reference lags by 0.5 at most
     constexpr float kSlack = kFloat8<T> ? 0.5f : kRescaleSlack;
-    // float8: every kExp2FmaEvery-th exponential on the FMA pipe (exp2_fma), the rest on MUFU (0: none). The
-    // float8 tile's softmax is bound by MUFU (bench/NOTES.md, session 27); the macro lets tools/fp8_probe.py
-    // (--define) measure the split without a spec field per candidate
-#ifndef CUFLASH_FP8_EXP2_FMA_EVERY
-#define CUFLASH_FP8_EXP2_FMA_EVERY 0
-#endif
-    constexpr int kExp2FmaEvery = kFloat8<T> ? CUFLASH_FP8_EXP2_FMA_EVERY : 0;
-    // float8: each row's tile max in kMaxSplit independent chains (1: one chain of kS / 2 fmaxf), an experiment
-    // on the float8 tile's latency like the macro above
-#ifndef CUFLASH_FP8_MAX_SPLIT
-#define CUFLASH_FP8_MAX_SPLIT 1
-#endif
-    constexpr int kMaxSplit = kFloat8<T> ? CUFLASH_FP8_MAX_SPLIT : 1;
     // O stored in whole 16-byte chunks (`store`) by two consumers of 232 registers: it gained 4-11% at head_dim 128
     // and 6-19% at 256 at seqlen 512-2k. Three consumers of 160 (head_dim 64's 192-row blocks) spill 8-360 bytes
     // with it under the modifiers and gained nothing measurable (-4..+2%; bench/NOTES.md, session 25): they store
@@ -508,20 +495,9 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
                         if (!w.window.sees(row0 + 8 * (e / 2), key0 + 8 * nb + (e & 1), w.seq.seqlen_k))
                             s[4 * nb + e] = -CUFLASH_INF;
             }
-            // each row's max in kMaxSplit partial maxima (independent chains), then joined
-            float partial_max[2][kMaxSplit];
+            float tile_max[2] = {-CUFLASH_INF, -CUFLASH_INF};
 #pragma unroll
-            for (int r = 0; r < 2; ++r)
-#pragma unroll
-                for (int c = 0; c < kMaxSplit; ++c) partial_max[r][c] = -CUFLASH_INF;
-#pragma unroll
-            for (int i = 0; i < kS; ++i)
-                partial_max[(i % 4) / 2][(i / 4) % kMaxSplit] = fmaxf(partial_max[(i % 4) / 2][(i / 4) % kMaxSplit], s[i]);
-            float tile_max[2] = {partial_max[0][0], partial_max[1][0]};
-#pragma unroll
-            for (int c = 1; c < kMaxSplit; ++c)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) tile_max[r] = fmaxf(tile_max[r], partial_max[r][c]);
+            for (int i = 0; i < kS; ++i) tile_max[(i % 4) / 2] = fmaxf(tile_max[(i % 4) / 2], s[i]);
 #pragma unroll
             for (int r = 0; r < 2; ++r) tile_max[r] = quad_max(tile_max[r]) * score_factor;
             const bool grown = tile_max[0] > m_i[0] + kSlack || tile_max[1] > m_i[1] + kSlack;
@@ -539,8 +515,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             if constexpr (kFloat8<T>) neg_base[0] += kPOffset, neg_base[1] += kPOffset;
 #pragma unroll
             for (int i = 0; i < kS; ++i) {
-                const float x = fmaf(s[i], score_factor, neg_base[(i % 4) / 2]);
-                s[i] = kExp2FmaEvery > 0 && i % kExp2FmaEvery == kExp2FmaEvery - 1 ? exp2_fma(x) : exp2f(x);
+                s[i] = exp2f(fmaf(s[i], score_factor, neg_base[(i % 4) / 2]));
                 l_i[(i % 4) / 2] += s[i];
             }
             return rescale;
