@@ -2,8 +2,9 @@
 
 ``python tools/ab_probe.py --trees base,new --rounds 5 --cases 256:0:2048:0,128:1:1024:1``: each tree is a
 directory holding a ``cuflash`` package (``git archive REV cuflash | tar -x -C exp/base``), imported under its
-own module name; a case is ``head_dim:causal:seqlen:float16`` on FlashAttention's grid (bfloat16 where the
-last field is 0). Every round times FA2 and then the trees, their order rotated per round, each as
+own module name; a case is ``head_dim:causal:seqlen:dtype`` on FlashAttention's grid, the last field 0 for
+bfloat16, 1 for float16, 2 for float8 e4m3 (the bfloat16 inputs quantized per (batch, kv head) by the first tree's
+``quantize_qkv``; FA2 runs the bfloat16 ones). Every round times FA2 and then the trees, their order rotated per round, each as
 ``bench.timing.EventTimer`` does (repeats back to back, the L2 flushed before each, one sync), on the same
 fresh arrays. Prints the median TFLOP/s per case and the ratio to FA2. Run from the repository root with
 ``PYTHONPATH=.``. The numbers that count come from ``python -m bench``; this one answers "which version is
@@ -38,9 +39,12 @@ def load_tree(name: str, root: str):
     return module
 
 
-def parse_case(text: str) -> tuple[int, bool, int, bool]:
-    head_dim, causal, seqlen, fp16 = (int(x) for x in text.split(":"))
-    return head_dim, bool(causal), seqlen, bool(fp16)
+DTYPES = ("bf16", "fp16", "float8")
+
+
+def parse_case(text: str) -> tuple[int, bool, int, str]:
+    head_dim, causal, seqlen, dtype = (int(x) for x in text.split(":"))
+    return head_dim, bool(causal), seqlen, DTYPES[dtype]
 
 
 def main():
@@ -48,7 +52,8 @@ def main():
     parser.add_argument("--trees", required=True, help="comma-separated directories, each holding a cuflash package")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--cases", required=True, help="comma-separated head_dim:causal:seqlen:float16")
+    parser.add_argument("--cases", required=True,
+                        help="comma-separated head_dim:causal:seqlen:dtype (0 bfloat16, 1 float16, 2 float8)")
     args = parser.parse_args()
     trees = {path: load_tree(f"cuflash_tree{i}", path) for i, path in enumerate(args.trees.split(","))}
     cases = [parse_case(c) for c in args.cases.split(",")]
@@ -58,8 +63,8 @@ def main():
         names = list(trees)
         order = names[round_ % len(names):] + names[:round_ % len(names)]
         for case in cases:
-            head_dim, causal, seqlen, fp16 = case
-            dtype = cp.float16 if fp16 else cp.dtype("bfloat16")
+            head_dim, causal, seqlen, dtype_name = case
+            dtype = cp.float16 if dtype_name == "fp16" else cp.dtype("bfloat16")
             batch, heads = TOKENS // seqlen, WIDTH // head_dim
             q, k, v = (cp.random.standard_normal((batch, seqlen, heads, head_dim), dtype=cp.float32).astype(dtype)
                        for _ in range(3))
@@ -70,7 +75,11 @@ def main():
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                     torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
 
-            runs = [("fa2", flash)] + [(name, lambda m=trees[name]: m.attention(q, k, v, causal=causal))
+            inputs, options = (q, k, v), {}
+            if dtype_name == "float8":
+                *inputs, q_descale, k_descale, v_descale = trees[names[0]].quantize_qkv(q, k, v, "head")
+                options = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+            runs = [("fa2", flash)] + [(name, lambda m=trees[name]: m.attention(*inputs, causal=causal, **options))
                                        for name in order]
             for name, fn in runs:
                 ms = float(np.median(timer(fn)))
@@ -78,7 +87,7 @@ def main():
         print(f"round {round_}", flush=True)
     for case in cases:
         fa2 = float(np.median(tflops[case + ("fa2",)]))
-        line = f"d={case[0]} causal={int(case[1])} n={case[2]} {'fp16' if case[3] else 'bf16'}: fa2 {fa2:.1f}"
+        line = f"d={case[0]} causal={int(case[1])} n={case[2]} {case[3]}: fa2 {fa2:.1f}"
         for name in trees:
             ours = float(np.median(tflops[case + (name,)]))
             line += f" | {name} {ours:.1f} ({ours / fa2:.3f})"
