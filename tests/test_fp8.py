@@ -300,6 +300,33 @@ def _hopper_gpu() -> bool:
     return _cupy_path.device_props(0).tensor_maps
 
 
+def test_the_e4m3_sums_model_truncates_to_13_fraction_bits():
+    """reference._truncate keeps 13 bits after the leading one, toward zero, of either sign."""
+    values = np.array([1 + 2.0**-13, 1 + 2.0**-14, -(1 + 2.0**-14), 3 * 2.0**-20 + 2.0**-40, 0.0])
+    np.testing.assert_array_equal(reference._truncate(values, 13), [1 + 2.0**-13, 1, -1, 3 * 2.0**-20, 0])
+
+
+def test_the_e4m3_sums_model_aligns_each_step_to_its_largest_term():
+    """A k32 step drops what lies below 13 fraction bits of its largest product or accumulator: 31 products
+    of 2**-14 beside one of 1 vanish (their exact sum 1.0019 would keep them); beside each other they count."""
+    small = np.full(reference.FLOAT8_MMA_K, 2.0**-14)
+    with_one = small.copy()
+    with_one[0] = 1.0
+    assert reference._float8_step(np.zeros(()), with_one) == 1.0
+    assert reference._float8_step(np.zeros(()), small) == reference.FLOAT8_MMA_K * 2.0**-14
+    assert reference._float8_step(np.array(1.0), small) == 1.0   # the accumulator sets the alignment too
+
+
+def test_the_e4m3_sums_model_is_exact_where_the_sums_fit_13_bits(rng):
+    """Small integers (e4m3 holds them exactly) whose running sums stay below 2**14: nothing truncates, so the
+    model's scores are the exact products, at head dims that end in a partial k32 step too."""
+    for head_dim in (16, 64, 80):
+        q = rng.integers(-4, 5, (1, 5, 2, head_dim)).astype(np.float32).astype(E4M3)
+        k = rng.integers(-4, 5, (1, 7, 2, head_dim)).astype(np.float32).astype(E4M3)
+        exact = np.einsum("bihd,bjhd->bhij", q.astype(np.float64), k.astype(np.float64))
+        np.testing.assert_array_equal(reference._float8_scores(q, k, None, None, 2), exact)
+
+
 @requires_gpu
 @pytest.mark.parametrize("granularity", _fp8.GRANULARITIES)
 @pytest.mark.parametrize("option", FLOAT8_OPTIONS)
