@@ -52,8 +52,8 @@ def quantize(x, granularity: str = "tensor", heads_kv: int | None = None):
     group (``heads_kv`` defaults to ``heads``: a k or v; for q pass k's heads). In float32 on either path, so both
     give the same bits: each element times the float32 reciprocal of its factor, rounded to nearest (ties to
     even) and saturated to E4M3_MAX: within 2**-4 of its magnitude, or 2**-10 times the factor below e4m3's
-    normal range (and float32's rounding of the product). x8 is float8_e4m3fn on NumPy, uint8 bit patterns on CuPy (which has no float8 dtype). Checks x
-    for NaN and infinity (on CuPy a synchronization)."""
+    normal range (and float32's rounding of the product). x8 is float8_e4m3fn on NumPy, uint8 bit patterns on
+    CuPy (which has no float8 dtype). Checks x for NaN and infinity (on CuPy a synchronization)."""
     xp = array_module(x=x)
     if x.ndim != 4:
         raise ValueError(f"x must have 4 dimensions (batch, seqlen, heads, head_dim), got shape {x.shape}")

@@ -61,7 +61,8 @@ def _data_type(dtype: np.dtype):
     from cuda.bindings import driver
 
     kinds = driver.CUtensorMapDataType
-    return {BFLOAT16: kinds.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, np.dtype(np.float16): kinds.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+    return {BFLOAT16: kinds.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            np.dtype(np.float16): kinds.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
             np.dtype(np.uint8): kinds.CU_TENSOR_MAP_DATA_TYPE_UINT8}[np.dtype(dtype)]
 
 

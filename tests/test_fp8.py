@@ -2,7 +2,7 @@
 (attention, attention_with_kvcache) against the float64 reference of their dequantized values: the NumPy path
 (float8_e4m3fn arrays, and uint8 bit patterns for attention) and, on a Hopper GPU, attention's float8 kernel
 (uint8 bit patterns: CuPy has no float8 dtype), within FlashAttention's rule against the same math with P
-rounded to e4m3."""
+rounded to e4m3 and q.k summed as Hopper's e4m3 tensor cores sum it."""
 
 from __future__ import annotations
 
@@ -292,14 +292,6 @@ def test_the_float8_kernel_is_planned_where_it_serves():
         _plan.forward(problem(dropout_p=0.1), _config.H100)
 
 
-def _hopper_gpu() -> bool:
-    if not GPU:
-        return False
-    from cuflash import _cupy_path
-
-    return _cupy_path.device_props(0).tensor_maps
-
-
 def test_the_e4m3_sums_model_truncates_to_13_fraction_bits():
     """reference._truncate keeps 13 bits after the leading one, toward zero, of either sign."""
     values = np.array([1 + 2.0**-13, 1 + 2.0**-14, -(1 + 2.0**-14), 3 * 2.0**-20 + 2.0**-40, 0.0])
@@ -325,6 +317,14 @@ def test_the_e4m3_sums_model_is_exact_where_the_sums_fit_13_bits(rng):
         k = rng.integers(-4, 5, (1, 7, 2, head_dim)).astype(np.float32).astype(E4M3)
         exact = np.einsum("bihd,bjhd->bhij", q.astype(np.float64), k.astype(np.float64))
         np.testing.assert_array_equal(reference._float8_scores(q, k, None, None, 2), exact)
+
+
+def _hopper_gpu() -> bool:
+    if not GPU:
+        return False
+    from cuflash import _cupy_path
+
+    return _cupy_path.device_props(0).tensor_maps
 
 
 @requires_gpu

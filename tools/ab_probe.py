@@ -4,8 +4,8 @@
 directory holding a ``cuflash`` package (``git archive REV cuflash | tar -x -C exp/base``), imported under its
 own module name; a case is ``head_dim:causal:seqlen:dtype`` on FlashAttention's grid, the last field 0 for
 bfloat16, 1 for float16, 2 for float8 e4m3 (the bfloat16 inputs quantized per (batch, kv head) by the first tree's
-``quantize_qkv``; FA2 runs the bfloat16 ones). Every round times FA2 and then the trees, their order rotated per round, each as
-``bench.timing.EventTimer`` does (repeats back to back, the L2 flushed before each, one sync), on the same
+``quantize_qkv``; FA2 runs the bfloat16 ones). Every round times FA2 and then the trees, their order rotated per
+round, each as ``bench.timing.EventTimer`` does (repeats back to back, the L2 flushed before each, one sync), on the same
 fresh arrays. Prints the median TFLOP/s per case and the ratio to FA2. Run from the repository root with
 ``PYTHONPATH=.``. The numbers that count come from ``python -m bench``; this one answers "which version is
 faster" in about a minute of device time, with less drift between the versions than separate processes.

@@ -132,7 +132,8 @@ def check(rng, batch, seqlen_q, seqlen_k, heads, heads_kv, causal, defines=()):
     lse = lse.get()
     lse_err, lowp_lse_err = np.abs(lse - ref_lse)[seen].max(), np.abs(lowp_lse - ref_lse)[seen].max()
     lse_same_unseen = np.array_equal(lse[~seen], ref_lse[~seen])
-    print(f"  ({batch}, {seqlen_q}, {seqlen_k}, {heads}, {heads_kv}) causal={causal}: V^T {'ok' if transpose_ok else 'WRONG'};"
+    print(f"  ({batch}, {seqlen_q}, {seqlen_k}, {heads}, {heads_kv}) causal={causal}: "
+          f"V^T {'ok' if transpose_ok else 'WRONG'};"
           f" out err {err:.4f} (e4m3 math {lowp_err:.4f}, bound {bound:.4f}: {'ok' if err <= bound else 'FAIL'});"
           f" lse err {lse_err:.2e} (e4m3 math {lowp_lse_err:.2e}){'' if lse_same_unseen else '; unseen rows WRONG'}")
     return transpose_ok and err <= bound and lse_same_unseen

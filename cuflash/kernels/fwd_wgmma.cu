@@ -65,8 +65,8 @@ template <int BLOCK_M> struct WgmmaRoles {
 // launch gives it (_config.wgmma_smem_bytes, checked by tests/test_compile.py).
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct WgmmaFwdSmem {
     static constexpr int kColBlocks = HEAD_DIM / kSwizzleElemsOf<T>;
-    static constexpr int kQBlock = BLOCK_M * kSwizzleRowBytes;        // one [BLOCK_M][64] column block of Q
-    static constexpr int kKVBlock = BLOCK_N * kSwizzleRowBytes;        // one [BLOCK_N][64] block of K or V
+    static constexpr int kQBlock = BLOCK_M * kSwizzleRowBytes;        // one [BLOCK_M][E] column block of Q
+    static constexpr int kKVBlock = BLOCK_N * kSwizzleRowBytes;        // one [BLOCK_N][E] block of K or V
     static constexpr int kKVStage = kColBlocks * kKVBlock;
     static constexpr int kK = kColBlocks * kQBlock, kV = kK + kWgmmaStages * kKVStage;
     static constexpr int kBarriers = kV + kWgmmaStages * kKVStage, kBarrierCount = 2 + 4 * kWgmmaStages + 4;
@@ -267,8 +267,9 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             if constexpr (kFloat8<T>)   // V^T K-major: k step kk is bytes 32 kk.. of each head_dim row
                 wgmma_rs_k<T, HEAD_DIM>(o, p[kk], smem_descriptor(v_s + stage * Smem::kKVStage + kk * 32, 0), 1);
             else
-                wgmma_rs<T, HEAD_DIM>(o, p[kk], smem_descriptor(v_s + stage * Smem::kKVStage + kk * 16 * kSwizzleRowBytes,
-                                                                Smem::kKVBlock), 1);
+                wgmma_rs<T, HEAD_DIM>(
+                    o, p[kk], smem_descriptor(v_s + stage * Smem::kKVStage + kk * 16 * kSwizzleRowBytes, Smem::kKVBlock),
+                    1);
         }
         wgmma_commit();
         pin_registers(o);
