@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from bench import accuracy, features, naive, report, scaling
+from bench import accuracy, features, fp8_error, naive, report, scaling
 from bench.__main__ import parse_args
 from bench.flops import attention_flops, tflops
 from bench.records import (RECORD_FIELDS, Shape, make_header, make_record, merge_records, read_json, record_key,
@@ -346,13 +346,48 @@ def test_gpu_suite_without_a_gpu_fails_cleanly(tmp_path):
 def test_pure_modules_import_without_cupy_or_torch():
     code = ("import sys; sys.modules['cupy'] = None; sys.modules['torch'] = None\n"
             "import bench.__main__, bench.flops, bench.records, bench.report, bench.accuracy, bench.naive, "
-            "bench.suites, bench.impls, bench.timing, bench.features\n"
+            "bench.suites, bench.impls, bench.timing, bench.features, bench.fp8_error\n"
             "from cuflash._env import gpu_unavailable_reason\n"
             "print(gpu_unavailable_reason())")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert done.returncode == 0, done.stderr
     assert "CuPy is not installed" in done.stdout
+
+
+def test_fp8_error_inputs_have_their_outliers():
+    rng = np.random.default_rng(0)
+    normal = np.stack([x.astype(np.float64) for x in fp8_error.make_inputs("normal", rng)])
+    entries = np.stack([x.astype(np.float64) for x in fp8_error.make_inputs("outlier entries", rng)])
+    # FlashAttention-3's recipe: 0.1% of the entries carry an N(0, 100) term, so |x| > 5 is ~50x as common
+    assert (abs(normal) > 5).mean() < 1e-5 < 2e-4 < (abs(entries) > 5).mean() < 2e-3
+    q, k, v = (x.astype(np.float64) for x in fp8_error.make_inputs("outlier channels", rng))
+    channel_rms = np.sqrt((q**2).mean(axis=(0, 1, 2)))
+    outliers = fp8_error.OUTLIER_CHANNELS
+    gain = channel_rms[:outliers] / channel_rms[outliers:].mean()
+    assert np.allclose(gain, fp8_error.OUTLIER_CHANNEL_GAIN, rtol=0.05)
+    scores = np.einsum("bihd,bjhd->bhij", q, k) / np.sqrt(q.shape[-1])
+    assert 0.9 < scores.std() < 1.1   # the channels' gain leaves the scores' spread at 1
+    assert np.sqrt((v**2).mean()) == pytest.approx(1, rel=0.05)
+
+
+def test_fp8_error_on_the_model(tmp_path, monkeypatch):
+    # the host path: the bfloat16 forward on NumPy, the float8 rows from the reference's model of the kernel
+    monkeypatch.setattr(fp8_error, "SHAPE", (1, 96, 2, 128))
+    fp8_error.main(["--out", str(tmp_path), "--seed", "3"])
+    header, records = read_json(tmp_path / "model" / "fp8_error.json")
+    assert header["source"] == "model" and header["shape"] == [1, 96, 2, 128]
+    assert [(r["case"], r["method"]) for r in records] == [
+        (case, method[0]) for case in fp8_error.CASES for method in fp8_error.METHODS]
+    by = {(r["case"], r["method"]): r for r in records}
+    bfloat16, tensor, head, hadamard = (m[0] for m in fp8_error.METHODS)
+    for case in fp8_error.CASES:
+        assert by[case, bfloat16]["rmse_bfloat16"] == 0
+        assert 0 < 5 * by[case, bfloat16]["rmse_exact"] < by[case, tensor]["rmse_exact"]
+    # the rotation spreads the outlier channels before they set the factors (RMSE 2.2x lower in the README's run)
+    assert by["outlier channels", hadamard]["rmse_exact"] < 0.75 * by["outlier channels", head]["rmse_exact"]
+    table = (tmp_path / "model" / "fp8_error.md").read_text()
+    assert table.count("\n| outlier entries |") == len(fp8_error.METHODS)
 
 
 def test_feature_options_run_on_the_numpy_path():

@@ -382,3 +382,19 @@ def test_float8_on_the_gpu_outside_the_kernel_is_refused(rng):
     q8, k8, v8, *_ = cuflash.quantize_qkv(*_inputs(rng, (1, 64, 64, 2, 2, 64)))
     with pytest.raises(TypeError, match="float8 inputs run on the GPU in the Hopper float8 forward"):
         cuflash.attention(*(cp.asarray(x.view(np.uint8)) for x in (q8, k8, v8)))
+
+
+@requires_gpu
+def test_the_error_bench_measures_the_kernel_as_the_model_predicts(monkeypatch):
+    # bench.fp8_error's two sources: the kernel's errors are the model's (the README's table comes from the model)
+    from bench import fp8_error
+
+    if not _hopper_gpu():
+        pytest.skip("the float8 kernel runs on compute capability 9.0 with tensor maps")
+    monkeypatch.setattr(fp8_error, "SHAPE", (1, 256, 2, 128))
+    kernel, model = fp8_error.measure(on_gpu=True), fp8_error.measure(on_gpu=False)
+    for got, want in zip(kernel, model, strict=True):
+        if got["method"] == fp8_error.METHODS[0][0]:
+            assert got["relative_rmse_exact"] < 0.01, got
+        else:
+            assert 0.8 < got["rmse_exact"] / want["rmse_exact"] < 1.25, (got, want)
