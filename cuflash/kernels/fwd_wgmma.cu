@@ -232,10 +232,13 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     // each thread's column pairs.
     constexpr bool kChunkedStore = Roles::kConsumers == 2;
     using Mod = ScoreMod<MODS>;
-    // The factor the exponent's FMA applies to a score as softmax leaves it: the plain product's scale and the
+    // The factor the exponent's FMA applies to a score as softmax leaves it, of an item whose scores are q.k times
+    // item_scale (float8: its q_descale * k_descale, below; 1 otherwise): the plain product's scale and the
     // softcap's output factor are positive, so the row max may be taken before them
-    // (float8: times the item's q_descale * k_descale, `item_scale`, below)
-    float score_factor = Mod::kAlibi ? 1.f : Mod::kSoftcap ? softcap_out : scale_log2;
+    auto score_factor_of = [&](float item_scale) {
+        return Mod::kAlibi ? 1.f : Mod::kSoftcap ? softcap_out : scale_log2 * item_scale;
+    };
+    float score_factor = score_factor_of(1.f);
 
     float o[kO], s[kS];
     unsigned p[kPSteps][4];
@@ -466,7 +469,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             const int at = b * descale_sb + w.blk.h_kv * descale_sh;
             if (q_descale != nullptr) item_scale *= q_descale[at];
             if (k_descale != nullptr) item_scale *= k_descale[at];
-            score_factor = Mod::kAlibi ? 1.f : Mod::kSoftcap ? softcap_out : scale_log2 * item_scale;
+            score_factor = score_factor_of(item_scale);
         }
         const float item_softcap_in = softcap_in * item_scale;
         const Mod mod(scale_log2 * item_scale, item_softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
