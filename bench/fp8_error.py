@@ -63,12 +63,16 @@ def make_inputs(case: str, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
 
 
 def kernel_available() -> bool:
-    """Whether this machine runs the float8 kernel: a CUDA GPU of compute capability 9.0."""
+    """Whether this machine runs the float8 kernel at SHAPE's head dim: the plan's test
+    (``_config.float8_forward_spec``: compute capability 9.0 with tensor maps) on the current device."""
     if gpu_unavailable_reason() is not None:
         return False
     import cupy
 
-    return cupy.cuda.Device().compute_capability == "90"
+    from cuflash import _config, _cupy_path
+
+    device = _cupy_path.device_props(cupy.cuda.Device().id)
+    return _config.float8_forward_spec(SHAPE[-1], _config.MASK_NONE, device) is not None
 
 
 def forward(method: tuple, q, k, v, on_gpu: bool) -> np.ndarray:
@@ -97,9 +101,12 @@ def forward(method: tuple, q, k, v, on_gpu: bool) -> np.ndarray:
 def errors(out: np.ndarray, exact: np.ndarray, bfloat16: np.ndarray) -> dict:
     """The RMSE against the exact and the bfloat16 outputs, the first over the exact output's RMS, and the
     largest difference from the exact output."""
-    rms = lambda x: float(np.sqrt(np.mean(x**2)))   # noqa: E731
-    return {"rmse_exact": rms(out - exact), "rmse_bfloat16": rms(out - bfloat16),
-            "relative_rmse_exact": rms(out - exact) / rms(exact), "max_error_exact": float(abs(out - exact).max())}
+    def rms(x):
+        return float(np.sqrt(np.mean(x**2)))
+
+    error = out - exact
+    return {"rmse_exact": rms(error), "rmse_bfloat16": rms(out - bfloat16),
+            "relative_rmse_exact": rms(error) / rms(exact), "max_error_exact": float(abs(error).max())}
 
 
 def measure(on_gpu: bool, seed: int = 0) -> list[dict]:
@@ -136,15 +143,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     on_gpu = not args.model and kernel_available()
-    if on_gpu:
-        import cupy
+    if on_gpu:   # the GPU and the versions, as the benchmark suites' headers have them
+        from .impls import environment
 
-        source = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+        versions = environment()
+        source = versions["gpu"]
     else:
-        source = "model"
+        versions, source = {"cuflash": cuflash.__version__}, "model"
     records = measure(on_gpu, args.seed)
-    header = make_header("fp8_error", False, source=source, shape=list(SHAPE), seed=args.seed,
-                         cuflash=cuflash.__version__)
+    header = make_header("fp8_error", False, source=source, shape=list(SHAPE), seed=args.seed, **versions)
     folder = results_dir(args.out, source)
     write_json(folder / "fp8_error.json", header, records)
     text = (f"float8 forward error, {source}: q, k, v {SHAPE} (batch, seqlen, heads, head_dim), "

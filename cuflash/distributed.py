@@ -455,8 +455,8 @@ def ring_attention(q, k, v, comm, causal: bool = False, softmax_scale: float | N
     and ALiBi); the partial results are merged in float32 and rounded once. Memory beyond the output: a
     float32 accumulator of the output's shape (none where this rank's schedule is one call over all its rows, as
     at world size 1: that call's result is returned as it comes), and two receive buffers of k's and v's
-    shapes. Dropout is not offered. With a NCCL communicator the moves run on a stream of their own, ordered against CuPy's
-    current stream; the call does not synchronize the host.
+    shapes. Dropout is not offered. With a NCCL communicator the moves run on a stream of their own, ordered
+    against CuPy's current stream; the call does not synchronize the host.
     """
     xp = array_module(q=q, k=k, v=v, **optional_arrays(alibi_slopes=alibi_slopes, sinks=sinks))
     p = check_forward(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, sinks)

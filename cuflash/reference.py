@@ -413,8 +413,8 @@ def attention_float8_in_dtype(q, k, v, causal, softmax_scale, q_descale=None, k_
     """The float8 kernels' math, the low-precision side of the tolerance rule for them: q, k and v (float8_e4m3fn
     or uint8 bit patterns) dequantized, q.k summed as the e4m3 matrix units sum it (``_float8_scores``), the
     scores and their modifiers in float32, each probability's exp(score - max) * 2**FLOAT8_P_OFFSET rounded to
-    e4m3 for P V while the row sum l takes it unrounded, out = P V / (2**FLOAT8_P_OFFSET l) rounded to bfloat16. ``options``: :func:`attention`'s (no dropout). Returns
-    float32 (out, lse)."""
+    e4m3 for P V while the row sum l takes it unrounded, out = P V / (2**FLOAT8_P_OFFSET l) rounded to bfloat16.
+    ``options``: :func:`attention`'s (no dropout). Returns float32 (out, lse)."""
     heads_kv = k.shape[2]
     q, k, v = (np.asarray(_host(x)) for x in (q, k, v))
     v = _fp8.dequantize(v, None if v_descale is None else _host(v_descale), heads_kv, np.float32)
