@@ -22,6 +22,28 @@ template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct SimtTiles {
     static constexpr int kScoreRow = BLOCK_N + 1;
     static constexpr int kFwdFloats = (BLOCK_M + 2 * BLOCK_N) * kRow + BLOCK_M * kScoreRow + 3 * BLOCK_M;
     static constexpr int kBwdFloats = (2 * BLOCK_M + 2 * BLOCK_N) * kRow + 2 * BLOCK_M * kScoreRow + 2 * BLOCK_M;
+
+    // The backward's kBwdFloats, one layout for the dK/dV and the dQ kernels.
+    struct Bwd {
+        float* q;       // [BLOCK_M][kRow]
+        float* dout;    // [BLOCK_M][kRow]
+        float* k;       // [BLOCK_N][kRow]
+        float* v;       // [BLOCK_N][kRow]
+        float* p;       // [BLOCK_M][kScoreRow]
+        float* ds;      // [BLOCK_M][kScoreRow]
+        float* lse2;    // [BLOCK_M] the rows' lse, base 2
+        float* delta;   // [BLOCK_M]
+    };
+    static __device__ __forceinline__ Bwd bwd_tiles(unsigned char* smem) {
+        float* q = reinterpret_cast<float*>(smem);
+        float* dout = q + BLOCK_M * kRow;
+        float* k = dout + BLOCK_M * kRow;
+        float* v = k + BLOCK_N * kRow;
+        float* p = v + BLOCK_N * kRow;
+        float* ds = p + BLOCK_M * kScoreRow;
+        float* lse2 = ds + BLOCK_M * kScoreRow;
+        return {q, dout, k, v, p, ds, lse2, lse2 + BLOCK_M};
+    }
 };
 
 // rows [row0, row0 + ROWS) of one head -> float32 tile; out-of-range rows and columns read as 0.
@@ -259,14 +281,7 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dkdv_simt(CUFLASH_PARAMS(
     static_assert(kSimtThreads % BLOCK_N == 0 && HEAD_DIM % kThreadsPerRow == 0, "dK/dV ownership must tile");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* q_s = reinterpret_cast<float*>(smem_raw);   // [BLOCK_M][kRow]
-    float* do_s = q_s + BLOCK_M * kRow;                // [BLOCK_M][kRow]
-    float* k_s = do_s + BLOCK_M * kRow;                // [BLOCK_N][kRow]
-    float* v_s = k_s + BLOCK_N * kRow;                 // [BLOCK_N][kRow]
-    float* p_s = v_s + BLOCK_N * kRow;                 // [BLOCK_M][kScoreRow]
-    float* ds_s = p_s + BLOCK_M * kScoreRow;           // [BLOCK_M][kScoreRow]
-    float* lse2_s = ds_s + BLOCK_M * kScoreRow;        // [BLOCK_M]
-    float* delta_s = lse2_s + BLOCK_M;                 // [BLOCK_M]
+    const auto [q_s, do_s, k_s, v_s, p_s, ds_s, lse2_s, delta_s] = Tiles::bwd_tiles(smem_raw);
 
     const KeyBlock blk(BLOCK_N, heads / group, seqlen_k, 0, 0);   // the banded grid
     const int b = blk.b, h_kv = blk.h_kv, n0 = blk.n0;
@@ -342,14 +357,7 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dq_simt(CUFLASH_PARAMS(CU
     static_assert(kSimtThreads % BLOCK_M == 0 && HEAD_DIM % kThreadsPerRow == 0, "dQ ownership must tile");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    float* q_s = reinterpret_cast<float*>(smem_raw);
-    float* do_s = q_s + BLOCK_M * kRow;
-    float* k_s = do_s + BLOCK_M * kRow;
-    float* v_s = k_s + BLOCK_N * kRow;
-    float* p_s = v_s + BLOCK_N * kRow;
-    float* ds_s = p_s + BLOCK_M * kScoreRow;
-    float* lse2_s = ds_s + BLOCK_M * kScoreRow;
-    float* delta_s = lse2_s + BLOCK_M;
+    const auto [q_s, do_s, k_s, v_s, p_s, ds_s, lse2_s, delta_s] = Tiles::bwd_tiles(smem_raw);
 
     const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, false);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
