@@ -396,6 +396,38 @@ def _single_call(schedule, seqlen_local: int):
     return None
 
 
+class _MergedOutput:
+    """This rank's output built from the ring's parts: float32 state (batch, rows, heads, head_dim) and its lse
+    (batch, heads, rows), each part merged in by its lse, rounded to q's dtype once at the end."""
+
+    def __init__(self, xp, q, lse_shape):
+        self.xp, self.dtype = xp, q.dtype
+        self.acc = xp.zeros(q.shape, xp.float32)
+        self.lse = xp.full(lse_shape, -xp.inf, xp.float32)
+
+    def add(self, rows: slice, part, part_lse):
+        _merge_into(self.xp, self.acc, self.lse, rows, part, part_lse)
+
+    def add_sinks(self, sinks):
+        """The sinks (heads,) join each row once, as parts of output 0."""
+        _merge_into(self.xp, self.acc, self.lse, slice(None), None, None, sinks)
+
+    def result(self):
+        return self.acc.astype(self.dtype), self.lse
+
+
+class _OneCallOutput:
+    """The output of a rank whose schedule is one call over all its rows (world size 1, for one): that call's
+    result as it comes, with no float32 state, no merge and no rounding beyond attention's own. The call takes
+    the sinks (``_sink_call``), so none join afterwards."""
+
+    def add(self, rows: slice, part, part_lse):
+        self.out, self.lse = part, part_lse
+
+    def result(self):
+        return self.out, self.lse
+
+
 def _setup(xp, q, comm, layout, p):
     """The ring and the schedule of this rank."""
     _check_layout(layout)
@@ -470,12 +502,8 @@ def ring_attention(q, k, v, comm, causal: bool = False, softmax_scale: float | N
             out, lse = _no_keys(xp, q, (p.batch, p.heads, p.seqlen_q), sinks)
             return (out, lse) if return_lse else out
         sink_at = _sink_call(schedule, p.seqlen_q) if sinks is not None else None
-        # a rank whose schedule is one call over all its rows (world size 1, for one) returns that call's
-        # result: no float32 state, no merge, no rounding beyond attention's own
-        whole = _single_call(schedule, p.seqlen_q)
-        if whole is None:
-            acc = xp.zeros(q.shape, xp.float32)
-            acc_lse = xp.full((p.batch, p.heads, p.seqlen_q), -xp.inf, xp.float32)
+        output = (_OneCallOutput() if _single_call(schedule, p.seqlen_q) is not None
+                  else _MergedOutput(xp, q, (p.batch, p.heads, p.seqlen_q)))
         held = (k, v)
         receive = _receive_buffers(xp, ring, (k, v))
         for step, (_, calls) in enumerate(schedule):
@@ -488,19 +516,15 @@ def ring_attention(q, k, v, comm, causal: bool = False, softmax_scale: float | N
                 rows, keys = slice(call.q_begin, call.q_end), slice(call.k_begin, call.k_end)
                 part, part_lse = blocks.forward(_block_problem(p, call, with_sinks), q[:, rows], held[0][:, keys],
                                                 held[1][:, keys], alibi_slopes, sinks if with_sinks else None)
-                if whole is None:
-                    _merge_into(xp, acc, acc_lse, rows, part, part_lse)
-                else:
-                    out, acc_lse = part, part_lse
+                output.add(rows, part, part_lse)
             if moving:
                 ring.wait(moved)
                 held = receive[step % 2]
                 del sending
-        if sinks is not None and sink_at is None:   # the sink joins each row once, as a part of output 0
-            _merge_into(xp, acc, acc_lse, slice(None), None, None, sinks)
-        if whole is None:
-            out = acc.astype(q.dtype)
-    return (out, acc_lse) if return_lse else out
+        if sinks is not None and sink_at is None:
+            output.add_sinks(sinks)
+        out, lse = output.result()
+    return (out, lse) if return_lse else out
 
 
 def ring_attention_backward(dout, q, k, v, out, lse, comm, causal: bool = False, softmax_scale: float | None = None,
