@@ -229,6 +229,23 @@ def test_rows_that_see_no_key_get_zero_and_their_sink(rng):
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("seqlen, heads", [(0, 2), (8, 0)])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_empty_shards_give_what_attention_gives(rng, seqlen, heads, with_sinks):
+    """Shards with no rows or no heads: each rank returns at once (nothing moves), with the output, lse and
+    gradients that attention and attention_backward give for the whole sequence."""
+    q, k, v = make_qkv(np, rng, 1, seqlen, seqlen, heads, heads, 16, np.float32)
+    dout = rng.standard_normal(q.shape).astype(np.float32)
+    options = dict(causal=True, sinks=rng.standard_normal(heads).astype(np.float32) if with_sinks else None)
+    out, lse, grads = run_ring(2, "zigzag", q, k, v, dout, options)
+    want_out, want_lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    want = cuflash.attention_backward(dout, q, k, v, want_out, want_lse, **options)
+    for name, got, expected in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), (out, lse, *grads),
+                                   (want_out, want_lse, *want)):
+        assert got.shape == expected.shape and got.dtype == expected.dtype, name
+        np.testing.assert_array_equal(got, expected, err_msg=name)
+
+
 @pytest.mark.parametrize("layout", distributed.LAYOUTS)
 @pytest.mark.parametrize("world_size", [1, 3, 4])
 def test_shard_and_unshard_are_inverses(xp, layout, world_size):
@@ -263,6 +280,10 @@ def test_bad_arguments_are_refused_by_name(rng):
         distributed.shard_sequence(q, 0, 2.0)
     with pytest.raises(ValueError, match=r"shards\[1\]"):
         distributed.unshard_sequence([q, q[:, :4]])
+    with pytest.raises(ValueError, match="shards must hold one array per rank, got none"):
+        distributed.unshard_sequence([])
+    with pytest.raises(ValueError, match="its sequence axis must be even, got 7"):
+        distributed.unshard_sequence([q[:, :7], q[:, :7]], "zigzag")
     with pytest.raises(ValueError, match="axis"):
         distributed.shard_sequence(q, 0, 2, axis=4)
     with pytest.raises(TypeError, match="numpy.ndarray or cupy.ndarray"):

@@ -88,6 +88,23 @@ def test_quantization_refuses_what_it_cannot_scale(bad, error, words):
         cuflash.quantize_fp8(arguments["x"], arguments["granularity"], arguments["heads_kv"])
 
 
+def test_quantization_of_an_empty_tensor_takes_factor_one():
+    x8, descale = cuflash.quantize_fp8(np.zeros((2, 0, 4, 8), np.float32), "head", heads_kv=2)
+    assert x8.shape == (2, 0, 4, 8) and x8.dtype == E4M3
+    assert descale.shape == (2, 2) and descale.dtype == np.float32 and (descale == 1).all()
+
+
+def test_quantize_qkv_refuses_by_name(rng):
+    q, k, v = _inputs(rng, (1, 4, 6, 2, 1, 16))
+    with pytest.raises(ValueError, match="k must have 4 dimensions"):
+        cuflash.quantize_qkv(q, k[0], v)
+    with pytest.raises(ValueError, match="head_dim must match: q 16, k 8"):
+        cuflash.quantize_qkv(q, k[..., :8], v, hadamard=True)
+    for head_dim in (0, 2.0, True, "16"):
+        with pytest.raises(ValueError, match="head_dim must be a positive int"):
+            cuflash.hadamard_rotation(head_dim)
+
+
 @pytest.mark.parametrize("head_dim", [1, 3, 40, 64, 96, 128, 256])
 def test_the_hadamard_rotation_is_orthogonal_and_keeps_the_scores(rng, head_dim):
     rotation = cuflash.hadamard_rotation(head_dim, seed=int(rng.integers(1 << 30)))
@@ -317,6 +334,27 @@ def test_the_e4m3_sums_model_is_exact_where_the_sums_fit_13_bits(rng):
         k = rng.integers(-4, 5, (1, 7, 2, head_dim)).astype(np.float32).astype(E4M3)
         exact = np.einsum("bihd,bjhd->bhij", q.astype(np.float64), k.astype(np.float64))
         np.testing.assert_array_equal(reference._float8_scores(q, k, None, None, 2), exact)
+
+
+@pytest.mark.parametrize("option", FLOAT8_OPTIONS)
+@pytest.mark.parametrize("shape", [(1, 40, 70, 4, 2, 64), (2, 70, 33, 4, 1, 40)], ids=str)
+def test_the_float8_model_is_exact_attention_but_for_p_and_the_sums(rng, shape, option):
+    """reference.attention_float8_in_dtype, the low-precision side of the GPU tests, under every mask and score
+    modifier: it differs from the exact attention of the same values only by P's e4m3 rounding (each weight
+    within 2**-4 of itself, so out within 2**-4 max|v| and bfloat16's rounding) and the e4m3 units' sums of the
+    scores (lse within 2**-8 of (1 + |lse|), the row sum taking P unrounded); it sees the rows the exact one
+    sees. A modifier the model dropped or misapplied moves its scores by whole units."""
+    q8, k8, v8, *descales = cuflash.quantize_qkv(*_inputs(rng, shape), "head")
+    options = _options(rng, shape[3], FLOAT8_OPTIONS[option])
+    ref, ref_lse = reference.attention(q8, k8, v8, q_descale=descales[0], k_descale=descales[1],
+                                       v_descale=descales[2], **options)
+    causal = options.pop("causal", False)
+    model, model_lse = reference.attention_float8_in_dtype(q8, k8, v8, causal, None, *descales, **options)
+    seen = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(np.isfinite(model_lse), seen)
+    assert (np.abs(model_lse[seen] - ref_lse[seen]) <= 2.0**-8 * (1 + np.abs(ref_lse[seen]))).all()
+    v_max = np.abs(_fp8.dequantize(v8, descales[2], shape[4])).max()
+    assert np.abs(model - ref).max() <= 2.0**-4 * v_max + reference.rounding(ref, BF16)
 
 
 def _hopper_gpu() -> bool:

@@ -291,6 +291,11 @@ def test_refused_calls_write_nothing(xp, rng):
         args = {"k": k, "v": v, **overrides}
         with pytest.raises(error, match=message):
             cuflash.attention_with_kvcache(q, *caches, **args)
+    with pytest.raises(ValueError, match=r"k_cache and v_cache must have one shape, got \(2, 100, 2, 32\) and "
+                                         r"\(2, 99, 2, 32\)"):
+        cuflash.attention_with_kvcache(q, caches[0], caches[1][:, :99], k, v, cache_seqlens=lengths)
+    with pytest.raises(TypeError, match="q, k_cache and v_cache must share one dtype"):
+        cuflash.attention_with_kvcache(q, caches[0], caches[1].astype(np.float32), k, v, cache_seqlens=lengths)
     paged_bad = [
         (dict(block_table=table.astype(np.int64)), TypeError, "block_table must be an int32"),
         (dict(block_table=table[:1]), ValueError, "block_table must have batch = 2"),
@@ -309,6 +314,19 @@ def test_refused_calls_write_nothing(xp, rng):
         cuflash.attention_with_kvcache(q[:, :, :3], *caches, cache_seqlens=1)
     for cache, want in zip((*caches, *pools), before):
         np.testing.assert_array_equal(to_numpy(cache), want)
+
+
+def test_caches_past_int32_are_refused():
+    """A cache of 2**31 keys a sequence, plain or through a block_table's pages (zero-stride views: no memory
+    behind them), cannot be indexed by the kernels' int32 positions."""
+    q = np.zeros((2, 1, 4, 32), np.float16)
+    tall = np.broadcast_to(np.zeros((1, 1, 1, 32), np.float16), (2, 2**31, 2, 32))
+    with pytest.raises(ValueError, match="the cache holds 2147483648 keys per sequence, past int32"):
+        cuflash.attention_with_kvcache(q, tall, tall, cache_seqlens=1)
+    pool = np.zeros((1, 64, 2, 32), np.float16)
+    wide_table = np.broadcast_to(np.zeros((1, 1), np.int32), (2, 2**25 + 1))
+    with pytest.raises(ValueError, match="the cache holds 2147483712 keys per sequence, past int32"):
+        cuflash.attention_with_kvcache(q, pool, pool, cache_seqlens=1, block_table=wide_table)
 
 
 @requires_gpu

@@ -74,3 +74,14 @@ def test_reference_backward_matches_finite_differences(rng):
             minus[arg][idx] -= eps
             numeric[idx] = (loss(*plus) - loss(*minus)) / (2 * eps)
         np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-7)
+
+
+def test_reference_dropout_needs_its_mask(rng):
+    """The reference applies a given keep mask (cuflash.dropout_mask draws it); dropout_p without one is refused,
+    dense and packed, rather than computed without dropout."""
+    q = rng.standard_normal((1, 4, 2, 8))
+    with pytest.raises(ValueError, match="dropout_p > 0 needs the dropout_mask"):
+        reference.attention(q, q, q, dropout_p=0.1)
+    cu = np.array([0, 4], np.int32)
+    with pytest.raises(ValueError, match="dropout_p > 0 needs the dropout_mask"):
+        reference.attention_varlen(q[0], q[0], q[0], cu, cu, dropout_p=0.1)

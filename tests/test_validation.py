@@ -50,6 +50,12 @@ def test_head_dim_mismatch(xp, rng, qkv):
         _fwd(q, k[..., :16], v[..., :16])
 
 
+def test_value_head_dim_differs_from_the_keys(qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match="head_dim must match: q 32, k 32, v 16"):
+        _fwd(q, k, v[..., :16])
+
+
 def test_heads_not_multiple_of_kv_heads(xp, rng):
     q, k, v = make_qkv(xp, rng, 1, 8, 8, 5, 2, 32, np.float16)
     with pytest.raises(ValueError, match=r"multiple of heads_kv"):
@@ -267,6 +273,11 @@ class TestFeatureArguments:
     @pytest.mark.parametrize("p", [1.0, -0.1, 1.5, math.nan])
     def test_dropout_p_range(self, qkv, p):
         with pytest.raises(ValueError, match="dropout_p must be in \\[0, 1\\)"):
+            _fwd(*qkv, dropout_p=p, seed=1)
+
+    @pytest.mark.parametrize("p", ["0.1", None, True])
+    def test_dropout_p_type(self, qkv, p):
+        with pytest.raises(TypeError, match="dropout_p must be a real number"):
             _fwd(*qkv, dropout_p=p, seed=1)
 
     def test_dropout_needs_a_seed(self, qkv):

@@ -110,6 +110,8 @@ def test_bad_packings_are_refused(xp, rng):
         (dict(dropout_p=1.0, seed=1), ValueError, r"dropout_p must be in \[0, 1\)"),
         (dict(alibi_slopes=xp.zeros((3, 2), np.float32)), ValueError, "alibi_slopes must have shape"),
         (dict(causal=1), TypeError, "causal must be a bool"),
+        (dict(v=v[:5]), ValueError, r"k and v must have one shape, got \(11, 2, 16\) and \(5, 2, 16\)"),
+        (dict(v=v.astype(np.float16)), TypeError, "q, k and v must share one dtype"),
     ]
     if xp is np:  # a packed length past int32, as a zero-stride view (no memory behind it)
         huge = np.broadcast_to(np.zeros((1, 2, 16), np.float32), (2**31, 2, 16))
@@ -286,3 +288,10 @@ def test_paged_keys_refusals(rng):
         cuflash.attention_varlen(q, k_cache, v_cache, cu, cu, block_table=bad)
     with pytest.raises(ValueError, match="past its block_table"):
         cuflash.attention_varlen(q, k_cache, v_cache, cu, cu, block_table=table[:, :2])
+    with pytest.raises(ValueError, match="k and v must have one shape"):
+        cuflash.attention_varlen(q, k_cache, v_cache[:-1], cu, cu, block_table=table)
+    with pytest.raises(ValueError, match=r"page_size \(k.shape\[1\]\) must be positive, got 0"):
+        cuflash.attention_varlen(q, k_cache[:, :0], v_cache[:, :0], cu, cu, block_table=table)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k must be prefix sums from 0, never decreasing, got "
+                                         r"\[0, 40, 30\]"):
+        cuflash.attention_varlen(q, k_cache, v_cache, cu, np.array([0, 40, 30], np.int32), block_table=table)
