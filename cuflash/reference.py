@@ -84,6 +84,28 @@ def _options(q, k, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, ali
     return scale, visible, float(softcap), bias, sink, factor
 
 
+def _by_head(x):
+    """(batch, seqlen, heads, n) <-> (batch, heads, seqlen, n): a view, its own inverse."""
+    return x.transpose(0, 2, 1, 3)
+
+
+# The score-sized products as batched matrix products (BLAS, several times np.einsum's speed); q, k, v, dout and
+# out are (batch, seqlen, heads, head_dim) with k and v repeated to q's heads, p (batch, heads, seqlen_q, seqlen_k).
+def _qk(q, k):
+    """q k^T: (batch, heads, seqlen_q, seqlen_k)."""
+    return _by_head(q) @ _by_head(k).swapaxes(-1, -2)
+
+
+def _pv(p, v):
+    """p v: (batch, seqlen_q, heads, head_dim)."""
+    return _by_head(p @ _by_head(v))
+
+
+def _ptx(p, x):
+    """p^T x of x with q's rows: (batch, seqlen_k, heads, head_dim)."""
+    return _by_head(p.swapaxes(-1, -2) @ _by_head(x))
+
+
 def _forward(q, k, v, causal, softmax_scale, options, rnd, work):
     """out, lse and the backward's saved values (p, dy/dx of the softcap, dropout factor, scale), computed in
     ``work`` with every stored intermediate passed through ``rnd``."""
@@ -93,7 +115,7 @@ def _forward(q, k, v, causal, softmax_scale, options, rnd, work):
     group = heads // heads_kv if heads_kv else 1
     k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        y = rnd(np.einsum("bihd,bjhd->bhij", q, k) * work(scale))  # scores, (b, h, sq, sk)
+        y = rnd(_qk(q, k) * work(scale))  # scores, (b, h, sq, sk)
         dy = None
         if softcap:
             tanh = np.tanh(y / work(softcap))
@@ -112,7 +134,7 @@ def _forward(q, k, v, causal, softmax_scale, options, rnd, work):
         p = rnd(np.where(l == 0, work(0), e / np.where(l == 0, 1, l)))  # NaN stays NaN
         lse = np.where(l[..., 0] == 0, -np.inf, (m + np.log(l))[..., 0])
         kept = p if factor is None else rnd(p * factor.astype(work))
-        out = rnd(np.einsum("bhij,bjhd->bihd", kept, v))
+        out = rnd(_pv(kept, v))
     return out, lse, (p, dy, factor, scale, sink)
 
 
@@ -125,8 +147,8 @@ def _backward(dout, q, k, v, out, causal, softmax_scale, options, rnd, work):
     k_rep, v_rep = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
     with np.errstate(invalid="ignore", over="ignore"):
         kept = p if factor is None else rnd(p * factor.astype(work))
-        dv = rnd(np.einsum("bhij,bihd->bjhd", kept, dout))
-        dkept = rnd(np.einsum("bihd,bjhd->bhij", dout, v_rep))  # d loss / d (kept probability)
+        dv = rnd(_ptx(kept, dout))
+        dkept = rnd(_qk(dout, v_rep))  # d loss / d (kept probability)
         dp = dkept if factor is None else dkept * factor.astype(work)
         if out is None:
             delta = (p * dp).sum(axis=-1, keepdims=True)  # rowsum(dout * out), exactly
@@ -135,8 +157,8 @@ def _backward(dout, q, k, v, out, causal, softmax_scale, options, rnd, work):
         ds = rnd(p * (dp - delta))
         if dy is not None:
             ds = rnd(ds * dy)  # through the softcap: d tanh
-        dq = rnd(np.einsum("bhij,bjhd->bihd", ds, k_rep) * work(scale))
-        dk = rnd(np.einsum("bhij,bihd->bjhd", ds, q) * work(scale))
+        dq = rnd(_pv(ds, k_rep) * work(scale))
+        dk = rnd(_ptx(ds, q) * work(scale))
 
     def fold(x):  # sum the query heads of each group onto their kv head
         b, n, _, d = x.shape
@@ -438,7 +460,7 @@ def attention_float8_in_dtype(q, k, v, causal, softmax_scale, q_descale=None, k_
         if sink is not None:
             l = l + np.exp(sink.astype(work) - m)
         p = _round(e * work(2.0**FLOAT8_P_OFFSET), ml_dtypes.float8_e4m3fn)
-        out = np.einsum("bhij,bjhd->bihd", p / np.where(l == 0, 1, l * work(2.0**FLOAT8_P_OFFSET)), v)
+        out = _pv(p / np.where(l == 0, 1, l * work(2.0**FLOAT8_P_OFFSET)), v)
         lse = np.where(l[..., 0] == 0, -np.inf, (m + np.log(l))[..., 0])
     return _round(out, ml_dtypes.bfloat16), lse.astype(np.float32)
 

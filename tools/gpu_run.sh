@@ -8,7 +8,8 @@
 # cases (two groups) and test_varlen once more with an A100's plan (CUFLASH_TEST_PLAN=a100, tests/conftest.py:
 # on a Hopper GPU, the portable kernels at an A100's tiles, which its own plan leaves out). On an H200 machine
 # of 16 cores the first twelve took 310-390 s, bound by the longest group (test_gpu with test_varlen, over 330 s in
-# one run); the float64 reference checks are CPU-bound. The compile check is left out: it needs no GPU, and CI runs it.
+# one run); the float64 reference checks are CPU-bound, so each group's BLAS runs one thread (fourteen groups
+# already fill the cores). The compile check is left out: it needs no GPU, and CI runs it.
 # PYTEST_ARGS adds pytest options; SKIP_TESTS=1 skips the tests. Run from the repository's root:
 #   bash tools/gpu_run.sh [bench args...]      e.g. bash tools/gpu_run.sh grid memory
 set -o pipefail
@@ -34,7 +35,7 @@ if [ -z "$SKIP_TESTS" ]; then
     local index=$1
     shift
     # shellcheck disable=SC2086  # PYTEST_ARGS may be several words
-    CUFLASH_TEST_PLAN=${PLAN:-native} timeout "${SUITE_TIMEOUT:-420}" \
+    CUFLASH_TEST_PLAN=${PLAN:-native} OPENBLAS_NUM_THREADS=1 timeout "${SUITE_TIMEOUT:-420}" \
       python3 -m pytest "$@" -q -p no:cacheprovider -rfE ${PYTEST_ARGS} > "$OUT/pytest.$index.log" 2>&1 &
     pids+=($!)
   }
