@@ -202,25 +202,28 @@ def markdown(header: dict, records: list[dict], suite: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def bandwidth_table(records: list[dict]) -> str:
-    """The decode suite's cache read rate per implementation and cache size, TB/s: the caches' bytes over
-    the median time (the copy's: twice that, what it reads and writes)."""
+def cache_read_rate(record: dict) -> float:
+    """A decode record's cache read rate, TB/s: the caches' bytes over the median time (the copy's: twice
+    that, what it reads and writes)."""
     from .decode import cache_bytes
     from .records import Shape
 
-    def rate(r):
-        shape = Shape(*(r[k] for k in ("batch", "seqlen_q", "seqlen_k", "heads", "heads_kv", "head_dim")))
-        moved = cache_bytes(shape) * (2 if r["impl"] == "copy" else 1)
-        return moved / (r["ms_median"] * 1e-3) / 1e12
+    shape = Shape(*(record[k] for k in ("batch", "seqlen_q", "seqlen_k", "heads", "heads_kv", "head_dim")))
+    moved = cache_bytes(shape) * (2 if record["impl"] == "copy" else 1)
+    return moved / (record["ms_median"] * 1e-3) / 1e12
 
+
+def bandwidth_table(records: list[dict]) -> str:
+    """The decode suite's cache read rate per implementation and cache size, TB/s (cache_read_rate)."""
     layout = Layout("rate", "seqlen_k", (), "TB/s", "TB/s", lambda x: f"{x:.2f}", False)
-    rows = [{**r, "rate": rate(r) if r["status"] == "ok" and r["ms_median"] else None} for r in records]
+    rows = [{**r, "rate": cache_read_rate(r) if r["status"] == "ok" and r["ms_median"] else None} for r in records]
     return markdown_table(rows, layout)
 
 
-def packing_table(records: list[dict]) -> str:
-    """The varlen suite's packed rate (real tokens) over cuflash's dense rate on the padded batch counted on the
-    padded work: 1 where packing costs the kernels nothing."""
+def packing_efficiency(records: list[dict]) -> list[dict]:
+    """The varlen suite's cuflash records (one panel's: a pass, head dim and mask) with ``efficiency``: the packed
+    rate (real tokens) over cuflash's dense rate on the padded batch counted on the padded work, 1 where packing
+    costs the kernels nothing."""
     from .flops import attention_flops, tflops
 
     padded = {}
@@ -229,9 +232,13 @@ def packing_table(records: list[dict]) -> str:
             work = attention_flops(r["batch"], r["heads"], r["seqlen_q"], r["seqlen_k"], r["head_dim"], r["causal"],
                                    r["pass"])
             padded[r["seqlen_q"]] = tflops(work, r["ms_median"])
-    rows = [{**r, "impl": "cuflash / cuflash-padded (padded work)",
-             "efficiency": r["tflops"] / padded[r["seqlen_q"]]}
+    return [{**r, "efficiency": r["tflops"] / padded[r["seqlen_q"]]}
             for r in records if r["impl"] == SUBJECT and r["status"] == "ok" and r["seqlen_q"] in padded]
+
+
+def packing_table(records: list[dict]) -> str:
+    """The varlen suite's packing efficiency per batch (packing_efficiency)."""
+    rows = [{**r, "impl": "cuflash / cuflash-padded (padded work)"} for r in packing_efficiency(records)]
     layout = Layout("efficiency", "seqlen_q", (), "", "", lambda x: f"{x:.2f}x", False)
     return markdown_table(rows, layout)
 

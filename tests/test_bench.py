@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from bench import accuracy, features, fp8_error, naive, report, scaling
+from bench import accuracy, features, fp8_error, naive, report, scaling, targets
 from bench.__main__ import parse_args
 from bench.flops import attention_flops, tflops
 from bench.records import (RECORD_FIELDS, Shape, make_header, make_record, merge_records, read_json, record_key,
@@ -497,3 +497,57 @@ def test_the_still_communicator_runs_the_rings_calls_without_moves():
         out, lse = distributed.ring_attention(q, q, q, scaling.StillCommunicator(1, 4), causal=True, return_lse=True)
         grads = distributed.ring_attention_backward(q, q, q, q, out, lse, scaling.StillCommunicator(1, 4), causal=True)
     assert out.shape == q.shape and [g.shape for g in grads] == [q.shape] * 3
+
+
+# Targets
+
+
+def _timed(impl, shape, ms, causal=False, pass_="fwd", feature=""):
+    return make_record(impl, pass_, "bfloat16", shape, causal, times_ms=[ms], feature=feature)
+
+
+def test_a_target_is_judged_on_its_worst_point(tmp_path):
+    """cuflash over the fastest peer at each cell both measured: met where every ratio reaches the bar, its worst
+    point named; a cell only one side measured, or one the selection leaves out, counts for nothing."""
+    other = Shape.square(batch=2, seqlen=4096, heads=16, head_dim=128)
+    write_json(tmp_path / "grid.json", make_header("grid", False), [
+        _timed("cuflash", SHAPE, 1.0), _timed("torch-flash", SHAPE, 2.0), _timed("torch-cudnn", SHAPE, 1.25),
+        _timed("cuflash", other, 1.0), _timed("torch-cudnn", other, 0.5),
+        _timed("cuflash", SHAPE, 1.0, causal=True),   # no peer there
+        _timed("cuflash", SHAPE, 9.0, pass_="bwd"), _timed("torch-cudnn", SHAPE, 1.0, pass_="bwd")])
+    fwd_only = targets.ratio_points("cuflash", ("torch-flash", "torch-cudnn"), lambda r: r["pass"] == "fwd")
+    judged = targets.judge(tmp_path, (targets.Target(17, "fast", "grid", 0.9, fwd_only),
+                                      targets.Target(17, "half as fast", "grid", 0.5, fwd_only),
+                                      targets.Target(16, "decoding", "decode", 1.0, fwd_only)))
+    fast, half, decoding = judged
+    assert sorted(p.value for p in fast.points) == [0.5, 1.25]   # the fastest peer's time, cuDNN's 1.25 ms
+    assert fast.met is False and fast.worst.value == 0.5 and "seqlen 4k" in fast.worst.where
+    assert half.met is True
+    assert decoding.met is None and decoding.missing == "no decode.json"
+    table = targets.markdown(judged, tmp_path)
+    assert "| 17 | fast | 0.9 | 2 | 0.50 |" in table and "no (1 below) |" in table
+    assert "| 16 | decoding | 1 | 0 | | no decode.json | not measured |" in table
+
+
+def test_feature_targets_compare_with_plain_causal_on_visible_entries(tmp_path):
+    """A feature's ratio is its TFLOP/s (visible entries) over plain causal's at the same shape and pass."""
+    causal = make_record("cuflash", "fwd", "bfloat16", SHAPE, True, times_ms=[1.0], feature="causal")
+    window = make_record("cuflash", "fwd", "bfloat16", SHAPE, True, times_ms=[0.5], feature="window1024",
+                         visible=SHAPE.seqlen_q * 300)
+    write_json(tmp_path / "features.json", make_header("features", False), [causal, window])
+    target = targets.Target(15, "window", "features", 0.85, targets._feature_ratio("window1024"))
+    (verdict,) = targets.judge(tmp_path, (target,))
+    assert verdict.points[0].value == pytest.approx(window["tflops"] / causal["tflops"])
+    assert not targets.judge(tmp_path, (targets.Target(15, "long", "features", 0.85,
+                                                        targets._feature_ratio("window1024", 8192)),))[0].points
+
+
+def test_the_committed_results_are_judged_for_every_target():
+    verdicts = targets.judge(REPO_ROOT / targets.DEFAULT_RESULTS)
+    assert len(verdicts) == len(targets.TARGETS)
+    for verdict in verdicts:
+        assert verdict.points or verdict.missing, verdict.target.promise
+    done = run_cli("bench.targets")
+    assert done.returncode == 0, done.stderr
+    assert sum(line.startswith("| 1") for line in done.stdout.splitlines()) == len(targets.TARGETS)
+    assert run_cli("bench.targets", "no/such/folder").returncode == 2
