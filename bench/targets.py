@@ -72,8 +72,8 @@ def _ok(records: Iterable[dict]) -> list[dict]:
 
 
 def _where(r: dict) -> str:
-    """A cell in words: pass, dtype, head dim, mask or feature, sizes."""
-    mask = r.get("feature") or ("causal" if r["causal"] else "full")
+    """A cell in words: pass, dtype, head dim, mask and feature (a suite's column or panel name), sizes."""
+    mask = " ".join(dict.fromkeys(filter(None, ("causal" if r["causal"] else "full", r.get("feature")))))
     sizes = (f"seqlen {fmt_count(r['seqlen_q'])}" if r["seqlen_q"] == r["seqlen_k"] else
              f"seqlen_q {r['seqlen_q']}, keys {fmt_count(r['seqlen_k'])}")
     return (f"{r['pass']} {r['dtype']} d{r['head_dim']} {mask}, batch {r['batch']}, {sizes}, "
