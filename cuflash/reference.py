@@ -106,9 +106,9 @@ def _ptx(p, x):
     return _by_head(p.swapaxes(-1, -2) @ _by_head(x))
 
 
-def _forward(q, k, v, causal, softmax_scale, options, rnd, work):
-    """out, lse and the backward's saved values (p, dy/dx of the softcap, dropout factor, scale), computed in
-    ``work`` with every stored intermediate passed through ``rnd``."""
+def _forward(q, k, v, causal, softmax_scale, options, rnd, work, with_out: bool = True):
+    """out (None without ``with_out``), lse and the backward's saved values (p, dy/dx of the softcap, dropout
+    factor, scale), computed in ``work`` with every stored intermediate passed through ``rnd``."""
     scale, visible, softcap, bias, sink, factor = _options(q, k, causal, softmax_scale, **options)
     q, k, v = (_host(x).astype(work) for x in (q, k, v))
     heads, heads_kv = q.shape[2], k.shape[2]
@@ -127,20 +127,22 @@ def _forward(q, k, v, causal, softmax_scale, options, rnd, work):
         if sink is not None:
             m = np.maximum(m, sink.astype(work))
         m = np.where(m == -np.inf, work(0), m)  # safe max: a row that sees nothing (and has no sink)
-        e = np.where(visible, np.exp(z - m), work(0))
+        # hidden entries: exp(-inf - m) = 0 (m finite, or +inf); a row with a NaN score has m NaN and is NaN
+        e = np.exp(z - m)
         l = e.sum(axis=-1, keepdims=True)
         if sink is not None:
             l = l + np.exp(sink.astype(work) - m)
-        p = rnd(np.where(l == 0, work(0), e / np.where(l == 0, 1, l)))  # NaN stays NaN
+        p = rnd(e / np.where(l == 0, 1, l))  # l == 0: e's row is all zeros; NaN stays NaN
         lse = np.where(l[..., 0] == 0, -np.inf, (m + np.log(l))[..., 0])
         kept = p if factor is None else rnd(p * factor.astype(work))
-        out = rnd(_pv(kept, v))
+        out = rnd(_pv(kept, v)) if with_out else None
     return out, lse, (p, dy, factor, scale, sink)
 
 
 def _backward(dout, q, k, v, out, causal, softmax_scale, options, rnd, work):
     """dq, dk, dv and (with sinks) dsinks; ``out`` None: delta from the probabilities themselves."""
-    _, lse, (p, dy, factor, scale, sink) = _forward(q, k, v, causal, softmax_scale, options, rnd, work)
+    _, lse, (p, dy, factor, scale, sink) = _forward(q, k, v, causal, softmax_scale, options, rnd, work,
+                                                    with_out=False)
     q, k, v, dout = (_host(x).astype(work) for x in (q, k, v, dout))
     heads, heads_kv = q.shape[2], k.shape[2]
     group = heads // heads_kv if heads_kv else 1
