@@ -342,3 +342,41 @@ def test_the_hopper_backward_matches_its_fallback(cp, rng):
         for got, want in zip(hopper.run(*args), fallback.run(*args)):
             got, want = to_numpy(got).astype(np.float32), to_numpy(want).astype(np.float32)
             assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max() + 1e-3, shape
+
+
+def test_pytorch_tensors_through_dlpack(cp, rng):
+    """A PyTorch user's call: CUDA tensors viewed by cupy.from_dlpack without a copy, one of them a (batch, heads,
+    seqlen, head_dim) tensor transposed to cuflash's layout (strided); forward and backward within
+    FlashAttention's rule, the tensors not written, the results back through torch.from_dlpack."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    from cuflash import reference
+
+    from ._checks import assert_fa_close, lowp_attention, lowp_attention_backward, max_abs_finite
+
+    batch, seqlen, heads, head_dim = 2, 100, 4, 64
+    draws = [torch.from_numpy(rng.standard_normal((batch, seqlen, heads, head_dim), dtype=np.float32))
+             for _ in range(4)]
+    q_t, v_t, dout_t = (x.to("cuda", torch.bfloat16) for x in (draws[0], draws[2], draws[3]))
+    k_t = draws[1].transpose(1, 2).contiguous().to("cuda", torch.bfloat16).transpose(1, 2)   # heads-major memory
+    torch.cuda.synchronize()
+    q, k, v, dout = (cp.from_dlpack(t) for t in (q_t, k_t, v_t, dout_t))
+    assert q.data.ptr == q_t.data_ptr() and k.data.ptr == k_t.data_ptr()   # views, not copies
+    assert k.strides == tuple(2 * s for s in k_t.stride()) and not k.flags.c_contiguous
+    before = [t.clone() for t in (q_t, k_t, v_t, dout_t)]
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    cp.cuda.get_current_stream().synchronize()
+    for old, new in zip(before, (q_t, k_t, v_t, dout_t)):
+        assert torch.equal(old, new)
+    out_t = torch.from_dlpack(out)
+    assert out_t.dtype == torch.bfloat16 and out_t.data_ptr() == out.data.ptr and out_t.shape == q_t.shape
+    ref_out, ref_lse = reference.attention(q, k, v, causal=True)
+    max_score = max_abs_finite(ref_lse)
+    assert_fa_close(out, ref_out, lowp_attention(q, k, v, True, None, BF16)[0], BF16, 2, "out", max_score)
+    refs = reference.attention_backward(dout, q, k, v, causal=True)
+    lowps = lowp_attention_backward(dout, q, k, v, out, True, None, BF16)
+    for name, grad, ref, lowp, like in zip(("dq", "dk", "dv"), grads, refs, lowps, (q_t, k_t, v_t)):
+        assert torch.from_dlpack(grad).shape == like.shape, name
+        assert_fa_close(grad, ref, lowp, BF16, 3, name, max_score)
