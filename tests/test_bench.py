@@ -372,9 +372,10 @@ def test_fp8_error_inputs_have_their_outliers():
 
 
 def test_fp8_error_on_the_model(tmp_path, monkeypatch):
-    # the host path: the bfloat16 forward on NumPy, the float8 rows from the reference's model of the kernel
+    # the model (--model, as on a host without the kernel): the bfloat16 forward on NumPy, the float8 rows from the
+    # reference's model of the kernel
     monkeypatch.setattr(fp8_error, "SHAPE", (1, 96, 2, 128))
-    fp8_error.main(["--out", str(tmp_path), "--seed", "3"])
+    fp8_error.main(["--out", str(tmp_path), "--seed", "3", "--model"])
     header, records = read_json(tmp_path / "model" / "fp8_error.json")
     assert header["source"] == "model" and header["shape"] == [1, 96, 2, 128]
     assert [(r["case"], r["method"]) for r in records] == [
