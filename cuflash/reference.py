@@ -106,6 +106,23 @@ def _ptx(p, x):
     return _by_head(p.swapaxes(-1, -2) @ _by_head(x))
 
 
+def _softmax_terms(y, visible, sink, work):
+    """(e, l, lse) of the scores y (batch, heads, seqlen_q, seqlen_k) in ``work`` (call under np.errstate): e =
+    exp(y - m) on the visible entries and 0 elsewhere, m the row max with the sink (0 for a row that sees nothing
+    and has no sink: the safe max), l the row sum of e with the sink's term, lse = m + log(l) (-inf where l is 0).
+    A row with a NaN score has m NaN and is NaN throughout."""
+    z = np.where(visible, y, -np.inf)
+    m = z.max(axis=-1, keepdims=True) if z.shape[-1] else np.full(z.shape[:-1] + (1,), -np.inf, work)
+    if sink is not None:
+        m = np.maximum(m, sink.astype(work))
+    m = np.where(m == -np.inf, work(0), m)
+    e = np.exp(z - m)   # hidden entries: exp(-inf - m) = 0 (m finite, or +inf)
+    l = e.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        l = l + np.exp(sink.astype(work) - m)
+    return e, l, np.where(l[..., 0] == 0, -np.inf, (m + np.log(l))[..., 0])
+
+
 def _forward(q, k, v, causal, softmax_scale, options, rnd, work, with_out: bool = True):
     """out (None without ``with_out``), lse and the backward's saved values (p, dy/dx of the softcap, dropout
     factor, scale), computed in ``work`` with every stored intermediate passed through ``rnd``."""
@@ -122,18 +139,8 @@ def _forward(q, k, v, causal, softmax_scale, options, rnd, work, with_out: bool 
             y, dy = rnd(work(softcap) * tanh), 1 - tanh * tanh
         if bias is not None:
             y = rnd(y + bias.astype(work))
-        z = np.where(visible, y, -np.inf)
-        m = z.max(axis=-1, keepdims=True) if z.shape[-1] else np.full(z.shape[:-1] + (1,), -np.inf, work)
-        if sink is not None:
-            m = np.maximum(m, sink.astype(work))
-        m = np.where(m == -np.inf, work(0), m)  # safe max: a row that sees nothing (and has no sink)
-        # hidden entries: exp(-inf - m) = 0 (m finite, or +inf); a row with a NaN score has m NaN and is NaN
-        e = np.exp(z - m)
-        l = e.sum(axis=-1, keepdims=True)
-        if sink is not None:
-            l = l + np.exp(sink.astype(work) - m)
+        e, l, lse = _softmax_terms(y, visible, sink, work)
         p = rnd(e / np.where(l == 0, 1, l))  # l == 0: e's row is all zeros; NaN stays NaN
-        lse = np.where(l[..., 0] == 0, -np.inf, (m + np.log(l))[..., 0])
         kept = p if factor is None else rnd(p * factor.astype(work))
         out = rnd(_pv(kept, v)) if with_out else None
     return out, lse, (p, dy, factor, scale, sink)
@@ -452,18 +459,9 @@ def attention_float8_in_dtype(q, k, v, causal, softmax_scale, q_descale=None, k_
             y = work(softcap) * np.tanh(y / work(softcap))
         if bias is not None:
             y = y + bias.astype(work)
-        z = np.where(visible, y, -np.inf)
-        m = z.max(axis=-1, keepdims=True) if z.shape[-1] else np.full(z.shape[:-1] + (1,), -np.inf, work)
-        if sink is not None:
-            m = np.maximum(m, sink.astype(work))
-        m = np.where(m == -np.inf, work(0), m)
-        e = np.where(visible, np.exp(z - m), work(0))
-        l = e.sum(axis=-1, keepdims=True)
-        if sink is not None:
-            l = l + np.exp(sink.astype(work) - m)
+        e, l, lse = _softmax_terms(y, visible, sink, work)
         p = _round(e * work(2.0**FLOAT8_P_OFFSET), ml_dtypes.float8_e4m3fn)
         out = _pv(p / np.where(l == 0, 1, l * work(2.0**FLOAT8_P_OFFSET)), v)
-        lse = np.where(l[..., 0] == 0, -np.inf, (m + np.log(l))[..., 0])
     return _round(out, ml_dtypes.bfloat16), lse.astype(np.float32)
 
 
