@@ -34,6 +34,11 @@ class Shape:
     head_dim: int
 
     @classmethod
+    def of(cls, record: dict) -> "Shape":
+        """The sizes a result record measured."""
+        return cls(*(record[field] for field in ("batch", "seqlen_q", "seqlen_k", "heads", "heads_kv", "head_dim")))
+
+    @classmethod
     def square(cls, batch: int, seqlen: int, heads: int, head_dim: int) -> "Shape":
         """Self-attention sizes: seqlen_q == seqlen_k, one kv head per query head."""
         return cls(batch, seqlen, seqlen, heads, heads, head_dim)

@@ -208,8 +208,7 @@ def cache_read_rate(record: dict) -> float:
     from .decode import cache_bytes
     from .records import Shape
 
-    shape = Shape(*(record[k] for k in ("batch", "seqlen_q", "seqlen_k", "heads", "heads_kv", "head_dim")))
-    moved = cache_bytes(shape) * (2 if record["impl"] == "copy" else 1)
+    moved = cache_bytes(Shape.of(record)) * (2 if record["impl"] == "copy" else 1)
     return moved / (record["ms_median"] * 1e-3) / 1e12
 
 

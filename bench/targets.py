@@ -14,15 +14,12 @@ import dataclasses
 import pathlib
 from collections.abc import Callable, Iterable
 
-from .records import read_json, record_key
-from .report import cache_read_rate, fmt_count, packing_efficiency
+from .records import Shape, read_json, record_key
+from .report import SUBJECT, cache_read_rate, fmt_count, packing_efficiency
 
 DEFAULT_RESULTS = "bench/results/nvidia-h200"
-SUBJECT = "cuflash"
-#: The decode suite's peers (SDPA's flash and cuDNN backends) and its copy of the cache's bytes
-DECODE_PEERS = ("torch-flash", "torch-cudnn")
-#: The varlen suite's padded peers
-VARLEN_PEERS = ("torch-flash", "torch-cudnn")
+#: SDPA's flash and cuDNN backends: the decode suite's peers, and the varlen suite's padded ones
+SDPA_PEERS = ("torch-flash", "torch-cudnn")
 MIB = 1 << 20
 
 
@@ -130,16 +127,12 @@ def value_points(subject: str, select: Callable[[dict], bool]) -> Callable[[list
 def _read_rate_share(records: list[dict]) -> list[Point]:
     """cuflash's cache read rate over the copy's, at caches of 256 MiB and more."""
     from .decode import cache_bytes
-    from .records import Shape
 
     records = [r for r in _ok(records) if not r.get("feature")]
-    copies = {_cell(r): cache_read_rate(r) for r in records if r["impl"] == "copy"}
-    found = []
-    for r in records:
-        shape = Shape(*(r[k] for k in ("batch", "seqlen_q", "seqlen_k", "heads", "heads_kv", "head_dim")))
-        if r["impl"] == SUBJECT and cache_bytes(shape) >= 256 * MIB and _cell(r) in copies:
-            found.append(Point(cache_read_rate(r) / copies[_cell(r)], _where(r)))
-    return found
+    copies = {_cell(r): r for r in records if r["impl"] == "copy"}
+    large = [r for r in records if r["impl"] == SUBJECT and cache_bytes(Shape.of(r)) >= 256 * MIB]
+    return [Point(cache_read_rate(r) / cache_read_rate(copies[_cell(r)]), _where(r))
+            for r in large if _cell(r) in copies]
 
 
 def _packing(records: list[dict]) -> list[Point]:
@@ -166,15 +159,15 @@ TARGETS = (
     Target(15, "every feature's forward >= 1.0x FlexAttention", "features", 1.0,
            ratio_points(SUBJECT, ("torch-flex",), lambda r: r["pass"] == "fwd")),
     Target(16, "decode: time <= the best peer's (SDPA flash, cuDNN) at every point", "decode", 1.0,
-           ratio_points(SUBJECT, DECODE_PEERS, lambda r: not r.get("feature"))),
+           ratio_points(SUBJECT, SDPA_PEERS, lambda r: not r.get("feature"))),
     Target(16, "decode: cache read >= 80% of the copy's rate at caches of 256 MiB and more", "decode", 0.8,
            _read_rate_share),
     Target(16, "decode: paged within 5% of contiguous", "decode", 1 / 1.05,
            ratio_points("cuflash-paged", (SUBJECT,), lambda r: not r.get("feature"))),
     Target(16, "decode: host time per call at batch 1 <= SDPA's", "decode", 1.0,
-           ratio_points(SUBJECT, DECODE_PEERS, lambda r: r.get("feature") == "host")),
+           ratio_points(SUBJECT, SDPA_PEERS, lambda r: r.get("feature") == "host")),
     Target(16, "varlen: packed >= 0.95x its own dense rate (padded work)", "varlen", 0.95, _packing),
-    Target(16, "varlen: faster than any padded peer", "varlen", 1.0, ratio_points(SUBJECT, VARLEN_PEERS)),
+    Target(16, "varlen: faster than any padded peer", "varlen", 1.0, ratio_points(SUBJECT, SDPA_PEERS)),
     Target(17, "fwd and fwd+bwd >= 1.0x cuDNN, seqlen 1k-16k", "grid", 1.0,
            _grid_cudnn(lambda r: r["seqlen_q"] >= 1024)),
     Target(17, "fwd and fwd+bwd >= 0.9x cuDNN at seqlen 512", "grid", 0.9,
