@@ -85,6 +85,8 @@ WGMMA_STAGES = 2
 WGMMA_WORK_COUNTER_INTS = 2
 #: columns of a TMA box row: 128 bytes of 16-bit elements, the 128-byte swizzle's row (``kSwizzleElems``)
 SWIZZLE_ELEMS = 64
+#: the bytes of that row (``kSwizzleRowBytes``)
+SWIZZLE_BYTES = 2 * SWIZZLE_ELEMS
 #: bwd_dkdv_mma: 8 warps in 2 x 4 and 4 x 2 grids of warp tiles (``kDkdvTiledThreads`` in kernels/bwd_mma.cu)
 DKDV_TILED_THREADS = 256
 #: bwd_dkdv_rows_mma keeps 16 x head_dim accumulators of dK and of dV per warp in registers; past this
@@ -552,13 +554,18 @@ def wgmma_forward_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mod
     return wgmma_spec(dtype, d, mask, block_m, block_n, mods, device)
 
 
-#: the float8 forward's head dims and tile (fwd_wgmma of e4m3): a key tile is one 128-byte row of V^T, and its S, P
-#: (a quarter of S's registers) and O fit two consumers at head_dim 128 (ptxas: no spill under every modifier);
-#: at 256 the same tile spills and serializes the wgmma, and 64 or 256 with 64-key tiles need the 64-byte swizzle
-FLOAT8_HEAD_DIMS = (128,)
-FLOAT8_TILE = (128, 128)
-#: transpose_v_float8's threads (its __launch_bounds__)
+#: the float8 forward's tiles (fwd_wgmma of e4m3) per head dim, (block_m, block_n): a key tile is one row of V^T,
+#: 128 or 64 bytes with that swizzle, and at head_dim 64 Q's and K's rows are 64 bytes too. Its S, P (a quarter of
+#: S's registers) and O must fit the consumers' registers beside each other: 64 x (block_n + block_n / 4 +
+#: head_dim) / 128 per thread, 232 for two consumers, 160 for three. head_dim 64: three consumers, as the 16-bit
+#: forward (112 registers); 128: two (144); 256: two on 64-key tiles (168; the 128-key tile's 208 spills and
+#: serializes the wgmma). ptxas (NVRTC 13, sm_90a): no spill under every mask and modifier.
+FLOAT8_TILES = {64: (192, 128), 128: (128, 128), 256: (128, 64)}
+FLOAT8_HEAD_DIMS = tuple(FLOAT8_TILES)
+#: transpose_v_float8's threads (its __launch_bounds__) and the keys of its blocks (``kTransposeKeys``): V^T's
+#: keys are padded to a multiple of them
 FLOAT8_TRANSPOSE_THREADS = 256
+FLOAT8_TRANSPOSE_KEYS = 128
 
 
 def float8_forward_spec(head_dim: int, mask: int, device: DeviceProps, mods: int = 0,
@@ -568,7 +575,15 @@ def float8_forward_spec(head_dim: int, mask: int, device: DeviceProps, mods: int
     if (device.compute_capability != 90 or not device.tensor_maps or head_dim not in FLOAT8_HEAD_DIMS
             or mods & MOD_DROPOUT or varlen):
         return None
-    return wgmma_spec(FLOAT8_E4M3, head_dim, mask, *FLOAT8_TILE, mods, device)
+    return wgmma_spec(FLOAT8_E4M3, head_dim, mask, *FLOAT8_TILES[head_dim], mods, device)
+
+
+def wgmma_row_bytes(spec: KernelSpec) -> tuple[int, int, int]:
+    """The bytes of a box row of fwd_wgmma's maps of q, k and v, each its swizzle's (128 or 64): q's and k's
+    ``WgmmaFwdSmem::kRowBytes``, the 128-byte swizzle's row or a shorter row's whole (float8 at head_dim 64); v's
+    the 128-byte row of 16-bit V, or a key tile of float8's V^T (block_n keys of a head_dim row)."""
+    qk = min(SWIZZLE_BYTES, spec.head_dim * np.dtype(spec.dtype).itemsize)
+    return qk, qk, spec.block_n if np.dtype(spec.dtype) == FLOAT8_E4M3 else SWIZZLE_BYTES
 
 
 def float8_transpose_spec(head_dim: int) -> KernelSpec:

@@ -198,15 +198,15 @@ def _run_on(device_id: int, run, *args):
 
 def _tensor_maps(arrays, planned) -> tuple[tuple, list]:
     """The tensor maps of ``arrays`` (q, k, v[, dout]) as a plan planned them (``planned``: each one's shape,
-    strides and box rows), and the copies they describe. A view whose address TMA cannot take is copied
+    strides, box rows and box row bytes), and the copies they describe. A view whose address TMA cannot take is copied
     (new memory is aligned); the caller holds the copies until the kernel is queued, so that no allocation
     in between (a work counter, say) takes their memory back from CuPy's pool before the kernel reads it."""
     maps, copies = [], []
-    for x, (shape, strides, box_rows) in zip(arrays, planned):
+    for x, (shape, strides, box_rows, row_bytes) in zip(arrays, planned):
         if x.data.ptr % _tma.ALIGNMENT:
             x, strides = x.copy(), _tma.map_strides(x.dtype.itemsize, shape, _contiguous_strides(shape))
             copies.append(x)
-        maps.append(_tma.tensor_map(x, shape, strides, box_rows))
+        maps.append(_tma.tensor_map(x, shape, strides, box_rows, row_bytes))
     return tuple(maps), copies
 
 
@@ -249,7 +249,7 @@ class ForwardPlan:
         self.grid = launch.grid
         self.block = (launch.spec.threads,)
         self.smem = launch.spec.smem_bytes
-        # fwd_wgmma's maps: (shape, strides, box rows) of q (a block's rows), k and v (a key tile's)
+        # fwd_wgmma's maps: (shape, strides, box rows, box row bytes) of q (a block's rows), k and v (a key tile's)
         self.maps = None
         self.work_counter = launch.work_counter
         if launch.spec.kernel == "fwd_wgmma":
@@ -261,7 +261,7 @@ class ForwardPlan:
                 map_shapes[2], map_strides[2] = (batch, head_dim, heads_kv, keys), (heads_kv * head_dim * keys, keys,
                                                                                        head_dim * keys)
                 box_rows = box_rows[:2] + (launch.spec.head_dim,)
-            self.maps = tuple(zip(map_shapes, map_strides, box_rows))
+            self.maps = tuple(zip(map_shapes, map_strides, box_rows, _config.wgmma_row_bytes(launch.spec)))
         # float8: the kernel writes bfloat16 (Output<T>), converted where out_dtype asks for float16
         self.out_shape, self.dtype = tuple(q.shape), _config.BFLOAT16 if launch.transpose is not None else q.dtype
         self.output_dtype = p.output_dtype
@@ -355,7 +355,8 @@ class _AttentionLaunch:
         self.maps = None
         if spec.kernel == "bwd_dkdv_wgmma":   # q and dout in query tiles, k and v in the block's keys
             box_rows = (spec.block_m, spec.block_n, spec.block_n, spec.block_m)
-            self.maps = tuple((shape, strides, rows) for (shape, strides), rows in zip(maps, box_rows))
+            self.maps = tuple((shape, strides, rows, _config.SWIZZLE_BYTES)
+                              for (shape, strides), rows in zip(maps, box_rows))
 
     def __call__(self, values: tuple):
         # BACKWARD_PER_CALL starts with q, k, v, dout

@@ -30,7 +30,7 @@ class Launch:
     order: Launch | None = None
     order_ints: int = 0
     #: the float8 forward: transpose_v_float8's launch, which writes V^T before it into a uint8 buffer of
-    #: ``transpose_shape`` (batch, heads_kv, head_dim, keys rounded up to a key tile)
+    #: ``transpose_shape`` (batch, heads_kv, head_dim, keys rounded up to _config.FLOAT8_TRANSPOSE_KEYS)
     transpose: Launch | None = None
     transpose_shape: tuple[int, ...] = ()
 
@@ -125,8 +125,9 @@ def float8_forward(p: Problem, device: _config.DeviceProps, packed: bool = False
             f"(this GPU: {device.compute_capability / 10:.1f}{'' if device.tensor_maps else ', no tensor maps'}), "
             f"head_dim in {_config.FLOAT8_HEAD_DIMS} (got {p.head_dim}), dense batches, no dropout"
             f"{' (got dropout)' if p.dropout_p else ''}; elsewhere pass bfloat16 (their values times their factors)")
-    keys = -(-p.seqlen_k // spec.block_n) * spec.block_n
-    transpose = Launch(_config.float8_transpose_spec(spec.head_dim), (keys // spec.block_n, p.heads_kv, p.batch))
+    keys = -(-p.seqlen_k // _config.FLOAT8_TRANSPOSE_KEYS) * _config.FLOAT8_TRANSPOSE_KEYS   # key tiles divide it
+    transpose = Launch(_config.float8_transpose_spec(spec.head_dim),
+                       (keys // _config.FLOAT8_TRANSPOSE_KEYS, p.heads_kv, p.batch))
     launch = forward(p, device, spec)
     return dataclasses.replace(launch, transpose=transpose, transpose_shape=(p.batch, p.heads_kv, p.head_dim, keys))
 

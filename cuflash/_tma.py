@@ -2,8 +2,9 @@
 driver's ``cuTensorMapEncodeTiled`` through cuda-bindings.
 
 A map describes one (batch, seqlen, heads, head_dim) array as it lies in memory, as a 4-D tensor (column, head,
-row, batch) whose boxes are [rows][64 columns] with the 128-byte swizzle; columns past head_dim and rows past
-the sequence read as zeros. TMA needs the array's address and its batch, row and head strides to be multiples of
+row, batch) whose boxes are [rows][128 bytes of columns] with the 128-byte swizzle (or [rows][64 bytes] with the
+64-byte swizzle: the float8 forward's rows of 64 bytes); columns past head_dim and rows past the sequence read
+as zeros. TMA needs the array's address and its batch, row and head strides to be multiples of
 16 bytes (``strides_ok``; the plan runs the mma.sync kernels where they are not, and copies an array whose
 address is not).
 
@@ -17,10 +18,7 @@ import functools
 
 import numpy as np
 
-from ._config import BFLOAT16, SWIZZLE_ELEMS
-
-#: the bytes of a box's row, the 128-byte swizzle's: SWIZZLE_ELEMS of 16-bit types, 128 float8 bytes
-SWIZZLE_BYTES = 2 * SWIZZLE_ELEMS
+from ._config import BFLOAT16, SWIZZLE_BYTES
 
 #: the bytes TMA wants the address and each stride to be a multiple of
 ALIGNMENT = 16
@@ -68,8 +66,11 @@ def _data_type(dtype: np.dtype):
 
 @functools.lru_cache(maxsize=CACHED_MAPS)
 def _encode(pointer: int, dtype: np.dtype, shape: tuple[int, int, int, int], strides: tuple[int, int, int],
-            box_rows: int):
+            box_rows: int, row_bytes: int):
     from cuda.bindings import driver
+
+    swizzles = {SWIZZLE_BYTES: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                SWIZZLE_BYTES // 2: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B}
 
     batch, rows, heads, head_dim = shape
     itemsize = dtype.itemsize
@@ -77,10 +78,10 @@ def _encode(pointer: int, dtype: np.dtype, shape: tuple[int, int, int, int], str
         _data_type(dtype), 4, pointer,
         [driver.cuuint64_t(n) for n in (head_dim, heads, rows, batch)],
         [driver.cuuint64_t(s * itemsize) for s in reversed(strides)],          # head, row, batch (bytes)
-        [driver.cuuint32_t(n) for n in (SWIZZLE_BYTES // itemsize, 1, box_rows, 1)],
+        [driver.cuuint32_t(n) for n in (row_bytes // itemsize, 1, box_rows, 1)],
         [driver.cuuint32_t(1)] * 4,
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        swizzles[row_bytes],
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != driver.CUresult.CUDA_SUCCESS:
@@ -96,9 +97,10 @@ def map_strides(itemsize: int, shape: tuple[int, ...], strides: tuple[int, int, 
     return tuple(span if n == 1 else s for n, s in zip(shape, strides))
 
 
-def tensor_map(x, shape: tuple[int, int, int, int], strides: tuple[int, int, int], box_rows: int):
-    """The tensor map of ``x`` (a CuPy array, float16 or bfloat16, its address ALIGNMENT-aligned) seen as ``shape``
-    (batch, rows, heads, head_dim; a packed (total, heads, head_dim) array is (1, total, heads, head_dim)) with
-    element strides ``strides`` from map_strides (batch, row, head; the last axis contiguous). Boxes of
-    ``box_rows`` rows."""
-    return _encode(x.data.ptr, x.dtype, shape, strides, box_rows)
+def tensor_map(x, shape: tuple[int, int, int, int], strides: tuple[int, int, int], box_rows: int,
+               row_bytes: int = SWIZZLE_BYTES):
+    """The tensor map of ``x`` (a CuPy array, float16, bfloat16 or uint8, its address ALIGNMENT-aligned) seen as
+    ``shape`` (batch, rows, heads, head_dim; a packed (total, heads, head_dim) array is (1, total, heads,
+    head_dim)) with element strides ``strides`` from map_strides (batch, row, head; the last axis contiguous).
+    Boxes of ``box_rows`` rows of ``row_bytes`` (128 or 64), with the swizzle of that width."""
+    return _encode(x.data.ptr, x.dtype, shape, strides, box_rows, row_bytes)

@@ -160,6 +160,21 @@ def smem_asserts(source_file: str) -> list[str]:
     return sorted(asserts)
 
 
+def wgmma_row_asserts() -> list[str]:
+    """static_asserts that the box rows _config.wgmma_row_bytes gives the maps of each fwd_wgmma spec of the compile
+    check are its layout's: 128 bytes, 64 for float8's rows of 64 bytes (q and k at head_dim 64, V^T's 64-key
+    tiles)."""
+    asserts = set()
+    for spec in _config.all_specs(TARGETS["sm_90"]):
+        if spec.kernel == "fwd_wgmma":
+            layout = SMEM_LAYOUTS["fwd_wgmma"](spec, _config.KERNEL_TYPES[np.dtype(spec.dtype)])
+            q, k, v = _config.wgmma_row_bytes(spec)
+            assert q == k
+            asserts.add(f"static_assert(cuflash::{layout}::kRowBytes == {q} && cuflash::{layout}::kVRowBytes == {v}, "
+                        f"\"wgmma_row_bytes of {layout}\");")
+    return sorted(asserts)
+
+
 def test_python_mirrors_the_kernels_constants():
     # The constants and layouts _config repeats from the kernels, checked by the compiler against the
     # kernels' own definitions: a translation unit of each source file plus static_asserts.
@@ -187,7 +202,9 @@ def test_python_mirrors_the_kernels_constants():
         ("WgmmaRoles<128>::kThreads", _config.wgmma_threads(128), "wgmma_threads"),
         ("WgmmaRoles<192>::kThreads", _config.wgmma_threads(192), "wgmma_threads"),
         ("kWgmmaStages", _config.WGMMA_STAGES, "WGMMA_STAGES"), ("kSwizzleElems", _config.SWIZZLE_ELEMS, "SWIZZLE_ELEMS"),
-        ("kWorkCounterInts", _config.WGMMA_WORK_COUNTER_INTS, "WGMMA_WORK_COUNTER_INTS"))]
+        ("kWorkCounterInts", _config.WGMMA_WORK_COUNTER_INTS, "WGMMA_WORK_COUNTER_INTS"),
+        ("kTransposeKeys", _config.FLOAT8_TRANSPOSE_KEYS, "FLOAT8_TRANSPOSE_KEYS"))]
+    hopper += wgmma_row_asserts()
     assert len(smem_asserts("fwd_wgmma.cu")) > 4
     _nvrtc_compile(kernel_source("fwd_wgmma.cu") + "\n" + "\n".join(hopper + smem_asserts("fwd_wgmma.cu")) + "\n",
                    "sm_90a", [])

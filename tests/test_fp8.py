@@ -295,16 +295,21 @@ def test_the_float8_kernel_is_planned_where_it_serves():
         return Problem(2, 1000, 1000, 8, 2, head_dim, E4M3, causal, head_dim**-0.5, -1, 0 if causal else -1, 0,
                        dropout_p=dropout_p, out_dtype=BF16, descale_shapes=((2, 2),) * 3)
 
-    launch = _plan.forward(problem(), _config.H100)
-    assert launch.spec.kernel == "fwd_wgmma" and launch.spec.dtype == E4M3 and launch.spec.head_dim == 128
-    assert launch.spec.name.startswith("cuflash::fwd_wgmma<__nv_fp8_e4m3, 128, 1, 0, 128, 128")
-    # V^T of the keys rounded up to a key tile, written by a block per (key tile, kv head, batch)
-    assert launch.transpose.spec.name == "cuflash::transpose_v_float8<128>"
-    assert launch.transpose_shape == (2, 2, 128, 1024) and launch.transpose.grid == (8, 2, 2)
+    for head_dim, tile in ((64, "192, 128"), (128, "128, 128"), (256, "128, 64")):
+        launch = _plan.forward(problem(head_dim), _config.H100)
+        assert launch.spec.kernel == "fwd_wgmma" and launch.spec.dtype == E4M3 and launch.spec.head_dim == head_dim
+        assert launch.spec.name.startswith(f"cuflash::fwd_wgmma<__nv_fp8_e4m3, {head_dim}, 1, 0, {tile}")
+        # V^T of the keys rounded up to 128 (a whole number of key tiles), written by a block per (128 keys, kv
+        # head, batch)
+        assert launch.transpose.spec.name == f"cuflash::transpose_v_float8<{head_dim}>"
+        assert launch.transpose_shape == (2, 2, head_dim, 1024) and launch.transpose.grid == (8, 2, 2)
+        # the maps' box rows: 64 bytes where a row of q and k (head_dim 64) or a key tile of V^T (64 keys) is
+        assert _config.wgmma_row_bytes(launch.spec) == ((64, 64, 128) if head_dim == 64 else
+                                                        (128, 128, 64) if head_dim == 256 else (128, 128, 128))
     with pytest.raises(TypeError, match="compute capability 9.0"):
         _plan.forward(problem(), _config.A100)
-    with pytest.raises(TypeError, match=r"head_dim in \(128,\) \(got 64\)"):
-        _plan.forward(problem(head_dim=64), _config.H100)
+    with pytest.raises(TypeError, match=r"head_dim in \(64, 128, 256\) \(got 96\)"):
+        _plan.forward(problem(head_dim=96), _config.H100)
     with pytest.raises(TypeError, match="got dropout"):
         _plan.forward(problem(dropout_p=0.1), _config.H100)
 
@@ -369,7 +374,8 @@ def _hopper_gpu() -> bool:
 @pytest.mark.parametrize("granularity", _fp8.GRANULARITIES)
 @pytest.mark.parametrize("option", FLOAT8_OPTIONS)
 @pytest.mark.parametrize("shape", [(2, 70, 90, 4, 2, 128), (1, 300, 1000, 2, 1, 128), (1, 1000, 300, 2, 2, 128),
-                                   (1, 1, 130, 2, 1, 128)], ids=str)
+                                   (1, 1, 130, 2, 1, 128), (2, 300, 400, 4, 2, 64), (1, 1, 1000, 2, 1, 64),
+                                   (1, 400, 300, 2, 1, 256), (2, 70, 1000, 2, 2, 256)], ids=str)
 def test_the_float8_kernel_matches_the_reference_of_its_values(rng, shape, option, granularity):
     import cupy as cp
 
@@ -417,7 +423,7 @@ def test_quantization_on_the_gpu_gives_the_hosts_bits(rng, granularity, dtype):
 def test_float8_on_the_gpu_outside_the_kernel_is_refused(rng):
     import cupy as cp
 
-    q8, k8, v8, *_ = cuflash.quantize_qkv(*_inputs(rng, (1, 64, 64, 2, 2, 64)))
+    q8, k8, v8, *_ = cuflash.quantize_qkv(*_inputs(rng, (1, 64, 64, 2, 2, 96)))
     with pytest.raises(TypeError, match="float8 inputs run on the GPU in the Hopper float8 forward"):
         cuflash.attention(*(cp.asarray(x.view(np.uint8)) for x in (q8, k8, v8)))
 

@@ -58,15 +58,21 @@ template <int BLOCK_M> struct WgmmaRoles {
 };
 
 // fwd_wgmma's shared memory, bytes: Q [HEAD_DIM / E][BLOCK_M rows][E], then K stages and V stages, each
-// [HEAD_DIM / E][BLOCK_N rows][E] (E = kSwizzleElemsOf<T>, a 128-byte row; swizzled blocks as TMA writes them:
-// hopper.cuh), a float8 V stage V^T [HEAD_DIM rows][BLOCK_N = 128 keys] (the same bytes), then the mbarriers:
-// q_full, q_empty, k_full[stages], v_full[stages], k_empty[stages], v_empty[stages], item_full[2],
-// item_empty[2]; then the two work-item slots (unsigned) the producer hands the consumers. kBytes is what the
-// launch gives it (_config.wgmma_smem_bytes, checked by tests/test_compile.py).
+// [HEAD_DIM / E][BLOCK_N rows][E] (E = kRowElems, a row of kRowBytes: 128, or the 64 of float8 at head_dim 64;
+// swizzled blocks as TMA writes them: hopper.cuh), a float8 V stage V^T [HEAD_DIM rows][BLOCK_N keys] (the same
+// bytes; rows of BLOCK_N bytes, 128 or 64, with that swizzle), then the mbarriers: q_full, q_empty,
+// k_full[stages], v_full[stages], k_empty[stages], v_empty[stages], item_full[2], item_empty[2]; then the two
+// work-item slots (unsigned) the producer hands the consumers. kBytes is what the launch gives it
+// (_config.wgmma_smem_bytes), kRowBytes and kVRowBytes the widths of the boxes of the maps of q and k, and of v
+// (_config.wgmma_row_bytes), all checked by tests/test_compile.py.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct WgmmaFwdSmem {
-    static constexpr int kColBlocks = HEAD_DIM / kSwizzleElemsOf<T>;
-    static constexpr int kQBlock = BLOCK_M * kSwizzleRowBytes;        // one [BLOCK_M][E] column block of Q
-    static constexpr int kKVBlock = BLOCK_N * kSwizzleRowBytes;        // one [BLOCK_N][E] block of K or V
+    static constexpr int kRowBytes = HEAD_DIM * static_cast<int>(sizeof(T)) < kSwizzleRowBytes
+                                         ? HEAD_DIM * static_cast<int>(sizeof(T)) : kSwizzleRowBytes;
+    static constexpr int kRowElems = kRowBytes / static_cast<int>(sizeof(T));
+    static constexpr int kColBlocks = HEAD_DIM / kRowElems;
+    static constexpr int kVRowBytes = kFloat8<T> ? BLOCK_N : kSwizzleRowBytes;   // V^T's rows: a key tile
+    static constexpr int kQBlock = BLOCK_M * kRowBytes;        // one [BLOCK_M][E] column block of Q
+    static constexpr int kKVBlock = BLOCK_N * kRowBytes;       // one [BLOCK_N][E] block of K or V
     static constexpr int kKVStage = kColBlocks * kKVBlock;
     static constexpr int kK = kColBlocks * kQBlock, kV = kK + kWgmmaStages * kKVStage;
     static constexpr int kBarriers = kV + kWgmmaStages * kKVStage, kBarrierCount = 2 + 4 * kWgmmaStages + 4;
@@ -81,15 +87,15 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
           CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     static_assert(sizeof(T) == 2 || kFloat8<T>, "wgmma runs float16, bfloat16 and float8 e4m3");
     // float8: V comes transposed, V^T (batch, heads_kv, head_dim, keys) with the keys of each 32 in the order of
-    // P's A fragments (transpose_v_float8, below); a key tile is one 128-byte row of it
-    static_assert(!kFloat8<T> || (BLOCK_N == kSwizzleRowBytes && !VARLEN && (MODS & kModDropout) == 0),
-                  "float8: key tiles of 128, dense batches, no dropout");
+    // P's A fragments (transpose_v_float8, below); a key tile is one swizzled row of it, 128 or 64 bytes
+    static_assert(!kFloat8<T> || ((BLOCK_N == 128 || BLOCK_N == 64) && !VARLEN && (MODS & kModDropout) == 0),
+                  "float8: key tiles of 128 or 64, dense batches, no dropout");
     using Roles = WgmmaRoles<BLOCK_M>;
     static_assert(BLOCK_M % 64 == 0 && Roles::kConsumers >= 2 && Roles::kConsumers <= 3,
                   "two or three consumer warpgroups of 64 rows");
-    static_assert(HEAD_DIM % kSwizzleElemsOf<T> == 0 && BLOCK_N % 16 == 0, "whole 128-byte column blocks, k16 steps");
     constexpr bool kDropout = (MODS & kModDropout) != 0;
     using Smem = WgmmaFwdSmem<T, HEAD_DIM, BLOCK_M, BLOCK_N>;
+    static_assert(HEAD_DIM % Smem::kRowElems == 0 && BLOCK_N % 16 == 0, "whole column blocks, k16 steps");
     extern __shared__ __align__(1024) unsigned char smem_raw[];   // the swizzle's 1024-byte atoms
     const unsigned q_s = smem_addr(smem_raw), k_s = q_s + Smem::kK, v_s = q_s + Smem::kV;
     const unsigned bars = q_s + Smem::kBarriers;
@@ -181,7 +187,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
                 ++q_loads;
                 mbarrier_expect_bytes(q_full, Smem::kK);
                 for (int c = 0; c < Smem::kColBlocks; ++c)
-                    tma_load_4d(q_s + c * Smem::kQBlock, q_map, q_full, c * kSwizzleElemsOf<T>, h, q_row, batch_coord);
+                    tma_load_4d(q_s + c * Smem::kQBlock, q_map, q_full, c * Smem::kRowElems, h, q_row, batch_coord);
                 for (int j = 0; j < w.n_tiles; ++j, ++kv_loads) {
                     const int stage = kv_loads % kWgmmaStages, refill_phase = (kv_loads / kWgmmaStages - 1) & 1;
                     const int row = k_row + w.tile_key(j);
@@ -189,16 +195,16 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
                     mbarrier_expect_bytes(k_full(stage), Smem::kKVStage);
                     for (int c = 0; c < Smem::kColBlocks; ++c)
                         tma_load_4d(k_s + stage * Smem::kKVStage + c * Smem::kKVBlock, k_map, k_full(stage),
-                                    c * kSwizzleElemsOf<T>, h_kv, row, batch_coord);
+                                    c * Smem::kRowElems, h_kv, row, batch_coord);
                     if (kv_loads >= kWgmmaStages) mbarrier_wait(v_empty(stage), refill_phase);
                     mbarrier_expect_bytes(v_full(stage), Smem::kKVStage);
                     if constexpr (kFloat8<T>)   // V^T's box (its map: keys, kv heads, head_dim rows, batch): the
-                        // tile's 128 keys of every head_dim row
+                        // tile's BLOCK_N keys of every head_dim row
                         tma_load_4d(v_s + stage * Smem::kKVStage, v_map, v_full(stage), row, h_kv, 0, batch_coord);
                     else
                         for (int c = 0; c < Smem::kColBlocks; ++c)
                             tma_load_4d(v_s + stage * Smem::kKVStage + c * Smem::kKVBlock, v_map, v_full(stage),
-                                        c * kSwizzleElemsOf<T>, h_kv, row, batch_coord);
+                                        c * Smem::kRowElems, h_kv, row, batch_coord);
                 }
             }
             if (work_counter != nullptr) {
@@ -245,17 +251,19 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     float m_i[2], l_i[2], alpha[2];
 
     // S = Q K^T of the K tile in `stage` (issued, not waited on)
-    const unsigned q_rows = q_s + 64 * cw * kSwizzleRowBytes;
+    const unsigned q_rows = q_s + 64 * cw * Smem::kRowBytes;
     auto issue_s = [&](int stage) {
         pin_registers(s);
         wgmma_fence();
+        constexpr int kStepsPerBlock = Smem::kRowBytes / 32;
 #pragma unroll
         for (int ks = 0; ks < HEAD_DIM / kKStep; ++ks) {
-            const int block = ks / 4;                  // the 128-byte column block of k step ks
-            const unsigned col = (ks % 4) * 32;         // and its bytes into the block's 128-byte rows
-            wgmma_ss<T, BLOCK_N>(s, smem_descriptor(q_rows + block * Smem::kQBlock + col, 0),
-                                 smem_descriptor(k_s + stage * Smem::kKVStage + block * Smem::kKVBlock + col, 0),
-                                 ks > 0);
+            const int block = ks / kStepsPerBlock;                // the column block of k step ks
+            const unsigned col = (ks % kStepsPerBlock) * 32;      // and its bytes into the block's rows
+            wgmma_ss<T, BLOCK_N>(
+                s, smem_descriptor<Smem::kRowBytes>(q_rows + block * Smem::kQBlock + col, 0),
+                smem_descriptor<Smem::kRowBytes>(k_s + stage * Smem::kKVStage + block * Smem::kKVBlock + col, 0),
+                ks > 0);
         }
         wgmma_commit();
         pin_registers(s);
@@ -268,7 +276,8 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
 #pragma unroll
         for (int kk = 0; kk < kPSteps; ++kk) {
             if constexpr (kFloat8<T>)   // V^T K-major: k step kk is bytes 32 kk.. of each head_dim row
-                wgmma_rs_k<T, HEAD_DIM>(o, p[kk], smem_descriptor(v_s + stage * Smem::kKVStage + kk * 32, 0), 1);
+                wgmma_rs_k<T, HEAD_DIM>(
+                    o, p[kk], smem_descriptor<Smem::kVRowBytes>(v_s + stage * Smem::kKVStage + kk * 32, 0), 1);
             else
                 wgmma_rs<T, HEAD_DIM>(
                     o, p[kk], smem_descriptor(v_s + stage * Smem::kKVStage + kk * 16 * kSwizzleRowBytes, Smem::kKVBlock),
@@ -600,14 +609,15 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
 // The float8 forward's V^T: vt (batch, heads_kv, HEAD_DIM, keys_padded), e4m3 bytes, from v (batch, seqlen_k,
 // heads_kv, HEAD_DIM; element strides v_sb, v_ss, v_sh, rows 16-byte aligned). Within each 32 keys, column
 // 16 h + 4 t + i holds the key that P's A fragment has there (pack_p): 16 h + 2 t + i for i < 2, 16 h + 8 + 2 t +
-// i - 2 for i >= 2. Keys past seqlen_k are zeros (keys_padded, a multiple of 128, is what the TMA box reads). A
-// block per (128 keys, kv head, batch) turns the tile through shared memory: coalesced 16-byte reads of key rows,
-// 16-byte writes of head_dim rows.
+// i - 2 for i >= 2. Keys past seqlen_k are zeros (keys_padded, a multiple of kTransposeKeys and so of the key
+// tiles, is what the TMA boxes read). A block per (kTransposeKeys keys, kv head, batch) turns the tile through
+// shared memory: coalesced 16-byte reads of key rows, 16-byte writes of head_dim rows.
+constexpr int kTransposeKeys = 128;   // _config.FLOAT8_TRANSPOSE_KEYS
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(256)
 transpose_v_float8(const unsigned char* __restrict__ v, unsigned char* __restrict__ vt, long long v_sb, long long v_ss,
                    long long v_sh, int seqlen_k, int keys_padded, int heads_kv) {
-    constexpr int kKeys = 128, kChunks = HEAD_DIM / 16, kRowBytes = HEAD_DIM + 16;   // 16 bytes of padding a row
+    constexpr int kKeys = kTransposeKeys, kChunks = HEAD_DIM / 16, kRowBytes = HEAD_DIM + 16;   // 16 bytes of padding
     __shared__ __align__(16) unsigned char tile[kKeys * kRowBytes];
     const int key0 = blockIdx.x * kKeys, h = blockIdx.y, b = blockIdx.z;
     for (int i = threadIdx.x; i < kKeys * kChunks; i += blockDim.x) {

@@ -4,6 +4,8 @@
 //
 // Tiles in shared memory are what a TMA load with the 128-byte swizzle writes: [rows][64] blocks of 16-bit
 // elements, 128 bytes per row, 16-byte chunk c of row r at chunk c ^ (r % 8), every block 1024-byte aligned.
+// (The float8 forward's tiles of 64-byte rows take the 64-byte swizzle: chunk c of row r at c ^ (r / 2 % 4),
+// 8-row groups of 512 bytes.)
 // A K-major operand (Q and K of S = Q K^T: rows of the matrix, the reduction along the row) is described by
 // its first row's address plus 32 bytes per k16 step inside a block, the stride between 8-row groups 1024
 // bytes; an MN-major one (V of P V: keys down, the head dim along the row) by its first key's address plus
@@ -67,13 +69,16 @@ __device__ __forceinline__ unsigned pack4_e4m3(float a0, float a1, float a2, flo
     return static_cast<unsigned>(lo) | static_cast<unsigned>(hi) << 16;
 }
 
-// A wgmma shared-memory matrix descriptor, 128-byte swizzle: start address >> 4 (bits 0-13), leading byte
-// offset >> 4 (bits 16-29), stride byte offset >> 4 (bits 32-45), layout 1 = 128-byte swizzle (bits 62-63).
+// A wgmma shared-memory matrix descriptor of rows of ROW_BYTES (128, or 64: the swizzle TMA wrote them with):
+// start address >> 4 (bits 0-13), leading byte offset >> 4 (bits 16-29), stride byte offset (8 rows) >> 4
+// (bits 32-45), layout 1 = 128-byte swizzle, 2 = 64-byte (bits 62-63).
+template <int ROW_BYTES = kSwizzleRowBytes>
 __device__ __forceinline__ unsigned long long smem_descriptor(unsigned addr, unsigned leading_bytes) {
-    constexpr unsigned long long kStride8Rows = 8 * kSwizzleRowBytes;
+    static_assert(ROW_BYTES == 128 || ROW_BYTES == 64, "the 128- and 64-byte swizzles");
+    constexpr unsigned long long kStride8Rows = 8 * ROW_BYTES, kLayout = ROW_BYTES == 128 ? 1 : 2;
     return static_cast<unsigned long long>((addr & 0x3FFFF) >> 4) |
            static_cast<unsigned long long>((leading_bytes & 0x3FFFF) >> 4) << 16 | (kStride8Rows >> 4) << 32 |
-           1ull << 62;
+           kLayout << 62;
 }
 
 // Adds `bytes` of float32 from shared memory at `src` into global memory at `dst`, element by element, by the TMA
