@@ -1,6 +1,8 @@
 """The decode suite: one decoding step against a bfloat16 KV cache, ``cuflash.attention_with_kvcache`` on a
-contiguous and on a paged cache, against PyTorch SDPA's flash and cuDNN backends (``enable_gqa``) on the same
-cache, and a device-to-device copy of the cache (the bandwidth ceiling), all in one run.
+contiguous and on a paged cache, and on the cache quantized to float8 e4m3 (``cuflash-fp8``: q and the caches
+by ``cuflash.quantize_qkv`` per (batch, kv head), half the bytes), against PyTorch SDPA's flash and cuDNN
+backends (``enable_gqa``) on the same cache, and a device-to-device copy of the cache (the bandwidth ceiling),
+all in one run.
 
 Every sequence fills its cache (SDPA has no per-sequence lengths) and attention is non-causal (SDPA's causal
 mask is aligned top-left; one query sees every key either way). Time is GPU time: each call is enqueued
@@ -27,7 +29,7 @@ BATCH_64_MAX_CACHE = 65536
 OTHER_HEADS_CACHES = (4096, 65536)
 QUICK_DECODE = ((1, 4096), (8, 8192))  # (batch, cache) of --quick, 32/8 heads, seqlen_q 1
 PAGE_SIZE = 256
-DECODE_IMPLS = ("cuflash", "cuflash-paged", "torch-flash", "torch-cudnn", "copy")
+DECODE_IMPLS = ("cuflash", "cuflash-paged", "cuflash-fp8", "torch-flash", "torch-cudnn", "copy")
 #: cycles of the spin kernel each timed call waits behind (0.2 ms at the H200's 1.98 GHz): longer than
 #: any implementation's host work per call, so the call is queued before the GPU reaches it
 SPIN_CYCLES = 400_000
@@ -53,6 +55,33 @@ def decode_shapes(quick: bool) -> list[Shape]:
 def cache_bytes(shape: Shape, itemsize: int = 2) -> int:
     """Bytes of the k and v caches a step reads."""
     return 2 * shape.batch * shape.seqlen_k * shape.heads_kv * shape.head_dim * itemsize
+
+
+def cache_itemsize(impl: str) -> int:
+    """Bytes per cache element of an implementation's cache: 1 for the float8 one, else bfloat16's 2."""
+    return 1 if impl == "cuflash-fp8" else 2
+
+
+def float8_inputs(x: "DecodeInputs"):
+    """(q8, k8_cache, v8_cache, descales) of ``x``: quantized per (batch, kv head) by cuflash.quantize_qkv (uint8
+    e4m3 bit patterns on CuPy), and the bfloat16 (q, k_cache, v_cache) of the first sequence's values (times
+    their factors, rounded to bfloat16), on which cuflash's bfloat16 decoding is what the float8 one's first
+    sequence is checked against (one sequence: the largest caches leave no room for the whole batch's)."""
+    import cupy
+    import numpy as np
+
+    import cuflash
+
+    q8, k8, v8, *descales = cuflash.quantize_qkv(x.q, x.k_cache, x.v_cache, "head")
+    values = cupy.asarray(np.arange(256, dtype=np.uint8).view(cuflash.FLOAT8_E4M3).astype(np.float32))
+    group = x.shape.heads // x.shape.heads_kv
+
+    def dequantized(x8, descale, group):
+        factors = cupy.repeat(descale[:1], group, axis=1)[:, None, :, None]   # (1, 1, heads, 1)
+        return (values[x8[:1]] * factors).astype(DECODE_DTYPE)
+
+    bf16 = (dequantized(q8, descales[0], group), dequantized(k8, descales[1], 1), dequantized(v8, descales[2], 1))
+    return (q8, k8, v8, tuple(descales)), bf16
 
 
 @functools.lru_cache(maxsize=1)
@@ -123,6 +152,10 @@ def make_call(impl: str, x: DecodeInputs):
     if impl == "cuflash-paged":
         return lambda: (cuflash.attention_with_kvcache(x.q, x.k_pages, x.v_pages, cache_seqlens=x.lengths,
                                                        block_table=x.block_table),)
+    if impl == "cuflash-fp8":
+        (q8, k8, v8, (q_descale, k_descale, v_descale)), _ = float8_inputs(x)
+        return lambda: (cuflash.attention_with_kvcache(q8, k8, v8, cache_seqlens=x.lengths, q_descale=q_descale,
+                                                       k_descale=k_descale, v_descale=v_descale),)
     if impl == "copy":
         k_dst, v_dst = cupy.empty_like(x.k_cache), cupy.empty_like(x.v_cache)
 
@@ -174,12 +207,14 @@ def run(impl_names: list[str], quick: bool, warmup: int, repeats: int) -> list[d
     import cupy
     from tqdm import tqdm
 
+    import cuflash
+
     from .accuracy import Mismatch, check_outputs
     from .impls import _sdpa_backend, classify_error, release_memory
     from .records import make_record
     from .timing import L2_FLUSH_BYTES
 
-    names = [n for n in DECODE_IMPLS if (n in impl_names or n in ("cuflash-paged", "copy"))
+    names = [n for n in DECODE_IMPLS if (n in impl_names or n in ("cuflash-paged", "cuflash-fp8", "copy"))
              and (not n.startswith("torch") or _sdpa_backend(n) is not None)]
     check_reference()
     flush_buffer = cupy.empty(L2_FLUSH_BYTES, cupy.uint8)
@@ -197,14 +232,20 @@ def run(impl_names: list[str], quick: bool, warmup: int, repeats: int) -> list[d
                 try:
                     fn = make_call(impl, x)
                     if impl != "copy":
+                        got, want = fn(), expected
+                        if impl == "cuflash-fp8":   # its first sequence against bfloat16 decoding of its values
+                            _, values = float8_inputs(x)
+                            got = (got[0][:1],)
+                            want = (cuflash.attention_with_kvcache(*values, cache_seqlens=x.lengths[:1]),)
                         try:
                             check_outputs(tuple(cupy.from_dlpack(t) if not isinstance(t, cupy.ndarray) else t
-                                                for t in fn()), expected, ("out",), DECODE_DTYPE)
+                                                for t in got), want, ("out",), DECODE_DTYPE)
                         except Mismatch as exc:
                             raise SystemExit(f"bench: {impl} disagrees with cuflash on decode {shape}: {exc}") from None
                     times = gpu_ms(fn, warmup, repeats, lambda: flush_buffer.fill(0))
                     note = ("device-to-device copy of both caches" if impl == "copy" else
-                            f"pages of {PAGE_SIZE} keys" if impl == "cuflash-paged" else None)
+                            f"pages of {PAGE_SIZE} keys" if impl == "cuflash-paged" else
+                            "float8 e4m3 caches, factors per (batch, kv head)" if impl == "cuflash-fp8" else None)
                     records.append(record(times_ms=times, note=note))
                 except Exception as exc:
                     status = classify_error(_Named(impl), exc)

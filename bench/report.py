@@ -203,12 +203,12 @@ def markdown(header: dict, records: list[dict], suite: str) -> str:
 
 
 def cache_read_rate(record: dict) -> float:
-    """A decode record's cache read rate, TB/s: the caches' bytes over the median time (the copy's: twice
-    that, what it reads and writes)."""
-    from .decode import cache_bytes
+    """A decode record's cache read rate, TB/s: the caches' bytes (the float8 caches' half the others') over the
+    median time (the copy's: twice that, what it reads and writes)."""
+    from .decode import cache_bytes, cache_itemsize
     from .records import Shape
 
-    moved = cache_bytes(Shape.of(record)) * (2 if record["impl"] == "copy" else 1)
+    moved = cache_bytes(Shape.of(record), cache_itemsize(record["impl"])) * (2 if record["impl"] == "copy" else 1)
     return moved / (record["ms_median"] * 1e-3) / 1e12
 
 

@@ -283,8 +283,7 @@ def _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
     v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks, rotary_cos, rotary_sin, with_lse[,
     descales]) -> (out, lse)``, which checks an int ``cache_seqlens`` (its value is not part of the plan), and
     with ``check_indices`` the values of a cache_seqlens array, of block_table and of cache_leftpad, before
-    anything is written. ``descales``: a float8 call's (q_descale, k_descale, v_descale), NumPy arrays (CuPy
-    holds no float8)."""
+    anything is written. ``descales``: a float8 call's (q_descale, k_descale, v_descale), arrays of q's kind."""
     arrays = _optional_arrays(k=k, v=v, block_table=block_table, cache_leftpad=cache_leftpad,
                               alibi_slopes=alibi_slopes, sinks=sinks,
                               cache_seqlens=cache_seqlens if hasattr(cache_seqlens, "dtype") else None,
@@ -334,10 +333,10 @@ def _plan_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
         return plan.run
 
     def run_checked(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks,
-                    rotary_cos, rotary_sin, with_lse):
+                    rotary_cos, rotary_sin, with_lse, descales=(None, None, None)):
         check_call(cache_seqlens, block_table, cache_leftpad)
         return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks,
-                        rotary_cos, rotary_sin, with_lse)
+                        rotary_cos, rotary_sin, with_lse, descales)
     return run_checked
 
 
@@ -354,7 +353,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     Parameters
     ----------
     q : array, (batch, seqlen_q, heads, head_dim)
-        The queries of each sequence's newest positions. float16 or bfloat16 on the GPU (float32 too on NumPy).
+        The queries of each sequence's newest positions. float16, bfloat16 or float8 e4m3 (uint8 bit patterns)
+        on the GPU; float32 and float8_e4m3fn too on NumPy.
     k_cache, v_cache : arrays of the kind and dtype of q
         Contiguous: (batch, seqlen_cache, heads_kv, head_dim). Paged (with ``block_table``): (num_blocks,
         page_size, heads_kv, head_dim), page_size a multiple of 64. Read in place (the last axis contiguous);
@@ -406,10 +406,12 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         device. Default False.
 
     q_descale, k_descale, v_descale, out_dtype
-        Of float8_e4m3fn q, caches (and k, v), as in :func:`attention`: ``k_descale`` and ``v_descale`` are
+        Of float8 e4m3 q, caches (and k, v), as in :func:`attention`: ``k_descale`` and ``v_descale`` are
         the factors of the cache and of the new keys and values alike (they join it unchanged); factors per
         (batch, kv head) are sequence b's at row b, also in a paged cache. No rotary embeddings with float8
-        (rotate before quantizing). NumPy arrays in this version.
+        (rotate before quantizing). On the GPU the KV-cache forward reads the e4m3 bytes (half the bfloat16
+        cache's) and converts each tile to float16 on chip (exact); head_dim 64, 128 or 256, and the caches'
+        rows and strides in whole 16 bytes (q is copied where its are not).
 
     Returns
     -------
@@ -442,7 +444,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     if q_descale is None and k_descale is None and v_descale is None:
         out, lse = plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks,
                         rotary_cos, rotary_sin, return_lse)
-    else:   # a float8 call's factors (a NumPy plan: CuPy holds no float8 array)
+    else:   # a float8 call's factors
         out, lse = plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks,
                         rotary_cos, rotary_sin, return_lse, descales)
     return (out, lse) if return_lse else out

@@ -266,6 +266,9 @@ def mma_smem_bytes(kernel: str, head_dim: int, block_m: int, block_n: int, items
     DqSmem in its source) must have this size: tests/test_compile.py checks it for every spec of the
     compile check."""
     row = (head_dim + 8) * itemsize
+    if kernel == "fwd_mma" and itemsize == 1:   # float8 (KV cache): float16 Q, K, V, then the bytes as loaded: Q,
+        # two stages of K and V
+        return (block_m + 2 * block_n) * forward_row_elems(head_dim) * 2 + (block_m + 4 * block_n) * head_dim
     if kernel == "fwd_mma":  # Q, two stages of K and V; where warps share rows, their row maxima and P
         tiles = (block_m + 4 * block_n) * forward_row_elems(head_dim) * itemsize
         if key_split == 1:
@@ -705,10 +708,11 @@ APPEND_WARPS = 4
 #: A paged KV cache's pages hold a multiple of this many keys: the KV-cache forward's key tiles (as wide as
 #: divides the page size, at least this many keys) then never straddle a page.
 PAGE_SIZE_MULTIPLE = 64
-#: The dtypes of attention_with_kvcache on the GPU (the KV-cache forward and append_rotary)
-KVCACHE_DTYPES = (np.dtype(np.float16), BFLOAT16)
-#: The KV-cache forward's key tile up to head_dim 128, in keys (kvcache_forward_spec)
-KV_TILE_KEYS = 128
+#: The dtypes of attention_with_kvcache on the GPU (the KV-cache forward and append_rotary): float8 e4m3 caches
+#: too, at the float8 head dims (FLOAT8_HEAD_DIMS), converted to float16 on chip
+KVCACHE_DTYPES = (np.dtype(np.float16), BFLOAT16, FLOAT8_E4M3)
+#: The KV-cache forward's key tile up to head_dim KV_TILE_HEAD_DIM, in keys (half that past it; kvcache_forward_spec)
+KV_TILE_KEYS, KV_TILE_HEAD_DIM = 128, 128
 #: The most key splits of the KV-cache forward: each writes a float32 partial output that the merge reads.
 MAX_KV_SPLITS = 128
 #: The fewest key tiles a split of the KV-cache forward walks (its prologue and epilogue cost about a tile).
@@ -736,17 +740,19 @@ def kvcache_forward_spec(head_dim: int, dtype, mask: int, device: DeviceProps, m
     0.023 / 0.082 / 0.156 / 0.995 / 0.086. The 16-row block on 64- against 128-key tiles (decode d3, ms):
     where the blocks fill the slots, 64 x 1k 0.0787 / 0.0826, 64 x 1k with four queries 0.0809 / 0.0876, 64 x
     4k 0.2516 / 0.2535, 64 x 16k 0.9492 / 0.9504; where they do not, 1 x 4k 0.0198 / 0.0173, 8 x 1k 0.0220 /
-    0.0196, 8 x 4k with four queries on 64 / 8 heads 0.0546 / 0.0489. float16 and bfloat16 only; no dropout
-    (``attention_with_kvcache`` takes none).
+    0.0196, 8 x 4k with four queries on 64 / 8 heads 0.0546 / 0.0489. float16, bfloat16 and float8 e4m3 (its
+    tiles converted to float16 in shared memory); no dropout (``attention_with_kvcache`` takes none).
     """
     dtype = np.dtype(dtype)
     if dtype not in KVCACHE_DTYPES:
-        raise TypeError(f"the KV-cache forward runs float16 and bfloat16 on the GPU, got {dtype}")
+        raise TypeError(f"the KV-cache forward runs float16, bfloat16 and float8 e4m3 on the GPU, got {dtype}")
+    if dtype == FLOAT8_E4M3 and head_dim not in FLOAT8_HEAD_DIMS:   # whole 16-byte copies of whole rows
+        raise TypeError(f"float8 caches run on the GPU at head_dim in {FLOAT8_HEAD_DIMS}, got {head_dim}")
     if mods & MOD_DROPOUT:
         raise ValueError("the KV-cache forward takes no dropout")
     d = padded_head_dim(head_dim)
     block_m, warps = MMA_ROWS_PER_WARP, 4  # one atom; the warps split the keys
-    block_n = KV_TILE_KEYS if d <= 128 else KV_TILE_KEYS // 2
+    block_n = KV_TILE_KEYS if d <= KV_TILE_HEAD_DIM else KV_TILE_KEYS // 2
     while True:
         spec = mma_spec("fwd_mma", dtype, d, int(mask), block_m, block_n, warps, mods=mods)
         if spec.smem_bytes <= device.max_smem_per_block and page_size % block_n == 0:
@@ -1017,11 +1023,12 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
                 add(dtype, d, mask, ALL_MODS)
                 add(dtype, d, mask, ALL_MODS & ~MOD_DROPOUT)
         # the KV-cache forward, contiguous and on pages of PAGE_SIZE_MULTIPLE keys (its narrowest tile), plain
-        # and with every modifier it takes
-        for page_size in (0, PAGE_SIZE_MULTIPLE):
-            for mask, mods in ((MASK_NONE, 0), (MASK_WINDOW, ALL_MODS & ~MOD_DROPOUT)):
-                spec = kvcache_forward_spec(d, BFLOAT16, mask, device, mods, page_size)
-                specs[spec.cache_key] = spec
+        # and with every modifier it takes; of float8 caches at the largest head dim of each key tile
+        for dtype in (BFLOAT16, FLOAT8_E4M3) if d in (KV_TILE_HEAD_DIM, MAX_HEAD_DIM) else (BFLOAT16,):
+            for page_size in (0, PAGE_SIZE_MULTIPLE):
+                for mask, mods in ((MASK_NONE, 0), (MASK_WINDOW, ALL_MODS & ~MOD_DROPOUT)):
+                    spec = kvcache_forward_spec(d, dtype, mask, device, mods, page_size)
+                    specs[spec.cache_key] = spec
     # the packed-batch kernels, plain and under a window with every modifier, with and without dropout (which
     # changes the mma.sync forward's tiles): bfloat16 at every head dim, float32 at the smallest and largest
     for dtype, dims in ((BFLOAT16, HEAD_DIMS), (np.dtype(np.float32), (HEAD_DIMS[0], MAX_HEAD_DIM))):

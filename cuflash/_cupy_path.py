@@ -505,11 +505,14 @@ def _int32_vector(x, copy: bool):
 
 
 def kvcache_fixed_fields(p: CacheProblem, plan: _plan.CacheLaunches, strides, table_stride: int) -> dict:
-    """The KV-cache forward's fields that are the same for each call of a plan (KVCACHE_PER_CALL the rest):
-    ``strides`` the (batch or page, seq, head) element strides of q, k_cache, v_cache and out."""
+    """The KV-cache forward's fields that are the same for each call of a plan (KVCACHE_PER_CALL the rest, and
+    FLOAT8_PER_CALL of float8 caches): ``strides`` the (batch or page, seq, head) element strides of q, k_cache,
+    v_cache and out."""
     fields = _params.forward_fields()
+    float8 = p.attn.dtype == _config.FLOAT8_E4M3
     fixed = {**_stride_fields(q=strides[0], k=strides[1], v=strides[2], o=strides[3]), **_problem_fields(p.attn),
-             **_tail_fields(fields, plan.forward.tail), **DENSE_FIELDS, **NO_FLOAT8_FIELDS, "dropout_seed": 0,
+             **_tail_fields(fields, plan.forward.tail), **DENSE_FIELDS,
+             **(_float8_strides(p.attn) if float8 else NO_FLOAT8_FIELDS), "dropout_seed": 0,
              "dropout_offset": 0,
              "block_table_stride": table_stride, "seqlen_k_new": p.seqlen_new, "pack": plan.pack,
              "num_splits": plan.splits, "page_size": p.page_size}
@@ -520,7 +523,9 @@ def kvcache_fixed_fields(p: CacheProblem, plan: _plan.CacheLaunches, strides, ta
 class KVCachePlan:
     """attention_with_kvcache of one problem on one device: at most two launches, append_rotary (the new keys
     and values into the cache, rotated with the queries where rotary tables are given) and the KV-cache
-    forward (fwd_mma with KVCACHE, which also merges its key splits): _plan.kvcache."""
+    forward (fwd_mma with KVCACHE, which also merges its key splits): _plan.kvcache. Float8 caches (uint8 e4m3
+    bit patterns) are read in 16-byte copies: their strides must be whole 16 bytes (q is copied where its are
+    not), and the output is bfloat16, converted where out_dtype asks for float16."""
 
     def __init__(self, p: CacheProblem, device_id: int, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                  rotary_cos, rotary_sin, num_splits: int, rotary_interleaved: bool = True, cache_leftpad=None):
@@ -531,9 +536,14 @@ class KVCachePlan:
             if _needs_copy(cache):
                 raise ValueError(f"{name} must have a contiguous last axis and strides of whole elements: the "
                                  f"kernels read and write the cache in place, got strides {cache.strides}")
+        float8 = a.dtype == _config.FLOAT8_E4M3
+        if float8 and not _strides_vector_ok(a.head_dim, 1, *(_strides_of(c, False) for c in (k_cache, v_cache))):
+            raise ValueError(f"float8 caches are read in 16-byte copies: their strides must be multiples of 16 "
+                             f"bytes, got {k_cache.strides} (k_cache) and {v_cache.strides} (v_cache)")
         plan = _plan.kvcache(p, device_props(device_id), num_splits)
         self.splits, self.row_groups = plan.splits, plan.row_groups
-        self.copy_q = _needs_copy(q)
+        # float8 q is read as the caches are, in 16-byte copies: contiguous (then copied where misaligned too)
+        self.copy_q = _needs_copy(q) or float8 and not q.flags.c_contiguous
         self.copy_new = k is not None and (_needs_copy(k) or _needs_copy(v))
         self.copy_tables = rotary_cos is not None and not (rotary_cos.flags.c_contiguous and
                                                            rotary_sin.flags.c_contiguous)
@@ -559,24 +569,29 @@ class KVCachePlan:
                 self.append = _Launch(plan.append, device_id, tail)
         self.grid, self.block = plan.forward.grid, (plan.forward.spec.threads,)
         self.smem = plan.forward.spec.smem_bytes
-        self.out_shape, self.dtype = tuple(q.shape), q.dtype
+        self.out_shape, self.dtype = tuple(q.shape), _config.BFLOAT16 if float8 else q.dtype
+        self.output_dtype = a.output_dtype
         self.lse_shape = (a.batch, a.heads, a.seqlen_q)
         self.partial_shapes = ((plan.splits, *q.shape), (plan.splits, *self.lse_shape))
         strides = [_contiguous_strides(q.shape) if p.rotary_dim else _strides_of(q, self.copy_q), *cache_strides,
                    _contiguous_strides(q.shape)]
         self.strides_vector_ok = _strides_vector_ok(a.head_dim, q.dtype.itemsize, *strides)
         fixed = kvcache_fixed_fields(p, plan, strides, table_stride)
-        self.arguments = _params.Arguments(_params.forward_fields(), fixed, KVCACHE_PER_CALL, _by_value)
+        self.float8 = float8
+        self.arguments = _params.Arguments(_params.forward_fields(), fixed,
+                                           KVCACHE_PER_CALL + (FLOAT8_PER_CALL if float8 else ()), _by_value)
 
     def run(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks,
-            rotary_cos, rotary_sin, with_lse: bool):
+            rotary_cos, rotary_sin, with_lse: bool, descales=(None, None, None)):
         """out, and lse where ``with_lse`` (else None), on CuPy's current stream, after rotating q and k (with
-        rotary_cos) and appending k and v."""
+        rotary_cos) and appending k and v. ``descales``: a float8 plan's (q_descale, k_descale, v_descale),
+        each float32 or None (1)."""
         return _run_on(self.device_id, self._launch, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                       cache_leftpad, alibi_slopes, sinks, rotary_cos, rotary_sin, with_lse)
+                       cache_leftpad, alibi_slopes, sinks, rotary_cos, rotary_sin, with_lse,
+                       tuple(map(_vector, descales)) if self.float8 else ())
 
     def _launch(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_leftpad, alibi_slopes, sinks,
-                rotary_cos, rotary_sin, with_lse):
+                rotary_cos, rotary_sin, with_lse, descales):
         p = self.problem
         if p.lengths == "int":
             seqlen_k, lengths = cache_seqlens + p.seqlen_new, _NULL
@@ -608,10 +623,17 @@ class KVCachePlan:
             lse_partial = cupy.ndarray(self.partial_shapes[1], np.float32)
             counters = split_counters(self.device_id, self.row_groups)
         vector_ok = self.strides_vector_ok and not (q.data.ptr | k_cache.data.ptr | v_cache.data.ptr) & 15
+        if self.float8 and not vector_ok:   # the 16-byte copies need aligned rows: q can be copied, a cache not
+            if (k_cache.data.ptr | v_cache.data.ptr) & 15:
+                raise ValueError("float8 caches are read in 16-byte copies: k_cache and v_cache must start on a "
+                                 "16-byte boundary")
+            q = q.copy()   # contiguous as planned, aligned
         self.kernel(self.grid, self.block, self.arguments(
             (q, k_cache, v_cache, out, _NULL if lse is None else lse, _vector(alibi_slopes), _vector(sinks), lengths,
              table, leftpad, out_partial, lse_partial, counters, _int32(seqlen_k),
-             _VECTOR_OK[vector_ok])), shared_mem=self.smem)
+             _VECTOR_OK[vector_ok]) + descales), shared_mem=self.smem)
+        if out.dtype != self.output_dtype:
+            out = out.astype(self.output_dtype)
         return out, lse
 
 

@@ -143,15 +143,15 @@ def _check_4d(name: str, a, layout: str):
 
 
 def _check_dtype(name: str, a, float8: tuple = ()):
-    """``float8``: the float8 e4m3 dtypes the call takes too (attention: FLOAT8_CARRIERS; attention_with_kvcache:
-    float8_e4m3fn alone, its float8 path being NumPy's)."""
+    """``float8``: the float8 e4m3 dtypes the call takes too (the forwards attention and attention_with_kvcache:
+    FLOAT8_CARRIERS)."""
     dtype = np.dtype(a.dtype)
     if dtype in SUPPORTED_DTYPES or dtype in float8:
         return
     if dtype in FLOAT8_CARRIERS:
         raise TypeError(f"{name} is {a.dtype} (float8 e4m3), which only the forwards attention() and "
-                        f"attention_with_kvcache() take (attention() as float8_e4m3fn or uint8 bit patterns, "
-                        f"attention_with_kvcache() as float8_e4m3fn); this call takes {_DTYPE_NAMES}")
+                        f"attention_with_kvcache() take (as float8_e4m3fn or uint8 bit patterns); this call takes "
+                        f"{_DTYPE_NAMES}")
     extra = "".join(f", {d.name}" + (" (e4m3 bit patterns)" if d == np.uint8 else "") for d in float8)
     raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}{extra}, got {a.dtype}")
 
@@ -422,7 +422,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
     for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if name != "q":
             _check_4d(name, a, layout)
-        _check_dtype(name, a, float8=(FLOAT8_E4M3,))
+        _check_dtype(name, a, float8=FLOAT8_CARRIERS)
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise TypeError(f"q, k_cache and v_cache must share one dtype, got q {q.dtype}, k_cache {k_cache.dtype}, "
                         f"v_cache {v_cache.dtype}")
@@ -491,7 +491,8 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
     if output is not None and rotary_cos is not None:
         raise TypeError("rotary embeddings take float16, bfloat16 or float32 q and k; float8_e4m3fn ones would be "
                         "rounded to e4m3 again after the rotation: rotate before quantizing")
-    attn = Problem(batch, seqlen_q, capacity, heads, heads_kv, head_dim, np.dtype(q.dtype), bool(causal),
+    dtype = FLOAT8_E4M3 if output is not None else np.dtype(q.dtype)
+    attn = Problem(batch, seqlen_q, capacity, heads, heads_kv, head_dim, dtype, bool(causal),
                    resolve_scale(softmax_scale, head_dim), left, right, 0, check_softcap(softcap), alibi_shape,
                    sinks is not None, out_dtype=output, descale_shapes=descale_shapes)
     rotary_dim, rotary_positions = _check_rotary(q, rotary_cos, rotary_sin, rotary_interleaved, cache_seqlens)

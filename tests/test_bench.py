@@ -415,11 +415,13 @@ def test_decode_suite_cells_and_bandwidth_report():
     assert decode.cache_bytes(shape) == 256 * 2**20
     records = [make_record("cuflash", "fwd", "bfloat16", shape, False, times_ms=[0.1], with_tflops=False),
                make_record("copy", "fwd", "bfloat16", shape, False, times_ms=[0.2], with_tflops=False),
-               make_record("torch-cudnn", "fwd", "bfloat16", shape, False, times_ms=[0.125], with_tflops=False)]
+               make_record("torch-cudnn", "fwd", "bfloat16", shape, False, times_ms=[0.125], with_tflops=False),
+               make_record("cuflash-fp8", "fwd", "bfloat16", shape, False, times_ms=[0.05], with_tflops=False)]
     text = report.markdown({"gpu": "test"}, records, "decode")
     assert "## batch 8, seqlen 1, heads 32, dtype bfloat16" in text
     assert "| cuflash / torch-cudnn | 0.80x |" in text
-    assert "| cuflash | 2.68 |" in text and "| copy | 2.68 |" in text
+    # the float8 cache is half the bytes: read in half the time, the same rate
+    assert "| cuflash | 2.68 |" in text and "| copy | 2.68 |" in text and "| cuflash-fp8 | 2.68 |" in text
 
 
 def test_varlen_suite_cells_and_packing_report():

@@ -46,10 +46,12 @@ def test_every_specialization_compiles(reports):
     # the covering set of the modifiers: 8 head dims x 2 mask kinds x with and without dropout, bfloat16
     # and float32
     masks, head_dims = len(_config.MASK_KINDS), len(_config.HEAD_DIMS)
-    # contiguous and paged (one tile past head_dim 128) x (plain, windowed with every modifier)
+    # contiguous and paged (one tile past head_dim 128) x (plain, windowed with every modifier); of float8 caches
+    # at head_dim 128 and 256 (three tiles)
     fused = sum(d <= _config.MMA_BACKWARD_FUSED_HEAD_DIM for d in _config.HEAD_DIMS)
     kvcache = sum(r.spec.kvcache for r in reports)
-    assert kvcache == 2 * (fused + head_dims)
+    float8_caches = sum(r.spec.kvcache and np.dtype(r.spec.dtype) == _config.FLOAT8_E4M3 for r in reports)
+    assert kvcache == 2 * (fused + head_dims) + float8_caches and float8_caches == 2 * 3
     # packed batches: plain and windowed with every modifier, with and without dropout, bfloat16 at every head dim,
     # float32 at two
     packed = collections.Counter(r.spec.kernel for r in reports if r.spec.varlen)

@@ -256,8 +256,10 @@ def test_all_specs_are_distinct_and_cover_the_table():
     # the KV-cache forward: contiguous and on 64-key pages (a narrower tile up to head_dim 128), plain and windowed
     # with its modifiers, per head dim; merge_parts and merge_into per dtype, append_rotary per dtype the KV-cache
     # forward takes
-    kvcache = 2 * (fused + len(_config.HEAD_DIMS))
+    # of float8 caches at head_dim 128 (contiguous and paged: two tiles) and 256 (one)
+    kvcache = 2 * (fused + len(_config.HEAD_DIMS)) + 2 * 3
     assert sum(s.kvcache for s in specs) == kvcache
+    assert sum(s.kvcache and s.dtype == _config.FLOAT8_E4M3 for s in specs) == 2 * 3
     # the packed-batch kernels: each the packed form of a kernel the set holds, on its tiles
     packed = [s for s in specs if s.varlen]
     assert packed and {dataclasses.replace(s, varlen=False).cache_key for s in packed} <= {s.cache_key for s in specs}
@@ -269,7 +271,7 @@ def test_all_specs_are_distinct_and_cover_the_table():
     hopper = [s for s in specs if s.kernel == "fwd_wgmma" and s.dtype != _config.FLOAT8_E4M3]
     assert sum(not s.varlen for s in hopper) == 2 * masks * 4 + 2 * 2 * 4 + 2
     # its float8 form per float8 head dim and mask, plain and with every modifier but dropout, and the V^T transpose
-    float8 = [s for s in specs if s.dtype == _config.FLOAT8_E4M3]
+    float8 = [s for s in specs if s.dtype == _config.FLOAT8_E4M3 and s.kernel != "append_rotary" and not s.kvcache]
     assert collections.Counter(s.kernel for s in float8) == {"fwd_wgmma": 2 * masks * len(_config.FLOAT8_HEAD_DIMS),
                                                             "transpose_v_float8": len(_config.FLOAT8_HEAD_DIMS)}
     assert sum(s.varlen for s in hopper) == 3 * 4 + 1
@@ -420,8 +422,15 @@ def test_kvcache_tiles_fit_the_pages_and_the_gpu():
                 assert spec.block_n >= _config.PAGE_SIZE_MULTIPLE or device is _config.RTX_4090
     assert _config.kvcache_forward_spec(128, BFLOAT16, 0, _config.H100, 0).block_n == 128
     assert _config.kvcache_forward_spec(128, BFLOAT16, 0, _config.H100, 0, page_size=192).block_n == 64
-    with pytest.raises(TypeError, match="float16 and bfloat16"):
+    with pytest.raises(TypeError, match="float16, bfloat16 and float8 e4m3 on the GPU, got float32"):
         _config.kvcache_forward_spec(64, np.float32, 0, _config.H100, 0)
+    # float8 caches: the same tiles where they fit (their staged bytes beside float16 tiles of one stage)
+    for device in (_config.H100, _config.A100, _config.RTX_4090):
+        for d in _config.FLOAT8_HEAD_DIMS:
+            for page_size in (0, 64, 256):
+                spec = _config.kvcache_forward_spec(d, _config.FLOAT8_E4M3, _config.MASK_NONE, device, 0, page_size)
+                assert spec.kvcache and spec.smem_bytes <= device.max_smem_per_block and page_size % spec.block_n == 0
+    assert _config.kvcache_forward_spec(128, _config.FLOAT8_E4M3, 0, _config.H100, 0).block_n == 128
 
 
 def test_kvcache_tiles_halve_where_the_blocks_fill_the_gpu():

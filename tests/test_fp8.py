@@ -12,7 +12,8 @@ import pytest
 import cuflash
 from cuflash import _fp8, reference
 
-from ._checks import BF16, assert_fa_close, lowp_attention, max_abs_finite, paged_copies, poison_pool
+from ._checks import (BF16, assert_fa_close, lowp_attention, max_abs_finite, paged_copies, poison_pool,
+                      to_numpy)
 from .conftest import GPU, requires_gpu
 
 E4M3 = cuflash.FLOAT8_E4M3
@@ -223,11 +224,13 @@ def _quantize_with(x, descale, heads_kv: int):
 @pytest.mark.parametrize("granularity", _fp8.GRANULARITIES)
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("option", ["plain", "causal", "window", "alibi", "sinks"])
-def test_float8_kvcache_matches_the_reference_of_its_values(rng, granularity, paged, option):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_float8_kvcache_matches_the_reference_of_its_values(xp, rng, granularity, paged, option, head_dim):
     """Decoding on float8 caches (GQA, appending new float8 keys and values under the cache's factors): out
     and lse against the float64 reference of the dequantized values; the cache written at the new rows only,
-    with the new bits."""
-    batch, heads, heads_kv, head_dim, capacity, seqlen_q, seqlen_new = 3, 4, 2, 64, 192, 2, 3
+    with the new bits. The NumPy path takes float8_e4m3fn arrays, the GPU's KV-cache forward uint8 bit patterns
+    (it converts the tiles to float16 on chip: its P is finer than the bfloat16 rounding the rule allows)."""
+    batch, heads, heads_kv, capacity, seqlen_q, seqlen_new = 3, 4, 2, 192, 2, 3
     q, k_cache, v_cache = _inputs(rng, (batch, seqlen_q, capacity, heads, heads_kv, head_dim))
     q8, k8_cache, v8_cache, q_descale, k_descale, v_descale = cuflash.quantize_qkv(q, k_cache, v_cache, granularity)
     k_new, v_new = (_quantize_with(rng.standard_normal((batch, seqlen_new, heads_kv, head_dim)), d, heads_kv)
@@ -235,13 +238,20 @@ def test_float8_kvcache_matches_the_reference_of_its_values(rng, granularity, pa
     lengths = np.array([0, 77, capacity - seqlen_new], np.int32)
     options = _options(rng, heads, FLOAT8_OPTIONS[option])
     descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
-    caches = [k8_cache.copy(), v8_cache.copy()]
+
+    def on_path(x):   # the path's form of an array: uint8 bit patterns on CuPy
+        return x if xp is np else xp.asarray(x.view(np.uint8) if x.dtype == E4M3 else x)
+
+    caches = [on_path(k8_cache.copy()), on_path(v8_cache.copy())]
     table = None
     if paged:
-        caches, table = paged_copies(np, rng, caches, page_size=64)
-    before = [c.copy() for c in caches]
-    out, lse = cuflash.attention_with_kvcache(q8, *caches, k_new, v_new, cache_seqlens=lengths, block_table=table,
-                                              return_lse=True, **descales, **options)
+        caches, table = paged_copies(xp, rng, caches, page_size=64)
+    before = [to_numpy(c).view(np.uint8).copy() for c in caches]
+    poison_pool(xp)
+    out, lse = cuflash.attention_with_kvcache(
+        on_path(q8), *caches, on_path(k_new), on_path(v_new), cache_seqlens=on_path(lengths), block_table=table,
+        return_lse=True, **{name: on_path(d) for name, d in descales.items()},
+        **{name: on_path(x) if isinstance(x, np.ndarray) else x for name, x in options.items()})
     assert out.dtype == BF16 and lse.dtype == np.float32
     ref, ref_lse = reference.attention_with_kvcache(q8, k8_cache, v8_cache, k_new, v_new, cache_seqlens=lengths,
                                                     **descales, **options)
@@ -251,13 +261,15 @@ def test_float8_kvcache_matches_the_reference_of_its_values(rng, granularity, pa
     max_score = max_abs_finite(ref_lse)
     assert_fa_close(out, ref, lowp, BF16, 2, "out", max_score)
     assert_fa_close(lse, ref_lse, lowp_lse, np.float32, 2, "lse", max_score)
+    table = None if table is None else to_numpy(table)
     for cache, old, new in zip(caches, before, (k_new, v_new)):   # the new rows hold the new bits, nothing else moved
+        cache = to_numpy(cache).view(np.uint8)
         for b, start in enumerate(lengths):
             for i in range(seqlen_new):
                 n = start + i
                 page, row = (b, n) if table is None else (table[b, n // 64], n % 64)
                 assert cache[page, row].tobytes() == new[b, i].tobytes()
-                old[page, row] = new[b, i]
+                old[page, row] = new[b, i].view(np.uint8)
         assert cache.tobytes() == old.tobytes()
 
 
@@ -282,6 +294,9 @@ def test_uint8_bit_patterns_are_float8(rng):
     as_float8 = cuflash.attention(q8, k8, v8, causal=True, **names)
     as_bytes = cuflash.attention(q8.view(np.uint8), k8.view(np.uint8), v8.view(np.uint8), causal=True, **names)
     np.testing.assert_array_equal(as_bytes.astype(np.float32), as_float8.astype(np.float32))
+    cache_bytes = cuflash.attention_with_kvcache(q8.view(np.uint8), k8.view(np.uint8), v8.view(np.uint8), **names)
+    np.testing.assert_array_equal(cache_bytes.astype(np.float32),
+                                  cuflash.attention_with_kvcache(q8, k8, v8, **names).astype(np.float32))
     with pytest.raises(TypeError, match=r"uint8 \(float8 e4m3\), which only the forwards attention\(\)"):
         cuflash.attention_backward(q8.view(np.uint8), q8.view(np.uint8), k8.view(np.uint8), v8.view(np.uint8),
                                    q8.view(np.uint8), np.zeros((2, 4, 70), np.float32))
@@ -312,6 +327,35 @@ def test_the_float8_kernel_is_planned_where_it_serves():
         _plan.forward(problem(head_dim=96), _config.H100)
     with pytest.raises(TypeError, match="got dropout"):
         _plan.forward(problem(dropout_p=0.1), _config.H100)
+
+
+def test_the_float8_cache_is_planned_where_it_serves():
+    # the KV-cache forward of float8 caches: fwd_mma of e4m3 (its tiles converted to float16), the 16-bit
+    # tiles and splits, a staging area for the bytes as loaded; append_rotary copies the new rows' bytes
+    from cuflash import _config, _plan
+    from cuflash._validate import check_kvcache
+
+    def problem(head_dim, paged=False):
+        q = np.zeros((2, 1, 8, head_dim), E4M3)
+        cache = np.zeros((64, 64, 2, head_dim) if paged else (2, 4096, 2, head_dim), E4M3)
+        new = np.zeros((2, 1, 2, head_dim), E4M3)
+        table = np.zeros((2, 64), np.int32) if paged else None
+        return check_kvcache(q, cache, cache, new, new, np.zeros(2, np.int32), table, True, None, (-1, -1), 0.0,
+                             None, None, 0)
+
+    for head_dim, paged, tile in ((64, False, 128), (128, False, 128), (128, True, 64), (256, False, 64)):
+        p = problem(head_dim, paged)
+        launches = _plan.kvcache(p, _config.H100)
+        bf16 = _config.kvcache_forward_spec(head_dim, BF16, p.attn.mask_kind, _config.H100, 0, p.page_size)
+        spec = launches.forward.spec
+        assert spec.name.startswith(f"cuflash::fwd_mma<__nv_fp8_e4m3, {head_dim}, 1, 0, 16, {tile}, 4, 1, true")
+        assert (spec.block_m, spec.block_n, spec.threads) == (bf16.block_m, bf16.block_n, bf16.threads)
+        # float16 Q, one stage of K and V; then the bytes: Q, two stages of K and V
+        row = _config.forward_row_elems(head_dim)
+        assert spec.smem_bytes == (16 + 2 * tile) * row * 2 + (16 + 4 * tile) * head_dim
+        assert launches.append.spec.name == "cuflash::append_rotary<__nv_fp8_e4m3>"
+    with pytest.raises(TypeError, match=r"float8 caches run on the GPU at head_dim in \(64, 128, 256\), got 96"):
+        _plan.kvcache(problem(96), _config.H100)
 
 
 def test_the_e4m3_sums_model_truncates_to_13_fraction_bits():
@@ -442,3 +486,24 @@ def test_the_error_bench_measures_the_kernel_as_the_model_predicts(monkeypatch):
             assert got["relative_rmse_exact"] < 0.01, got
         else:
             assert 0.8 < got["rmse_exact"] / want["rmse_exact"] < 1.25, (got, want)
+
+
+@requires_gpu
+def test_float8_caches_on_the_gpu_refuse_what_16_byte_copies_cannot_read(rng):
+    import cupy as cp
+
+    def on_gpu(*arrays):
+        return [cp.asarray(x.view(np.uint8)) for x in arrays]
+
+    q8, k8, v8, *_ = cuflash.quantize_qkv(*_inputs(rng, (1, 1, 64, 2, 2, 96)))
+    with pytest.raises(TypeError, match=r"float8 caches run on the GPU at head_dim in \(64, 128, 256\), got 96"):
+        cuflash.attention_with_kvcache(*on_gpu(q8, k8, v8))
+    q8, k8, v8, *_ = cuflash.quantize_qkv(*_inputs(rng, (1, 1, 64, 2, 2, 64)))
+    q, k, v = on_gpu(q8, k8, v8)
+    wide = cp.zeros((1, 64, 2, 72), cp.uint8)   # rows of 72 bytes: the cache a view of their first 64
+    wide[..., :64] = k
+    with pytest.raises(ValueError, match="strides must be multiples of 16 bytes"):
+        cuflash.attention_with_kvcache(q, wide[..., :64], v)
+    shifted = cp.zeros(k.size + 16, cp.uint8)[1:k.size + 1].reshape(k.shape)   # one byte off a 16-byte boundary
+    with pytest.raises(ValueError, match="must start on a 16-byte boundary"):
+        cuflash.attention_with_kvcache(q, shifted, v)

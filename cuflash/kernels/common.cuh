@@ -21,6 +21,7 @@ constexpr float kLn2 = 0.6931471805599453f;    // ln(2): converts a base-2 logsu
 template <typename T> __device__ __forceinline__ float to_float(T x);
 template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_float<__nv_fp8_e4m3>(__nv_fp8_e4m3 x) { return static_cast<float>(x); }
 template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
     return __bfloat162float(x);
 }
@@ -31,13 +32,19 @@ template <> __device__ __forceinline__ __half from_float<__half>(float x) { retu
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
     return __float2bfloat16_rn(x);
 }
+template <> __device__ __forceinline__ __nv_fp8_e4m3 from_float<__nv_fp8_e4m3>(float x) { return __nv_fp8_e4m3(x); }
 
-// float8 e4m3 inputs (the Hopper forward's float8 form): their output is bfloat16; other types' is their own.
+// float8 e4m3 inputs (the Hopper forward's float8 form, the KV-cache forward's float8 caches): their output is
+// bfloat16, other types' their own; the mma.sync kernels convert them to float16 for the tensor cores (Compute:
+// every e4m3 value is exact in it), other types stay as they are.
 template <typename T> constexpr bool kFloat8 = false;
 template <> constexpr bool kFloat8<__nv_fp8_e4m3> = true;
 template <typename T> struct OutputOf { using type = T; };
 template <> struct OutputOf<__nv_fp8_e4m3> { using type = __nv_bfloat16; };
 template <typename T> using Output = typename OutputOf<T>::type;
+template <typename T> struct ComputeOf { using type = T; };
+template <> struct ComputeOf<__nv_fp8_e4m3> { using type = __half; };
+template <typename T> using Compute = typename ComputeOf<T>::type;
 
 // Reduce over the 4 lanes of a quad (the lanes that share one accumulator row of an mma tile).
 __device__ __forceinline__ float quad_max(float x) {

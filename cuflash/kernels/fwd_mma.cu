@@ -17,7 +17,10 @@
 // their positions (CacheBlock), its keys one split of a cache of per-sequence length, contiguous or paged,
 // its 4 warps each scoring a quarter of every key tile (kKeyWarps), their states merged at the end; with
 // key splits it writes float32 partials, and the last block of each row group to finish merges them
-// (merge_row, merge.cuh): one launch per call.
+// (merge_row, merge.cuh): one launch per call. A float8 e4m3 cache (T = __nv_fp8_e4m3, q and the new keys
+// too) arrives as bytes in staging tiles and is converted to float16 tiles (Compute<T>: exact) before the
+// tensor cores read them; the scores take q_descale * k_descale of the block's kv head, the output v_descale,
+// and it is stored as bfloat16 (Output<T>).
 //
 // Scores are kept in base 2: x = (q . k) * scale * log2(e), so p = exp2(x - m_i). The stored lse is
 // converted back to natural log: lse = (m_i + log2(l_i)) * ln(2); a null lse stores none (a caller that
@@ -28,21 +31,27 @@
 
 namespace cuflash {
 
-// fwd_mma's shared memory, offsets in elements of T: Q [BLOCK_M][kRow], then K and V, two stages each
-// [2][BLOCK_N][kRow]; element (row, column) of a tile at Row::offset(row, column / 8) + column % 8. Where
-// warps share rows (KEY_SPLIT = 2), then each warp's row maxima [WARPS][kMAtoms][2][32 lanes] (float; in
-// the epilogue its row sums: kMaxSlots floats per warp) and its P fragments [WARPS][kMAtoms][key steps][32
-// lanes] (uint4: kPSlots per warp), indexed by lane so that the partner reads each lane's values (the same
-// rows) back conflict-free. kBytes is what the launch gives it (_config.mma_smem_bytes, checked by
-// tests/test_compile.py).
+// fwd_mma's shared memory, offsets in elements of Compute<T>: Q [BLOCK_M][kRow], then K and V, kStages
+// stages each [kStages][BLOCK_N][kRow]; element (row, column) of a tile at Row::offset(row, column / 8) +
+// column % 8. Where warps share rows (KEY_SPLIT = 2), then each warp's row maxima [WARPS][kMAtoms][2][32
+// lanes] (float; in the epilogue its row sums: kMaxSlots floats per warp) and its P fragments
+// [WARPS][kMAtoms][key steps][32 lanes] (uint4: kPSlots per warp), indexed by lane so that the partner reads
+// each lane's values (the same rows) back conflict-free. float8 (kStaged): one stage of the tiles, each
+// converted from the bytes as loaded, which follow them at byte kStaging: Q [BLOCK_M][HEAD_DIM], then K and V,
+// two stages each [2][BLOCK_N][HEAD_DIM]. kBytes is what the launch gives it (_config.mma_smem_bytes,
+// checked by tests/test_compile.py).
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int KEY_SPLIT> struct FwdSmem {
+    static constexpr bool kStaged = kFloat8<T>;
+    static constexpr int kStages = kStaged ? 1 : 2;
     static constexpr int kRow = ForwardRow<HEAD_DIM>::kElems;
-    static constexpr int kK = BLOCK_M * kRow, kV = kK + 2 * BLOCK_N * kRow, kTiles = kV + 2 * BLOCK_N * kRow;
+    static constexpr int kK = BLOCK_M * kRow, kV = kK + kStages * BLOCK_N * kRow, kTiles = kV + kStages * BLOCK_N * kRow;
     static constexpr int kMAtoms = BLOCK_M / (WARPS / KEY_SPLIT) / 16;   // 16-row atoms of a warp
     // a pair's warp computes S for BLOCK_N / KEY_SPLIT keys of a tile (pairs take whole tiles)
     static constexpr int kMaxSlots = kMAtoms * 2 * 32, kPSlots = kMAtoms * (BLOCK_N / KEY_SPLIT / 16) * 32;
-    static constexpr int kBytes = kTiles * static_cast<int>(sizeof(T)) +
-                                  (KEY_SPLIT > 1 ? WARPS * (kMaxSlots * 4 + kPSlots * 16) : 0);
+    static constexpr int kStaging = kTiles * static_cast<int>(sizeof(Compute<T>)) +
+                                    (KEY_SPLIT > 1 ? WARPS * (kMaxSlots * 4 + kPSlots * 16) : 0);
+    static constexpr int kStagedK = BLOCK_M * HEAD_DIM, kStagedV = kStagedK + 2 * BLOCK_N * HEAD_DIM;   // bytes
+    static constexpr int kBytes = kStaging + (kStaged ? kStagedV + 2 * BLOCK_N * HEAD_DIM : 0);
 };
 
 // Minimum blocks per SM, found by reading ptxas's report: without a minimum of one, ptxas aims
@@ -94,13 +103,18 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     static_assert(KEY_SPLIT == 1 || kDTiles % 8 == 0, "column shares are whole 64-column groups");
     static_assert(!KVCACHE || (KEY_SPLIT == 1 && (MODS & kModDropout) == 0 && BLOCK_M == 16 && !VARLEN),
                   "the KV-cache forward: one atom, no pairs, no dropout, no packed batch");
+    static_assert(!kFloat8<T> || (KVCACHE && HEAD_DIM % 16 == 0), "float8: the KV-cache forward");
+    using C = Compute<T>;   // the tiles' and P's type: the tensor cores'
+    using O = Output<T>;    // out's
+    static_assert(sizeof(O) == sizeof(C), "the epilogue stages the output in the Q tile's rows");
 
     using Smem = FwdSmem<T, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, KEY_SPLIT>;
     static_assert(KEY_SPLIT == 1 || (kSubN == BLOCK_N && Smem::kMAtoms == kMAtoms), "the pair slots' layout");
     extern __shared__ __align__(128) unsigned char smem_raw[];   // swizzled rows need 128-byte alignment
-    T* q_s = reinterpret_cast<T*>(smem_raw);
-    T* k_s = q_s + Smem::kK;
-    T* v_s = q_s + Smem::kV;
+    C* q_s = reinterpret_cast<C*>(smem_raw);
+    C* k_s = q_s + Smem::kK;
+    C* v_s = q_s + Smem::kV;
+    unsigned char* const staged = smem_raw + Smem::kStaging;   // float8: the tiles as loaded
     float* pair_max = reinterpret_cast<float*>(q_s + Smem::kTiles);
     uint4* pair_p = reinterpret_cast<uint4*>(pair_max + WARPS * Smem::kMaxSlots);   // 16-byte aligned
 
@@ -134,11 +148,21 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     }
     const int pos_begin = position(m0), pos_end = position(m0 + BLOCK_M - 1) + 1;   // the rows' positions
     const Window<MASK> window{diag, window_left, window_right};
+    // float8: the scores are q.k times q_descale * k_descale of the block's kv head (O times its v_descale: the
+    // epilogue reads it)
+    float item_scale = 1.f;
+    if constexpr (kFloat8<T>) {
+        const int at = b * descale_sb + h_kv * descale_sh;
+        if (q_descale != nullptr) item_scale *= q_descale[at];
+        if (k_descale != nullptr) item_scale *= k_descale[at];
+    }
+    const float item_scale_log2 = kFloat8<T> ? scale_log2 * item_scale : scale_log2;
     using Mod = ScoreMod<MODS>;
-    const Mod mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
+    const Mod mod(item_scale_log2, kFloat8<T> ? softcap_in * item_scale : softcap_in, softcap_out, alibi_slopes,
+                  alibi_batch_stride, b, h);
     // the factor from raw products to base-2 scores inside the exponent: scale_log2, or 1 where the
     // modifiers have already made the scores (ScoreMod)
-    const float score_factor = Mod::kAny ? 1.f : scale_log2;
+    const float score_factor = Mod::kAny ? 1.f : item_scale_log2;
     constexpr bool kDropout = (MODS & kModDropout) != 0;
     const Dropout<kDropout> dropout(dropout_seed, dropout_offset, dropout_threshold, bh);
 
@@ -199,12 +223,27 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
                 v_src = v + page * v_sb + h_kv * v_sh;
             }
         }
-        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(k_s + stage * BLOCK_N * kRow, k_src, k_ss, row,
-                                                              rows_valid, head_dim, vec_ok, tid);
-        load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(v_s + stage * BLOCK_N * kRow, v_src, v_ss, row,
-                                                              rows_valid, head_dim, vec_ok, tid);
+        if constexpr (Smem::kStaged) {
+            load_byte_tile_async<BLOCK_N, HEAD_DIM, kThreads>(staged + Smem::kStagedK + stage * BLOCK_N * HEAD_DIM,
+                                                              reinterpret_cast<const unsigned char*>(k_src), k_ss, row,
+                                                              rows_valid, head_dim, tid);
+            load_byte_tile_async<BLOCK_N, HEAD_DIM, kThreads>(staged + Smem::kStagedV + stage * BLOCK_N * HEAD_DIM,
+                                                              reinterpret_cast<const unsigned char*>(v_src), v_ss, row,
+                                                              rows_valid, head_dim, tid);
+        } else {
+            load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(k_s + stage * BLOCK_N * kRow, k_src, k_ss, row,
+                                                                  rows_valid, head_dim, vec_ok, tid);
+            load_tile_async<T, BLOCK_N, HEAD_DIM, kThreads, Row>(v_s + stage * BLOCK_N * kRow, v_src, v_ss, row,
+                                                                  rows_valid, head_dim, vec_ok, tid);
+        }
     };
-    if constexpr (KVCACHE) {
+    if constexpr (Smem::kStaged) {
+        load_byte_rows_async<BLOCK_M, HEAD_DIM, kThreads>(staged, [&](int r) -> const unsigned char* {
+            const int row = m0 + r;
+            return row < rows ? reinterpret_cast<const unsigned char*>(q_head + position(row) * q_ss + row % pack * q_sh)
+                              : nullptr;
+        }, q_head, head_dim, tid);
+    } else if constexpr (KVCACHE) {
         load_rows_async<T, BLOCK_M, HEAD_DIM, kThreads, Row>(q_s, [&](int r) -> const T* {
             const int row = m0 + r;
             return row < rows ? q_head + position(row) * q_ss + row % pack * q_sh : nullptr;
@@ -212,8 +251,17 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     } else {
         load_tile_async<T, BLOCK_M, HEAD_DIM, kThreads, Row>(q_s, q_head, q_ss, m0, rows, head_dim, vec_ok, tid);
     }
-    if (n_tiles > 0) load_keys(0, tile_key(0));
-    cp_async_commit();
+    if constexpr (Smem::kStaged) {   // float8: Q's bytes into its tile, while tile 0 loads
+        cp_async_commit();
+        if (n_tiles > 0) load_keys(0, tile_key(0));
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        convert_e4m3_tile<BLOCK_M, HEAD_DIM, kThreads, Row>(q_s, staged, tid);   // the loop's barrier follows
+    } else {
+        if (n_tiles > 0) load_keys(0, tile_key(0));
+        cp_async_commit();
+    }
 
     float acc[kMAtoms][kDTiles][4];
     float m_i[kMAtoms][2], l_i[kMAtoms][2];   // rows g and g + 8 of each atom
@@ -228,7 +276,7 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     // Each lane's ldmatrix address (see mma.cuh) in chunk 0 or 1 of its row, in the first tile and stage;
     // the fragment of k16 step ks is 2 * ks chunks further (Row::advance), that of a later 16-row block a
     // constant number of rows further.
-    constexpr int kRowBytes = kRow * sizeof(T);
+    constexpr int kRowBytes = kRow * sizeof(C);
     const unsigned q_lane = smem_addr(q_s + Row::offset(warp_row0 + (lane % 8) + 8 * ((lane / 8) % 2), lane / 16));
     const unsigned k_lane = smem_addr(k_s + Row::offset(key_share * kWarpKeys + (lane % 8) + 8 * (lane / 16),
                                                         (lane / 8) % 2));
@@ -244,6 +292,13 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
         cp_async_commit();   // possibly empty, so that "all but the newest group" is always tile j
         cp_async_wait<1>();
         __syncthreads();
+        if constexpr (Smem::kStaged) {   // tile j's bytes into the tensor cores' tiles
+            convert_e4m3_tile<BLOCK_N, HEAD_DIM, kThreads, Row>(k_s, staged + Smem::kStagedK + stage * BLOCK_N * HEAD_DIM,
+                                                               tid);
+            convert_e4m3_tile<BLOCK_N, HEAD_DIM, kThreads, Row>(v_s, staged + Smem::kStagedV + stage * BLOCK_N * HEAD_DIM,
+                                                               tid);
+            __syncthreads();
+        }
         if constexpr (kQInRegisters) {
             if (j == 0) {
 #pragma unroll
@@ -257,8 +312,9 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
         // first as the tiles; the loop is not unrolled: unrolled, ptxas interleaved the sub-tiles and spilled.
 #pragma unroll 1
         for (int sub = BLOCK_N / kSubN - 1; sub >= 0; --sub) {
-            const unsigned k_tile = k_lane + (stage * BLOCK_N + sub * kSubN) * kRowBytes;
-            const unsigned v_tile = v_lane + (stage * BLOCK_N + sub * kSubN) * kRowBytes;
+            const int tile_stage = Smem::kStaged ? 0 : stage;   // float8: one converted tile
+            const unsigned k_tile = k_lane + (tile_stage * BLOCK_N + sub * kSubN) * kRowBytes;
+            const unsigned v_tile = v_lane + (tile_stage * BLOCK_N + sub * kSubN) * kRowBytes;
             const int n0 = tile_key(j) + sub * kSubN;
             // S = Q K^T for this warp's rows and kSubN keys (raw, unscaled).
             float s[kMAtoms][kNTiles][4];
@@ -281,8 +337,8 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
                     ldmatrix_x4(kf, Row::advance(k_tile, 2 * ks) + nb * 8 * kRowBytes);
 #pragma unroll
                     for (int ma = 0; ma < kMAtoms; ++ma) {
-                        mma_16816<T>(s[ma][nb], a[ma], kf[0], kf[1]);
-                        mma_16816<T>(s[ma][nb + 1], a[ma], kf[2], kf[3]);
+                        mma_16816<C>(s[ma][nb], a[ma], kf[0], kf[1]);
+                        mma_16816<C>(s[ma][nb + 1], a[ma], kf[2], kf[3]);
                     }
                 }
             }
@@ -360,8 +416,8 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
                     for (int e = 0; e < 4; ++e) pv[e] = exp2f(fmaf(s[ma][nb][e], score_factor, neg_base[e / 2]));
                     l_i[ma][0] += pv[0] + pv[1];
                     l_i[ma][1] += pv[2] + pv[3];
-                    p_frag[ma][nb / 2][(nb % 2) * 2 + 0] = pack2<T>(pv[0], pv[1]);
-                    p_frag[ma][nb / 2][(nb % 2) * 2 + 1] = pack2<T>(pv[2], pv[3]);
+                    p_frag[ma][nb / 2][(nb % 2) * 2 + 0] = pack2<C>(pv[0], pv[1]);
+                    p_frag[ma][nb / 2][(nb % 2) * 2 + 1] = pack2<C>(pv[2], pv[3]);
                 }
                 dropout.drop_pairs(p_frag[ma], m0 + warp_row0 + ma * 16 + g, n0 + share * kWarpKeys + 2 * t);
             };
@@ -394,8 +450,8 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
                         ldmatrix_x4_trans(vf, Row::advance(v_tile, db) + key_row * kRowBytes);
 #pragma unroll
                         for (int ma = 0; ma < kMAtoms; ++ma) {
-                            mma_16816<T>(acc[ma][db], p[ma][kk], vf[0], vf[1]);
-                            mma_16816<T>(acc[ma][db + 1], p[ma][kk], vf[2], vf[3]);
+                            mma_16816<C>(acc[ma][db], p[ma][kk], vf[0], vf[1]);
+                            mma_16816<C>(acc[ma][db + 1], p[ma][kk], vf[2], vf[3]);
                         }
                     }
                 }
@@ -439,6 +495,7 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     // them through L2). The fences order each thread's partial stores before the count and the merge's
     // loads after it. A named barrier: the warps arrive from two places (warp 0 after the epilogue).
     const bool partial = KVCACHE && num_splits > 1;
+    O* const out_values = reinterpret_cast<O*>(out);   // float8: out holds Output<T>, which the field list types T
     auto merge_splits_if_last = [&] {
         constexpr int kSplitsBarrier = 1;   // 0 is __syncthreads'; KVCACHE has no warp pairs (KEY_SPLIT 1)
         int* const last_flag = reinterpret_cast<int*>(q_s);   // the Q tile's memory, read no more
@@ -459,16 +516,16 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
             const float sink = (MODS & kModSinks) != 0 ? sinks[head] : -CUFLASH_INF;
             merge_row(out_partial + ((static_cast<long long>(b) * seqlen_q + at) * heads + head) * head_dim,
                       part_rows * head_dim, lse_partial + slot, part_rows, num_splits, sink,
-                      out + b * o_sb + at * o_ss + head * o_sh, lse == nullptr ? nullptr : lse + slot, head_dim,
-                      lane);
+                      out_values + b * o_sb + at * o_ss + head * o_sh, lse == nullptr ? nullptr : lse + slot,
+                      head_dim, lane);
         }
     };
     if constexpr (kKeyWarps > KEY_SPLIT) {
-        // The KV-cache warps' states over their keys merged into warp 0's, through the key tiles' memory (no
-        // longer read): each warp's m_i per row, then its l_i and acc rescaled to the largest m_i, summed by
+        // The KV-cache warps' states over their keys merged into warp 0's, through the key tiles' memory and
+        // what follows them (no longer read): each warp's m_i per row, then its l_i and acc rescaled to the largest m_i, summed by
         // warp 0, which alone runs the epilogue. A warp that saw no key has m_i = -inf and counts for nothing.
-        static_assert(kMAtoms == 1 && (2 + kDTiles * 4) * 32 * WARPS * 4 <= 4 * BLOCK_N * kRow * sizeof(T),
-                      "the merge's slots fit in the key tiles");
+        static_assert(kMAtoms == 1 && (2 + kDTiles * 4) * 32 * WARPS * 4 <= Smem::kBytes - Smem::kK * sizeof(C),
+                      "the merge's slots fit in the key tiles (and float8's staged bytes)");
         float* row_slots = reinterpret_cast<float*>(k_s);          // [WARPS][2 rows][32 lanes]
         float* acc_slots = row_slots + WARPS * 2 * 32;              // [WARPS][kDTiles][4][32 lanes]
         float m_all[2], factor[2];
@@ -535,6 +592,8 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
                                      : lse + (VARLEN ? out_seq.stats(b, heads, h)
                                                      : static_cast<long long>(bh) * seqlen_q);
     const float sink2 = (MODS & kModSinks) != 0 && !KVCACHE ? sinks[h] * kLog2e : 0.f;   // this head's sink, base 2
+    O* const o_s = reinterpret_cast<O*>(q_s);   // the output's rows staged where Q was
+    const float v_scale = kFloat8<T> && v_descale != nullptr ? v_descale[b * descale_sb + h_kv * descale_sh] : 1.f;
     // With key splits each block writes its split's result as float32 partials, straight from registers,
     // without the sinks (the merge adds them); a KV-cache row's head is h + row % pack.
 #pragma unroll
@@ -552,7 +611,8 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
                 l = l * acc_factor + exp2f(row_sink2 - m_new);
                 m = m_new;
             }
-            const float inv_l = l == 0.f ? 0.f : (kDropout ? acc_factor * dropout_scale : acc_factor) / l;
+            const float inv_l =
+                l == 0.f ? 0.f : (kDropout ? acc_factor * dropout_scale : kFloat8<T> ? acc_factor * v_scale : acc_factor) / l;
             const int tile_row = warp_row0 + ma * 16 + g + 8 * r;
             if constexpr (KVCACHE) {
                 const int row = m0 + tile_row;
@@ -577,8 +637,8 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
             }
 #pragma unroll
             for (int db = 0; db < kDTiles; ++db)
-                *reinterpret_cast<unsigned*>(q_s + Row::offset(tile_row, share * kDTiles + db) + 2 * t) =
-                    pack2<T>(acc[ma][db][2 * r] * inv_l, acc[ma][db][2 * r + 1] * inv_l);
+                *reinterpret_cast<unsigned*>(o_s + Row::offset(tile_row, share * kDTiles + db) + 2 * t) =
+                    pack2<O>(acc[ma][db][2 * r] * inv_l, acc[ma][db][2 * r + 1] * inv_l);
         }
     }
     if (partial) {
@@ -593,13 +653,13 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
         __syncwarp();
     const int store_row0 = warp_row0 + share * kStoreRows;
     if constexpr (KVCACHE) {
-        store_rows_to<T, kStoreRows, HEAD_DIM, 32, Row>([&](int r) -> T* {
+        store_rows_to<O, kStoreRows, HEAD_DIM, 32, Row>([&](int r) -> O* {
             const int row = m0 + store_row0 + r;
-            return row < out_rows ? out + b * o_sb + position(row) * o_ss + (h + row % pack) * o_sh : nullptr;
-        }, head_dim, q_s + store_row0 * kRow, lane);
+            return row < out_rows ? out_values + b * o_sb + position(row) * o_ss + (h + row % pack) * o_sh : nullptr;
+        }, head_dim, o_s + store_row0 * kRow, lane);
     } else {
-        store_rows<T, kStoreRows, HEAD_DIM, 32, Row>(out + b * o_sb + out_seq.q_start * o_ss + h * o_sh, o_ss,
-                                                     m0 + store_row0, out_rows, head_dim, q_s + store_row0 * kRow,
+        store_rows<O, kStoreRows, HEAD_DIM, 32, Row>(out_values + b * o_sb + out_seq.q_start * o_ss + h * o_sh, o_ss,
+                                                     m0 + store_row0, out_rows, head_dim, o_s + store_row0 * kRow,
                                                      lane);
     }
 }

@@ -239,6 +239,75 @@ __device__ __forceinline__ void load_rows_async(T* tile, RowSrc row_src, const T
         }
     }
 }
+// Rows of HEAD_DIM bytes (float8 e4m3) into a staging tile [ROWS][HEAD_DIM] by 16-byte cp.async: row r from
+// row_src(r) (null: zeros), its bytes from head_dim on as zeros. head_dim is a multiple of 16 and the rows 16-byte
+// aligned (the plan refuses float8 caches otherwise); any_row is a readable address for the copies of zeros.
+template <int ROWS, int HEAD_DIM, int NTHREADS, typename RowSrc>
+__device__ __forceinline__ void load_byte_rows_async(unsigned char* staged, RowSrc row_src, const void* any_row,
+                                                     int head_dim, int tid) {
+    constexpr int kChunks = HEAD_DIM / 16, kCopies = ROWS * kChunks;
+#pragma unroll
+    for (int it = 0; it < (kCopies + NTHREADS - 1) / NTHREADS; ++it) {
+        const int i = tid + it * NTHREADS;
+        if (kCopies % NTHREADS != 0 && i >= kCopies) break;
+        const int r = i / kChunks, c = 16 * (i % kChunks);
+        const unsigned char* src = row_src(r);
+        const bool ok = src != nullptr && c < head_dim;
+        cp_async_16(staged + r * HEAD_DIM + c, ok ? static_cast<const void*>(src + c) : any_row, ok ? 16 : 0);
+    }
+}
+
+// Rows row0.. of a head's HEAD_DIM-byte rows (float8 e4m3, row_stride bytes apart from head_base) into a staging
+// tile [ROWS][HEAD_DIM], as load_byte_rows_async, rows from rows_valid on as zeros: each thread keeps one column
+// chunk and steps down the rows (one pointer add per copy, as load_tile_async).
+template <int ROWS, int HEAD_DIM, int NTHREADS>
+__device__ __forceinline__ void load_byte_tile_async(unsigned char* staged, const unsigned char* head_base,
+                                                     long long row_stride, int row0, int rows_valid, int head_dim,
+                                                     int tid) {
+    constexpr int kChunks = HEAD_DIM / 16, kRowsPerPass = NTHREADS / kChunks;
+    static_assert(NTHREADS % kChunks == 0 && ROWS % kRowsPerPass == 0, "whole passes of whole rows");
+    const int r0 = tid / kChunks, c = 16 * (tid % kChunks);
+    const int rows_left = c < head_dim ? rows_valid - row0 - r0 : 0;
+    const unsigned char* src = head_base + (row0 + r0) * row_stride + c;
+#pragma unroll
+    for (int it = 0; it < ROWS / kRowsPerPass; ++it) {
+        const bool ok = it * kRowsPerPass < rows_left;
+        cp_async_16(staged + (r0 + it * kRowsPerPass) * HEAD_DIM + c, ok ? src : head_base, ok ? 16 : 0);
+        src += kRowsPerPass * row_stride;
+    }
+}
+
+// Two e4m3 values (the low byte first) as a float16 pair (the low half first), exactly.
+__device__ __forceinline__ unsigned e4m3x2_to_half2(unsigned pair) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair), __NV_E4M3);
+    return static_cast<unsigned>(h.x) | static_cast<unsigned>(h.y) << 16;
+}
+
+// A staged float8 e4m3 tile [ROWS][HEAD_DIM] (bytes) into a float16 tile of Layout's rows, exactly: each 16
+// staged bytes become two 16-byte chunks of the tile.
+template <int ROWS, int HEAD_DIM, int NTHREADS, typename Layout>
+__device__ __forceinline__ void convert_e4m3_tile(__half* tile, const unsigned char* staged, int tid) {
+    constexpr int kChunks = HEAD_DIM / 16, kConversions = ROWS * kChunks;
+    // not unrolled: the caller holds its accumulators across the conversion (unrolled, ptxas spilled at head_dim 256)
+#pragma unroll 1
+    for (int it = 0; it < (kConversions + NTHREADS - 1) / NTHREADS; ++it) {
+        const int i = tid + it * NTHREADS;
+        if (kConversions % NTHREADS != 0 && i >= kConversions) break;
+        const int r = i / kChunks, c = i % kChunks;
+        const uint4 bytes = *reinterpret_cast<const uint4*>(staged + r * HEAD_DIM + 16 * c);
+        const unsigned words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
+        unsigned halves[8];
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            halves[2 * w] = e4m3x2_to_half2(words[w] & 0xffffu);
+            halves[2 * w + 1] = e4m3x2_to_half2(words[w] >> 16);
+        }
+        *reinterpret_cast<uint4*>(tile + Layout::offset(r, 2 * c)) =
+            make_uint4(halves[0], halves[1], halves[2], halves[3]);
+        *reinterpret_cast<uint4*>(tile + Layout::offset(r, 2 * c + 1)) =
+            make_uint4(halves[4], halves[5], halves[6], halves[7]);
+    }
+}
 template <typename T, int ROWS, int HEAD_DIM, int NTHREADS, typename Layout, typename RowDst>
 __device__ __forceinline__ void store_rows_to(RowDst row_dst, int head_dim, const T* tile, int thread) {
     constexpr int kChunks = HEAD_DIM / 8;
