@@ -44,7 +44,8 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int KEY
     static constexpr bool kStaged = kFloat8<T>;
     static constexpr int kStages = kStaged ? 1 : 2;
     static constexpr int kRow = ForwardRow<HEAD_DIM>::kElems;
-    static constexpr int kK = BLOCK_M * kRow, kV = kK + kStages * BLOCK_N * kRow, kTiles = kV + kStages * BLOCK_N * kRow;
+    static constexpr int kK = BLOCK_M * kRow, kV = kK + kStages * BLOCK_N * kRow;
+    static constexpr int kTiles = kV + kStages * BLOCK_N * kRow;
     static constexpr int kMAtoms = BLOCK_M / (WARPS / KEY_SPLIT) / 16;   // 16-row atoms of a warp
     // a pair's warp computes S for BLOCK_N / KEY_SPLIT keys of a tile (pairs take whole tiles)
     static constexpr int kMaxSlots = kMAtoms * 2 * 32, kPSlots = kMAtoms * (BLOCK_N / KEY_SPLIT / 16) * 32;
@@ -240,8 +241,8 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     if constexpr (Smem::kStaged) {
         load_byte_rows_async<BLOCK_M, HEAD_DIM, kThreads>(staged, [&](int r) -> const unsigned char* {
             const int row = m0 + r;
-            return row < rows ? reinterpret_cast<const unsigned char*>(q_head + position(row) * q_ss + row % pack * q_sh)
-                              : nullptr;
+            const T* src = q_head + position(row) * q_ss + row % pack * q_sh;
+            return row < rows ? reinterpret_cast<const unsigned char*>(src) : nullptr;
         }, q_head, head_dim, tid);
     } else if constexpr (KVCACHE) {
         load_rows_async<T, BLOCK_M, HEAD_DIM, kThreads, Row>(q_s, [&](int r) -> const T* {
@@ -293,10 +294,9 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
         cp_async_wait<1>();
         __syncthreads();
         if constexpr (Smem::kStaged) {   // tile j's bytes into the tensor cores' tiles
-            convert_e4m3_tile<BLOCK_N, HEAD_DIM, kThreads, Row>(k_s, staged + Smem::kStagedK + stage * BLOCK_N * HEAD_DIM,
-                                                               tid);
-            convert_e4m3_tile<BLOCK_N, HEAD_DIM, kThreads, Row>(v_s, staged + Smem::kStagedV + stage * BLOCK_N * HEAD_DIM,
-                                                               tid);
+            const unsigned char* tile_bytes = staged + stage * BLOCK_N * HEAD_DIM;
+            convert_e4m3_tile<BLOCK_N, HEAD_DIM, kThreads, Row>(k_s, tile_bytes + Smem::kStagedK, tid);
+            convert_e4m3_tile<BLOCK_N, HEAD_DIM, kThreads, Row>(v_s, tile_bytes + Smem::kStagedV, tid);
             __syncthreads();
         }
         if constexpr (kQInRegisters) {
@@ -522,8 +522,9 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     };
     if constexpr (kKeyWarps > KEY_SPLIT) {
         // The KV-cache warps' states over their keys merged into warp 0's, through the key tiles' memory and
-        // what follows them (no longer read): each warp's m_i per row, then its l_i and acc rescaled to the largest m_i, summed by
-        // warp 0, which alone runs the epilogue. A warp that saw no key has m_i = -inf and counts for nothing.
+        // what follows them (no longer read): each warp's m_i per row, then its l_i and acc rescaled to the
+        // largest m_i, summed by warp 0, which alone runs the epilogue. A warp that saw no key has m_i = -inf and
+        // counts for nothing.
         static_assert(kMAtoms == 1 && (2 + kDTiles * 4) * 32 * WARPS * 4 <= Smem::kBytes - Smem::kK * sizeof(C),
                       "the merge's slots fit in the key tiles (and float8's staged bytes)");
         float* row_slots = reinterpret_cast<float*>(k_s);          // [WARPS][2 rows][32 lanes]
