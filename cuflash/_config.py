@@ -624,18 +624,34 @@ def wgmma_spec(dtype, head_dim: int, mask: int, block_m: int, block_n: int, mods
                       mods=mods)
 
 
-#: bwd_dkdv_wgmma's tile (kernels/bwd_wgmma.cu): 64 query rows per step; per head dim, the keys of a block, which
-#: its two consumers split (64 keys each) up to head_dim 128; at 256 they split the columns of 64 keys (dK and dV
-#: of 64 keys by 256 columns would take 256 registers a thread)
-WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_BLOCK_N = 64, {64: 128, 128: 128, 256: 64}
+#: bwd_dkdv_wgmma's tile (kernels/bwd_wgmma.cu): per head dim, the keys of a block, which its two consumers split
+#: (64 keys each) up to head_dim 128; at 256 they split the columns of 64 keys (dK and dV of 64 keys by 256 columns
+#: would take 256 registers a thread)
+WGMMA_DKDV_BLOCK_N = {64: 128, 128: 128, 256: 64}
 WGMMA_DKDV_HEAD_DIMS = tuple(WGMMA_DKDV_BLOCK_N)
+#: its query rows per step: 64, or WGMMA_DKDV_TALL_BLOCK_M at head_dim 64 in the default form (kTallSteps;
+#: wgmma_dkdv_block_m)
+WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_TALL_BLOCK_M = 64, 128
 
 
-def wgmma_dkdv_smem_bytes(head_dim: int, itemsize: int = 2) -> int:
+def wgmma_dkdv_block_m(head_dim: int, mask: int, ordered: bool = False) -> int:
+    """bwd_dkdv_wgmma's query rows per step at the padded ``head_dim`` under ``mask``; ``ordered``: the
+    deterministic form.
+
+    At head_dim 64 the default form takes 128 rows a step (FlashAttention-3's tile there): each consumer's S^T
+    and dP^T are 64 keys by 128 queries and the consumers meet to split dQ by queries, where 64 rows gave each
+    step's five products too little work beside the step's waits (bench/NOTES.md, session 30). Not under the
+    window mask, nor in the ordered form, where 128 rows spill (4-84 bytes, ptxas of NVRTC 13.0 for sm_90a); the
+    ordered form keeps 64 rows, its consumers' dQ of their own keys handed from one to the other (b8)."""
+    tall = head_dim == 64 and mask != MASK_WINDOW and not ordered
+    return WGMMA_DKDV_TALL_BLOCK_M if tall else WGMMA_DKDV_BLOCK_M
+
+
+def wgmma_dkdv_smem_bytes(head_dim: int, itemsize: int = 2, block_m: int = WGMMA_DKDV_BLOCK_M) -> int:
     """bwd_dkdv_wgmma's shared memory (``BwdWgmmaSmem``): K and V, two stages of Q and dO, two of dS^T, up to
     head_dim 128 each consumer warp's dQ share (16 x 64 float32, 8 warps), two stages of lse and delta
     (float32), and 5 mbarriers."""
-    m, n, d = WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_BLOCK_N[head_dim], head_dim
+    m, n, d = block_m, WGMMA_DKDV_BLOCK_N[head_dim], head_dim
     dq_shares = 8 * 16 * 64 * 4 if head_dim <= 128 else 0
     return (2 * n * d + 2 * 2 * m * d + 2 * n * m) * itemsize + dq_shares + 2 * 2 * m * 4 + 8 * 5
 
@@ -649,10 +665,11 @@ def wgmma_dkdv_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: 
     if (device.compute_capability != 90 or not device.tensor_maps or dtype == np.float32
             or d not in WGMMA_DKDV_HEAD_DIMS or head_dim % 8):
         return None
-    smem = wgmma_dkdv_smem_bytes(d, dtype.itemsize)
+    block_m = wgmma_dkdv_block_m(d, mask)
+    smem = wgmma_dkdv_smem_bytes(d, dtype.itemsize, block_m)
     if smem > device.max_smem_per_block:
         return None
-    return KernelSpec("bwd_dkdv_wgmma", dtype, d, int(mask), WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_BLOCK_N[d],
+    return KernelSpec("bwd_dkdv_wgmma", dtype, d, int(mask), block_m, WGMMA_DKDV_BLOCK_N[d],
                       wgmma_threads(2 * WGMMA_ROWS_PER_CONSUMER), smem, mods=mods, atomic_dq=True)
 
 
@@ -842,9 +859,12 @@ DQ_ACCUM_SHARE = 16 * 64
 #: the head dims at which the deterministic backward runs bwd_dkdv_wgmma's ordered form (ordered_dq_kernel):
 #: all of the kernel's (at 256 its dQ shares are staged in the step's Q and dO: kStagedDq in bwd_wgmma.cu)
 ORDERED_DQ_HEAD_DIMS = WGMMA_DKDV_HEAD_DIMS
-#: the head dim at which bwd_dkdv_wgmma's consumers each add dQ of their own keys (kDqOwnKeys in bwd_wgmma.cu):
-#: two adds into each element of a launch, so the split grid cannot take the kernel there
-WGMMA_DQ_OWN_KEYS_HEAD_DIM = 64
+
+
+def wgmma_dq_own_keys(spec: KernelSpec) -> bool:
+    """Do bwd_dkdv_wgmma's consumers each add dQ of their own keys (kDqOwnKeys in bwd_wgmma.cu: head_dim 64
+    with 64-row steps)? Then two adds reach each element of a launch, so the split grid cannot take the kernel."""
+    return spec.head_dim == 64 and spec.block_m == WGMMA_DKDV_BLOCK_M
 
 
 def ordered_dq_kernel(cfg: AttentionConfig) -> KernelSpec | None:
@@ -856,16 +876,20 @@ def ordered_dq_kernel(cfg: AttentionConfig) -> KernelSpec | None:
     and 0.85-1.00x at 256, where the split grid ran at 0.80-0.95x, 0.75-0.95x and 0.43-0.79x (FlashAttention's
     grid, seqlen 512-16k, causal and not, bfloat16 and float16; bench/NOTES.md b10, b16)."""
     hopper = cfg.bwd_dkdv_wgmma
-    return dataclasses.replace(hopper, ordered_dq=True) if hopper is not None else None
+    if hopper is None:
+        return None
+    block_m = wgmma_dkdv_block_m(hopper.head_dim, hopper.mask, ordered=True)
+    return dataclasses.replace(hopper, ordered_dq=True, block_m=block_m,
+                               smem_bytes=wgmma_dkdv_smem_bytes(hopper.head_dim, hopper.dtype.itemsize, block_m))
 
 
 def split_grid_kernel(cfg: AttentionConfig) -> KernelSpec | None:
     """The dK/dV kernel of the deterministic backward's split grid (``deterministic_dq_splits``), where the
     ordered form does not serve: the Hopper kernel where one thread adds each element of a dQ copy in a launch
-    (not at WGMMA_DQ_OWN_KEYS_HEAD_DIM), else the tiled mma.sync kernel's atomic-dQ form (the rows kernel walks
+    (not where it adds dQ of each consumer's own keys: wgmma_dq_own_keys), else the tiled mma.sync kernel's atomic-dQ form (the rows kernel walks
     one key block per thread block); None where neither serves."""
     hopper = cfg.bwd_dkdv_wgmma
-    if hopper is not None and hopper.head_dim != WGMMA_DQ_OWN_KEYS_HEAD_DIM:
+    if hopper is not None and not wgmma_dq_own_keys(hopper):
         return hopper
     if cfg.bwd_dkdv_atomic and cfg.bwd_dkdv_atomic[0].kernel == "bwd_dkdv_mma":
         return cfg.bwd_dkdv_atomic[0]

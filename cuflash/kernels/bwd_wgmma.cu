@@ -5,10 +5,10 @@
 // mma.sync kernels for the rest). deterministic=True runs its ordered form (ORDERED_DQ, below).
 //
 // One thread block owns BLOCK_N keys of one (batch, kv head) (KeyBlock's banded grid) and walks the query tiles
-// of every head of its kv group that see them, BLOCK_M = 64 rows at a time (steps: head in group, query tile
-// fastest). Warpgroups:
+// of every head of its kv group that see them, BLOCK_M rows at a time (steps: head in group, query tile
+// fastest): 64, or 128 at head_dim 64 in the default form (kTallSteps, below). Warpgroups:
 // - 0, the producer: thread 0 loads K and V once, then each step's Q and dO tiles by TMA into two stages;
-//   warp 1 copies the step's lse and delta (64 floats each) into the stage; the stage's "full" mbarrier
+//   warp 1 copies the step's lse and delta (BLOCK_M floats each) into the stage; the stage's "full" mbarrier
 //   completes on both, and it is refilled once both consumers (at 256: two lanes of the dQ writer, below) have
 //   arrived on its "empty" one.
 // - 1 and 2, the consumers, holding dK and dV of 64 keys in registers for the whole block. At head_dim 64 and
@@ -32,14 +32,16 @@
 //     dP^T are done before the consumers meet for dQ), and warp 2 of the producer warpgroup (the dQ writer)
 //     adds them and frees the stage once the adds have read it.
 //     At head_dim 128 the consumers meet (named barrier) and each takes 64 of the columns over all 128 keys;
-//     at 64 each takes its own 64 keys over all columns, and meets only its own warps; at 256 they meet and
+//     at 64 with 128-row steps they meet and each takes 64 of the queries over all 128 keys; at 64 with 64-row
+//     steps each takes its own 64 keys over all columns, and meets only its own warps; at 256 they meet and
 //     each takes its 128 columns over the 64 keys, 64 columns per pass.
 //   dS^T is double-buffered: the step s + 1 barrier orders step s's dQ reads before step s + 2's writes.
-//   At head_dim 64, where the consumers never meet and registers allow, step s + 1's S^T and dP^T are issued
-//   right after step s's dQ product, and the consumers take turns to issue (ping-pong): one's element-wise
-//   phase runs under the other's products. At 128 (FlashAttention-3's order within a step): S^T and dP^T are two
-//   groups, P^T computed while dP^T runs (not under the softcap); dV is issued before the consumers meet, dK after
-//   dQ, and dQ is stored and added while dK runs.
+//   At head_dim 64 with 64-row steps, where the consumers never meet and registers allow, step s + 1's S^T and
+//   dP^T are issued right after step s's dQ product, and the consumers take turns to issue (ping-pong): one's
+//   element-wise phase runs under the other's products. At 128, and at 64 with 128-row steps
+//   (FlashAttention-3's order within a step): S^T and dP^T are two groups, P^T computed while dP^T runs (not
+//   under the softcap); dV is issued before the consumers meet, dK after dQ, and dQ is stored and added while
+//   dK runs.
 // Epilogue: dK times the softmax scale, and dV, staged in shared memory where K and V were and stored in whole
 // 16-byte chunks of key rows.
 //
@@ -58,10 +60,10 @@ namespace cuflash {
 constexpr int kBwdWgmmaStages = 2;   // Q/dO stages
 
 // bwd_dkdv_wgmma's shared memory, bytes (128-byte swizzled [rows][64] blocks as TMA writes them):
-// K, V [HEAD_DIM / 64][BLOCK_N][64]; Q, dO stages [2][HEAD_DIM / 64][BLOCK_M][64]; dS^T [2][BLOCK_N][BLOCK_M]
-// (BLOCK_M = 64: one 128-byte row per key); up to head_dim 128 (kBulkDq), each consumer warp's dQ share [16][64]
-// float in DqAccum's tile order (at 256 the shares are staged in the Q and dO stages: kStagedDq); lse, delta
-// stages [2][BLOCK_M] float; then the mbarriers: kv_full, q_full[2], q_empty[2].
+// K, V [HEAD_DIM / 64][BLOCK_N][64]; Q, dO stages [2][HEAD_DIM / 64][BLOCK_M][64]; dS^T stages
+// [2][BLOCK_M / 64][BLOCK_N][64] (a 128-byte row per key and 64 queries); up to head_dim 128 (kBulkDq), each
+// consumer warp's dQ share [16][64] float in DqAccum's tile order (at 256 the shares are staged in the Q and dO
+// stages: kStagedDq); lse, delta stages [2][BLOCK_M] float; then the mbarriers: kv_full, q_full[2], q_empty[2].
 template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct BwdWgmmaSmem {
     // dQ leaves through buffers of its own, added into dq_accum by the TMA unit, where they fit (at 256 two
     // consumers' 32 KB do not fit beside the rest; there the shares are staged in the step's Q and dO)
@@ -69,7 +71,7 @@ template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct BwdWgmmaSmem {
     static constexpr int kColBlocks = HEAD_DIM / kSwizzleElems;
     static constexpr int kKVBlock = BLOCK_N * kSwizzleRowBytes, kKV = kColBlocks * kKVBlock;
     static constexpr int kQBlock = BLOCK_M * kSwizzleRowBytes, kQStage = kColBlocks * kQBlock;
-    static constexpr int kDsStage = BLOCK_N * BLOCK_M * 2;
+    static constexpr int kDsBlock = BLOCK_N * kSwizzleRowBytes, kDsStage = BLOCK_M / 64 * kDsBlock;
     static constexpr int kDqWarp = 16 * 64 * 4, kDqBytes = kBulkDq ? 8 * kDqWarp : 0;   // 8 consumer warps
     static constexpr int kV = kKV, kQ = kV + kKV, kDo = kQ + kBwdWgmmaStages * kQStage;
     static constexpr int kDs = kDo + kBwdWgmmaStages * kQStage, kDq = kDs + kBwdWgmmaStages * kDsStage;
@@ -80,8 +82,8 @@ template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct BwdWgmmaSmem {
 
 // ORDERED_DQ: the ordered form (deterministic, below), its own specialization: the default's code has no
 // branch for it (a runtime branch for a deterministic form cost the default 5-15%: bench/NOTES.md b9). The
-// deterministic split grid (dq_splits > 0) runs the default's form, at head_dim 128 and 256 only: at 64 both
-// consumers add into each dQ element.
+// deterministic split grid (dq_splits > 0) runs the default's form, at head_dim 128 and 256 only: at 64 with
+// 64-row steps both consumers add into each dQ element.
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, bool ORDERED_DQ, bool VARLEN>
 __global__ void __launch_bounds__(384, 1)
 bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
@@ -89,9 +91,16 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                CUFLASH_PARAMS(CUFLASH_BWD_FIELDS)) {
     // the consumers split the block's keys (BLOCK_N 128) or, at head_dim 256, its columns (BLOCK_N 64)
     constexpr bool kKeySplit = HEAD_DIM <= 128;
-    static_assert(sizeof(T) == 2 && (HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256) && BLOCK_M == 64 &&
+    // 128-row steps (head_dim 64, the default form; the ordered form's spill): each consumer's S^T and dP^T of 64
+    // keys by 128 queries, and dQ split by queries (consumer cw takes rows 64 cw.. of the step)
+    constexpr bool kTallSteps = BLOCK_M == 128;
+    static_assert(sizeof(T) == 2 && (HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256) &&
+                      (BLOCK_M == 64 || (HEAD_DIM == 64 && !ORDERED_DQ && BLOCK_M == 128)) &&
                       BLOCK_N == (kKeySplit ? 128 : 64),
-                  "head_dim 64 or 128 with two consumers of 64 keys, 256 with two of 128 columns; 64-row query tiles");
+                  "head_dim 64 or 128 with two consumers of 64 keys, 256 with two of 128 columns; 64-row query tiles, "
+                  "or 128 at head_dim 64 in the default form");
+    // at head_dim 64 with 64-row steps each consumer computes dQ of its own keys (both add into each element)
+    constexpr bool kDqOwnKeys = HEAD_DIM == 64 && !kTallSteps;
     constexpr bool kDropout = (MODS & kModDropout) != 0;
     using Smem = BwdWgmmaSmem<HEAD_DIM, BLOCK_M, BLOCK_N>;
     constexpr int kConsumers = 2;
@@ -127,12 +136,12 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     const QueryTiles<BLOCK_M, kOrdered && Window<MASK>::kMasked> query_tiles(window, n0, BLOCK_N, seq.seqlen_q, group);
     const int steps = query_tiles.steps;
     // dQ's named barriers in the ordered form: consumer warpgroup i of those whose warps' buffers the dQ writer
-    // adds (both at 128 and 256; at 64, where consumer 0 hands its part over, consumer 1) arrives on
+    // adds (both, except at 64 with 64-row steps, where consumer 0 hands its part over: consumer 1) arrives on
     // dq_full(i, s) once its buffers hold step s's shares, the writer on kDqEmptyBarrier + i once it has read
     // them. Staged (256), the stage is the buffer and the writer frees it (q_empty): with nothing to hold a
     // consumer until the writer has taken step s, it may arrive for step s + 1 first, so dq_full alternates
     // between two barriers by step (step s + 2 needs the stage that the writer frees after taking step s).
-    constexpr int kDqWriters = HEAD_DIM == 64 ? 1 : kConsumers, kDqFullBarrier = 4;
+    constexpr int kDqWriters = kDqOwnKeys ? 1 : kConsumers, kDqFullBarrier = 4;
     constexpr int kDqFullPerWriter = kStagedDq ? kBwdWgmmaStages : 1;
     constexpr int kDqEmptyBarrier = kDqFullBarrier + kDqWriters * kDqFullPerWriter, kDqBarrierThreads = 128 + 32;
     auto dq_full = [&](int writer, int s) { return kDqFullBarrier + writer * kDqFullPerWriter + s % kDqFullPerWriter; };
@@ -196,7 +205,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
             const int lane = tid_wg % 32, writer = kStagedDq ? lane / 4 % kConsumers : lane / 4;
             const int writer_warp = lane % 4, dq_pass = kStagedDq ? lane / 8 : 0;
             const bool adds = lane < 4 * kDqWriters * (kStagedDq ? 2 : 1);
-            const int consumer = HEAD_DIM == 64 ? 1 : writer;
+            const int consumer = kDqOwnKeys ? 1 : writer;
             // the lane's buffer: its warp's (stage 0's where staged: the step's stage adds kQStage times it)
             const unsigned buffer = kStagedDq ? staged_dq(0, consumer, dq_pass, writer_warp)
                                               : k_s + Smem::kDq + (4 * consumer + writer_warp) * Smem::kDqWarp;
@@ -276,16 +285,17 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                                  smem_descriptor(b_tile + block * Smem::kQBlock + col, 0), ks > 0);
         }
     };
-    // dQ's share of this consumer: keys dq_key0.. (kDqKeys of them) times columns dq_col0.. (64 per pass)
-    constexpr bool kDqOwnKeys = HEAD_DIM == 64;
+    // dQ's share of this consumer: queries dq_row0.. (64 of them) by keys dq_key0.. (kDqKeys of them) times
+    // columns dq_col0.. (64 per pass)
     constexpr int kDqKeys = kDqOwnKeys ? 64 : BLOCK_N, kDqPasses = kKeySplit ? 1 : kCols / 64;
-    const int dq_key0 = kDqOwnKeys ? 64 * cw : 0, dq_col0 = kDqOwnKeys ? 0 : kKeySplit ? 64 * cw : col0;
+    const int dq_key0 = kDqOwnKeys ? 64 * cw : 0, dq_row0 = kTallSteps ? 64 * cw : 0;
+    const int dq_col0 = kDqOwnKeys || kTallSteps ? 0 : kKeySplit ? 64 * cw : col0;
     // the consumers that store dS^T: both (their own keys), or at head_dim 256 consumer 0 (both hold all of it)
     const bool stores_ds = kKeySplit || cw == 0;
     // this consumer's own named barrier (its 128 threads); the barrier before dQ reads dS^T: both consumers' (id 1),
     // or this consumer's own
     const int own_barrier = 2 + cw, ds_barrier = kDqOwnKeys ? own_barrier : 1;
-    // In the ordered form at head_dim 64, where both consumers hold a part of each dQ element of a step,
+    // In the ordered form at head_dim 64 with 64-row steps, where both consumers hold a part of each dQ element,
     // consumer 0's warp w hands its part to consumer 1's warp w through its dQ buffer, and consumer 1 adds the
     // sum: one add per element and block (named barrier kHandedBarrier + w: handed over, kTakenBarrier + w:
     // read, the buffer free again; consumer 1 gives the first Taken)
@@ -298,7 +308,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     // group is issued right after step s's dQ product, to run under step s's dQ wait and atomics; elsewhere at
     // the start of step s. Each step is one whole sequence for ptxas (the last one a second copy without the
     // look-ahead): products in flight across a join of branches make it serialize every wgmma (C7514/C7518).
-    constexpr bool kLookahead = HEAD_DIM == 64;
+    constexpr bool kLookahead = HEAD_DIM == 64 && !kTallSteps;
     // FlashAttention-3's order where dQ is one pass and there is no look-ahead (head_dim 128): dK is issued after
     // dQ, and dQ is stored and added while dK runs; and S^T and dP^T are two groups, P^T = exp2(score - lse)
     // computed while dP^T is in flight (not under the softcap, whose d score / d (scale q.k) per element would have
@@ -399,11 +409,12 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
             ds_frag[nb / 2][(nb % 2) * 2 + 0] = ds_lo;
             ds_frag[nb / 2][(nb % 2) * 2 + 1] = ds_hi;
             // dS^T (key row, query column) in the 128-byte swizzle: key rows key_row0 + 16 w + g (+ 8), the pair
-            // of queries 8 nb + 2 t in chunk nb ^ (row % 8)
+            // of queries 8 nb + 2 t in query block nb / 8, chunk nb % 8 ^ (row % 8)
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int row = key_row0 + 16 * warp + g + 8 * half;
-                const unsigned at = ds_stage + row * kSwizzleRowBytes + ((nb ^ (row % 8)) * 16) + 4 * t;
+                const unsigned at =
+                    ds_stage + nb / 8 * Smem::kDsBlock + row * kSwizzleRowBytes + (((nb % 8) ^ (row % 8)) * 16) + 4 * t;
                 if (stores_ds)
                     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(half ? ds_hi : ds_lo) : "memory");
             }
@@ -442,7 +453,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
 #pragma unroll
             for (int kk = 0; kk < kDqKeys / 16; ++kk) {
                 const unsigned key_rows = (dq_key0 + kk * 16) * kSwizzleRowBytes;
-                wgmma_ss_mn<T, 64>(dq, smem_descriptor(ds_stage + key_rows, 0),
+                wgmma_ss_mn<T, 64>(dq, smem_descriptor(ds_stage + dq_row0 / 64 * Smem::kDsBlock + key_rows, 0),
                                    smem_descriptor(k_s + dq_col / kSwizzleElems * Smem::kKVBlock + key_rows, 0),
                                    kk > 0);
             }
@@ -471,7 +482,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
             if (dq_accum != nullptr) {
                 float* head = dq_accum + DqAccum::head(blk.split, batch, b, heads, h, seq, seqlen_q, HEAD_DIM);
                 // the warp's share: 16 rows by 64 columns, 8 16 x 8 tiles, contiguous in dq_accum
-                float* share = head + DqAccum::tile(m0 + 16 * warp, dq_col, HEAD_DIM);
+                float* share = head + DqAccum::tile(m0 + dq_row0 + 16 * warp, dq_col, HEAD_DIM);
                 // fragment element 4 nb + i of lane l sits at nb * 128 + 4 l + i of a share (DqAccum's order): the
                 // byte offset of this lane's four of n8 tile nb
                 auto lane_bytes = [&](int nb) { return (nb * 128 + lane * 4) * 4; };
