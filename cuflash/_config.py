@@ -629,8 +629,8 @@ def wgmma_spec(dtype, head_dim: int, mask: int, block_m: int, block_n: int, mods
 #: would take 256 registers a thread)
 WGMMA_DKDV_BLOCK_N = {64: 128, 128: 128, 256: 64}
 WGMMA_DKDV_HEAD_DIMS = tuple(WGMMA_DKDV_BLOCK_N)
-#: its query rows per step: 64, or WGMMA_DKDV_TALL_BLOCK_M at head_dim 64 in the default form (kTallSteps;
-#: wgmma_dkdv_block_m)
+#: its query rows per step: 64, or WGMMA_DKDV_TALL_BLOCK_M at head_dim 64 without a mask in the default form
+#: (kTallSteps; wgmma_dkdv_block_m)
 WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_TALL_BLOCK_M = 64, 128
 
 
@@ -638,12 +638,13 @@ def wgmma_dkdv_block_m(head_dim: int, mask: int, ordered: bool = False) -> int:
     """bwd_dkdv_wgmma's query rows per step at the padded ``head_dim`` under ``mask``; ``ordered``: the
     deterministic form.
 
-    At head_dim 64 the default form takes 128 rows a step (FlashAttention-3's tile there): each consumer's S^T
-    and dP^T are 64 keys by 128 queries and the consumers meet to split dQ by queries, where 64 rows gave each
-    step's five products too little work beside the step's waits (bench/NOTES.md, session 30). Not under the
-    window mask, nor in the ordered form, where 128 rows spill (4-84 bytes, ptxas of NVRTC 13.0 for sm_90a); the
-    ordered form keeps 64 rows, its consumers' dQ of their own keys handed from one to the other (b8)."""
-    tall = head_dim == 64 and mask != MASK_WINDOW and not ordered
+    At head_dim 64 without a mask the default form takes 128 rows a step (FlashAttention-3's tile there): each
+    consumer's S^T and dP^T are 64 keys by 128 queries and the consumers meet to split dQ by queries. Backward ms
+    on the H200 (bfloat16, FlashAttention's grid, 64 / 128 rows; bench/NOTES.md b18): 1.192 / 1.035 at 1k,
+    3.847 / 3.318 at 4k, 14.479 / 13.086 at 16k; under the causal mask 1.963 / 2.102 at 4k (the 128-row
+    diagonal tiles' masked half), so the masks keep 64. The ordered form keeps 64 too: with 128 rows it spills
+    (4-84 bytes, ptxas of NVRTC 13.0 for sm_90a), as the window mask does."""
+    tall = head_dim == 64 and mask == MASK_NONE and not ordered
     return WGMMA_DKDV_TALL_BLOCK_M if tall else WGMMA_DKDV_BLOCK_M
 
 

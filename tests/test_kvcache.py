@@ -335,7 +335,7 @@ def test_gpu_refuses_float32_and_strided_caches(rng):
 
     q = draw(xp, rng, (1, 1, 2, 32), np.float32)
     caches = [draw(xp, rng, (1, 64, 2, 32), np.float32) for _ in range(2)]
-    with pytest.raises(TypeError, match="float16 and bfloat16 on the GPU"):
+    with pytest.raises(TypeError, match="float16, bfloat16 and float8 e4m3 on the GPU"):
         cuflash.attention_with_kvcache(q, *caches, cache_seqlens=3)
     caches = [draw(xp, rng, (1, 64, 2, 64), BF16)[..., ::2] for _ in range(2)]
     with pytest.raises(ValueError, match="k_cache must have a contiguous last axis"):

@@ -119,15 +119,18 @@ def test_deterministic_backward_keeps_the_banded_grid_in_the_ordered_form():
         p = problem(seqlen_k=1000, heads=4, heads_kv=2, head_dim=head_dim)
         default, plan = (_plan.backward(p, H100, deterministic) for deterministic in (False, True))
         (launch,) = plan.dkdv
-        # the default's spec in the ordered form, with 64-row steps (the default's are 128 at head_dim 64 outside
-        # the window mask)
-        assert launch.spec == dataclasses.replace(default.dkdv[0].spec, ordered_dq=True, block_m=64,
-                                                  smem_bytes=_config.wgmma_dkdv_smem_bytes(head_dim))
-        assert default.dkdv[0].spec.block_m == (128 if head_dim == 64 else 64)
+        assert launch.spec == dataclasses.replace(default.dkdv[0].spec, ordered_dq=True)
         assert launch.spec.name.endswith(", true, false>")
         assert launch.grid == default.dkdv[0].grid and launch.tail == (0, 0)
         assert plan.accum_shape == default.accum_shape and plan.accum_shape[0] == 1
         assert plan.order_ints == np.prod(plan.accum_shape) // (16 * 64) and default.order_ints == 0
+        # without a mask at head_dim 64 the default takes 128-row steps, and its ordered form 64
+        full = problem(seqlen_k=1000, heads=4, heads_kv=2, head_dim=head_dim, causal=False)
+        default, plan = (_plan.backward(full, H100, deterministic) for deterministic in (False, True))
+        rows = (default.dkdv[0].spec.block_m, plan.dkdv[0].spec.block_m)
+        assert rows == ((128, 64) if head_dim == 64 else (64, 64))
+        assert plan.dkdv[0].spec.smem_bytes == _config.wgmma_dkdv_smem_bytes(head_dim)
+        assert plan.dkdv[0].grid == default.dkdv[0].grid
     # elsewhere the split grid or the dQ kernel: on the mma.sync kernels
     portable = _plan.backward(problem(), H100, deterministic=True, tensor_maps=False)
     assert portable.order_ints == 0 and {launch.spec.kernel for launch in portable.dkdv} == {"bwd_dkdv_mma"}
@@ -146,11 +149,10 @@ def test_deterministic_backward_on_the_split_grid_launches_each_pass_in_order(mo
     # bwd_dkdv_mma's: at head_dim 64 with 64-row steps (under a window) both Hopper consumers add into each
     hopper = _config.choose_config(128, BFLOAT16, True, H100).bwd_dkdv_wgmma
     assert [launch.spec for launch in plan.dkdv] == [hopper] * 3
-    tall = _plan.backward(problem(seqlen_k=1000, heads=4, heads_kv=4, head_dim=64), H100, deterministic=True)
+    full = problem(seqlen_k=1000, heads=4, heads_kv=4, head_dim=64, causal=False)
+    tall = _plan.backward(full, H100, deterministic=True)
     assert {(launch.spec.kernel, launch.spec.block_m) for launch in tall.dkdv} == {("bwd_dkdv_wgmma", 128)}
-    window = problem(seqlen_k=1000, heads=4, heads_kv=4, head_dim=64, window_left=100)
-    assert window.mask_kind == _config.MASK_WINDOW
-    narrow = _plan.backward(window, H100, deterministic=True)
+    narrow = _plan.backward(problem(seqlen_k=1000, heads=4, heads_kv=4, head_dim=64), H100, deterministic=True)
     assert {launch.spec.kernel for launch in narrow.dkdv} == {"bwd_dkdv_mma"}
 
 
