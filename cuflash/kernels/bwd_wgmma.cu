@@ -6,7 +6,8 @@
 //
 // One thread block owns BLOCK_N keys of one (batch, kv head) (KeyBlock's banded grid) and walks the query tiles
 // of every head of its kv group that see them, BLOCK_M rows at a time (steps: head in group, query tile
-// fastest): 64, or 128 at head_dim 64 in the default form (kTallSteps, below). Warpgroups:
+// fastest): 64, or 128 at head_dim 64 in the default form (kTallSteps, below; the plan takes it without a mask:
+// _config.wgmma_dkdv_block_m). Warpgroups:
 // - 0, the producer: thread 0 loads K and V once, then each step's Q and dO tiles by TMA into two stages;
 //   warp 1 copies the step's lse and delta (BLOCK_M floats each) into the stage; the stage's "full" mbarrier
 //   completes on both, and it is refilled once both consumers (at 256: two lanes of the dQ writer, below) have
