@@ -62,28 +62,6 @@ def cache_itemsize(impl: str) -> int:
     return 1 if impl == "cuflash-fp8" else 2
 
 
-def float8_inputs(x: "DecodeInputs"):
-    """(q8, k8_cache, v8_cache, descales) of ``x``: quantized per (batch, kv head) by cuflash.quantize_qkv (uint8
-    e4m3 bit patterns on CuPy), and the bfloat16 (q, k_cache, v_cache) of the first sequence's values (times
-    their factors, rounded to bfloat16), on which cuflash's bfloat16 decoding is what the float8 one's first
-    sequence is checked against (one sequence: the largest caches leave no room for the whole batch's)."""
-    import cupy
-    import numpy as np
-
-    import cuflash
-
-    q8, k8, v8, *descales = cuflash.quantize_qkv(x.q, x.k_cache, x.v_cache, "head")
-    values = cupy.asarray(np.arange(256, dtype=np.uint8).view(cuflash.FLOAT8_E4M3).astype(np.float32))
-    group = x.shape.heads // x.shape.heads_kv
-
-    def dequantized(x8, descale, group):
-        factors = cupy.repeat(descale[:1], group, axis=1)[:, None, :, None]   # (1, 1, heads, 1)
-        return (values[x8[:1]] * factors).astype(DECODE_DTYPE)
-
-    bf16 = (dequantized(q8, descales[0], group), dequantized(k8, descales[1], 1), dequantized(v8, descales[2], 1))
-    return (q8, k8, v8, tuple(descales)), bf16
-
-
 @functools.lru_cache(maxsize=1)
 def _spin_kernel():
     import cupy
@@ -140,6 +118,29 @@ class DecodeInputs:
             pool[self.block_table.reshape(-1)] = cache.reshape(pages, PAGE_SIZE, shape.heads_kv, shape.head_dim)
         self.lengths = cupy.full((shape.batch,), shape.seqlen_k, cupy.int32)
 
+    @functools.cached_property
+    def float8(self):
+        """((q8, k8_cache, v8_cache, descales), bf16): q and the caches quantized per (batch, kv head) by
+        cuflash.quantize_qkv (uint8 e4m3 bit patterns on CuPy), and the bfloat16 (q, k_cache, v_cache) of the
+        first sequence's values (times their factors, rounded to bfloat16), on which cuflash's bfloat16 decoding
+        is what the float8 one's first sequence is checked against (one sequence: the largest caches leave no
+        room for the whole batch's). Quantized once, on first use, for the timed call and its check alike."""
+        import cupy
+        import numpy as np
+
+        import cuflash
+
+        q8, k8, v8, *descales = cuflash.quantize_qkv(self.q, self.k_cache, self.v_cache, "head")
+        values = cupy.asarray(np.arange(256, dtype=np.uint8).view(cuflash.FLOAT8_E4M3).astype(np.float32))
+        group = self.shape.heads // self.shape.heads_kv
+
+        def dequantized(x8, descale, group):
+            factors = cupy.repeat(descale[:1], group, axis=1)[:, None, :, None]   # (1, 1, heads, 1)
+            return (values[x8[:1]] * factors).astype(DECODE_DTYPE)
+
+        bf16 = (dequantized(q8, descales[0], group), dequantized(k8, descales[1], 1), dequantized(v8, descales[2], 1))
+        return (q8, k8, v8, tuple(descales)), bf16
+
 
 def make_call(impl: str, x: DecodeInputs):
     """The zero-argument call of ``impl`` on ``x``, returning (out,) ((copy of k, copy of v) for the copy)."""
@@ -153,7 +154,7 @@ def make_call(impl: str, x: DecodeInputs):
         return lambda: (cuflash.attention_with_kvcache(x.q, x.k_pages, x.v_pages, cache_seqlens=x.lengths,
                                                        block_table=x.block_table),)
     if impl == "cuflash-fp8":
-        (q8, k8, v8, (q_descale, k_descale, v_descale)), _ = float8_inputs(x)
+        (q8, k8, v8, (q_descale, k_descale, v_descale)), _ = x.float8
         return lambda: (cuflash.attention_with_kvcache(q8, k8, v8, cache_seqlens=x.lengths, q_descale=q_descale,
                                                        k_descale=k_descale, v_descale=v_descale),)
     if impl == "copy":
@@ -234,7 +235,7 @@ def run(impl_names: list[str], quick: bool, warmup: int, repeats: int) -> list[d
                     if impl != "copy":
                         got, want = fn(), expected
                         if impl == "cuflash-fp8":   # its first sequence against bfloat16 decoding of its values
-                            _, values = float8_inputs(x)
+                            _, values = x.float8
                             got = (got[0][:1],)
                             want = (cuflash.attention_with_kvcache(*values, cache_seqlens=x.lengths[:1]),)
                         try:
