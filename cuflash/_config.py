@@ -887,8 +887,8 @@ def ordered_dq_kernel(cfg: AttentionConfig) -> KernelSpec | None:
 def split_grid_kernel(cfg: AttentionConfig) -> KernelSpec | None:
     """The dK/dV kernel of the deterministic backward's split grid (``deterministic_dq_splits``), where the
     ordered form does not serve: the Hopper kernel where one thread adds each element of a dQ copy in a launch
-    (not where it adds dQ of each consumer's own keys: wgmma_dq_own_keys), else the tiled mma.sync kernel's atomic-dQ form (the rows kernel walks
-    one key block per thread block); None where neither serves."""
+    (not where each consumer adds dQ of its own keys: wgmma_dq_own_keys), else the tiled mma.sync kernel's
+    atomic-dQ form (the rows kernel walks one key block per thread block); None where neither serves."""
     hopper = cfg.bwd_dkdv_wgmma
     if hopper is not None and not wgmma_dq_own_keys(hopper):
         return hopper

@@ -146,7 +146,7 @@ def test_deterministic_backward_on_the_split_grid_launches_each_pass_in_order(mo
     assert all(launch.grid == (2 * 4 * 3,) for launch in plan.dkdv)
     assert plan.adds_dq and plan.accum_shape[0] == 3
     # on the Hopper kernel (the default's form) where one thread adds each dQ element of a launch, else on
-    # bwd_dkdv_mma's: at head_dim 64 with 64-row steps (under a window) both Hopper consumers add into each
+    # bwd_dkdv_mma's: at head_dim 64 with 64-row steps (under a mask) both Hopper consumers add into each element
     hopper = _config.choose_config(128, BFLOAT16, True, H100).bwd_dkdv_wgmma
     assert [launch.spec for launch in plan.dkdv] == [hopper] * 3
     full = problem(seqlen_k=1000, heads=4, heads_kv=4, head_dim=64, causal=False)

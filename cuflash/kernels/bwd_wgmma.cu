@@ -92,8 +92,8 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                CUFLASH_PARAMS(CUFLASH_BWD_FIELDS)) {
     // the consumers split the block's keys (BLOCK_N 128) or, at head_dim 256, its columns (BLOCK_N 64)
     constexpr bool kKeySplit = HEAD_DIM <= 128;
-    // 128-row steps (head_dim 64, the default form; the ordered form's spill): each consumer's S^T and dP^T of 64
-    // keys by 128 queries, and dQ split by queries (consumer cw takes rows 64 cw.. of the step)
+    // 128-row steps (head_dim 64, the default form only: the ordered form spills with them): each consumer's S^T
+    // and dP^T of 64 keys by 128 queries, and dQ split by queries (consumer cw takes rows 64 cw.. of the step)
     constexpr bool kTallSteps = BLOCK_M == 128;
     static_assert(sizeof(T) == 2 && (HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256) &&
                       (BLOCK_M == 64 || (HEAD_DIM == 64 && !ORDERED_DQ && BLOCK_M == 128)) &&
