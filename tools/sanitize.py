@@ -37,12 +37,20 @@ CASES = {
     # splits, a last pass with one idle
     "hopper-bwd-256-deterministic": dict(shape=(2, 150, 300, 4, 2, 256), backward=True, deterministic=True,
                                          dq_splits=2),
+    # the float8 forward (its V^T transpose first), factors per (batch, kv head): key lengths off the transpose's
+    # and the tiles' multiples
+    "float8-fwd-64-causal": dict(shape=(2, 130, 200, 4, 2, 64), causal=True, float8=True),
+    "float8-fwd-256-window-softcap-sinks": dict(shape=(1, 150, 260, 2, 1, 256), window_size=(40, 7), softcap=20.0,
+                                                sinks=True, float8=True),
     "hopper-dropout-128-window": dict(shape=(1, 150, 260, 4, 2, 128), window_size=(50, 20), dropout=True,
                                       backward=True),
     "mma-dropout-32": dict(shape=(1, 100, 120, 2, 2, 32), causal=True, dropout=True, backward=True),
     "simt-float32-40": dict(shape=(1, 50, 70, 2, 1, 40), dtype="float32", backward=True),
     "varlen-128-causal": dict(shape=(0, 0, 0, 4, 2, 128), varlen=([17, 0, 40, 33], [23, 11, 40, 70]), causal=True),
     "kvcache-paged-128": dict(shape=(3, 1, 0, 8, 2, 128), kvcache=(500, 256)),
+    # float8 e4m3 caches (uint8 bit patterns on CuPy), one factor per tensor: 16-byte copies, tiles converted to
+    # float16 on chip
+    "kvcache-float8-paged-128": dict(shape=(3, 2, 0, 8, 2, 128), kvcache=(500, 256), causal=True, float8=True),
     # a contiguous cache: 3 keys appended per sequence, rotated (half-split) with the queries, 5 key splits
     "kvcache-append-rotary-72": dict(shape=(3, 2, 0, 6, 3, 72), kvcache=(300, 0), causal=True, append=3, rotary=32,
                                      num_splits=5),
@@ -104,6 +112,10 @@ def run_case(xp, rng, spec: dict) -> list:
                 rng.permutation(batch * pages + 1)[:batch * pages].reshape(batch, pages).astype(np.int32))
         else:
             k_cache, v_cache = (draw(batch, keys + appended, heads_kv, head_dim) for _ in range(2))
+        if spec.get("float8"):  # one factor per tensor (a page holds no one sequence's keys)
+            (q, q_descale), (k_cache, k_descale), (v_cache, v_descale) = (
+                cuflash.quantize_fp8(x, "tensor") for x in (q, k_cache, v_cache))
+            new.update(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
         return list(cuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, return_lse=True,
                                                    num_splits=spec.get("num_splits", 0), **new, **options))
     q, dout = draw(batch, seqlen_q, heads, head_dim), draw(batch, seqlen_q, heads, head_dim)
@@ -117,6 +129,10 @@ def run_case(xp, rng, spec: dict) -> list:
             return [out, lse, *distributed.ring_attention_backward(shards[3], *shards[:3], out, lse, comm, **options)]
 
         return [x for outputs in distributed.run_local(spec["ring"], rank_main) for x in outputs]
+    if spec.get("float8"):  # forward only
+        q8, k8, v8, q_descale, k_descale, v_descale = cuflash.quantize_qkv(q, k, v)
+        return list(cuflash.attention(q8, k8, v8, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                      return_lse=True, **options))
     if spec.get("dropout"):
         options.update(dropout_p=0.2, seed=7, offset=3)
     out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
