@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 
-#: Relative tolerance per dtype name.
-TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
+#: Relative tolerance per dtype name. float8 e4m3 keeps 3 fraction bits (bfloat16 7): on the grid's
+#: standard-normal inputs quantized per (batch, kv head) the float8 forward's output differs from the 16-bit
+#: forward's by up to 0.113 of its largest value (H200, head_dim 64, seqlen 1k, float16 inputs).
+TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4, "float8_e4m3fn": 2e-1}
 #: Denominator floor so an all-zero reference does not divide by zero.
 TINY = 1e-30
 

@@ -225,8 +225,8 @@ def _run_one(impl, cell: Cell, inputs, expected: tuple, measure, settings: Setti
             fn = impl.make_call(cell.pass_, inputs, cell.causal, BY_NAME.get(cell.feature))
             if impl.name != "cuflash":  # ``expected`` is cuflash's own result on these inputs
                 try:
-                    check_outputs(impl.as_cupy(fn()), expected, OUTPUT_NAMES[cell.pass_], cell.dtype,
-                                  impl.tolerance_factor)
+                    check_outputs(impl.as_cupy(fn()), expected, OUTPUT_NAMES[cell.pass_],
+                                  impl.tolerance_dtype or cell.dtype, impl.tolerance_factor)
                 except Mismatch as exc:
                     raise SystemExit(f"bench: {impl.name} disagrees with cuflash on {cell.describe()}: {exc}") from None
             return measure(impl, fn, record, settings, timer)

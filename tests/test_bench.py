@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from bench import accuracy, features, fp8_error, naive, report, scaling, targets
+from bench import accuracy, features, fp8_error, impls, naive, report, scaling, targets
 from bench.__main__ import parse_args
 from bench.flops import attention_flops, tflops
 from bench.records import (RECORD_FIELDS, Shape, make_header, make_record, merge_records, read_json, record_key,
@@ -293,6 +293,20 @@ def test_accuracy_rule():
         accuracy.check_outputs(off, (want,), ("out",), "bfloat16")
     with pytest.raises(accuracy.Mismatch):
         accuracy.check_outputs((np.full(3, np.nan, np.float32),), (want,), ("out",), "float16", tolerance_factor=1e9)
+
+
+def test_the_float8_forward_is_checked_by_e4m3s_rule_in_every_cell():
+    # the float8 forward differed from cuflash's float16 one by 0.113 of its largest value in a grid cell of
+    # float16 inputs (H200, head_dim 64, seqlen 1k), beyond float16's rule even at ten times; its rule is e4m3's
+    fp8 = impls.CuflashFloat8()
+    want = np.array([1.0, -2.0, 0.5], np.float32)
+    off = (want + np.float32(2 * 0.113),)
+    for cell_dtype in ("bfloat16", "float16"):
+        rule = fp8.tolerance_dtype or cell_dtype
+        assert accuracy.check_outputs(off, (want,), ("out",), rule, fp8.tolerance_factor)["out"] == pytest.approx(0.113)
+    with pytest.raises(accuracy.Mismatch):   # a wrong mask or scale moves the output by its own size
+        accuracy.check_outputs((want + np.float32(1.0),), (want,), ("out",), fp8.tolerance_dtype, fp8.tolerance_factor)
+    assert impls.Cuflash().tolerance_dtype is None   # the others keep the cell's dtype
 
 
 @pytest.mark.parametrize("causal", [False, True])
