@@ -612,6 +612,25 @@ def wgmma_forward_persistent(item_keys: int) -> bool:
     return item_keys <= WGMMA_PERSISTENT_MAX_KEYS
 
 
+#: fwd_wgmma's query blocks of head_dim 64 under the causal mask, without modifiers, that visit at most this many
+#: keys take 128 x 128 tiles (wgmma_forward_for_keys)
+WGMMA_SHORT_CAUSAL_MAX_KEYS = 1024
+
+
+def wgmma_forward_for_keys(spec: KernelSpec, item_keys: int, device: DeviceProps) -> KernelSpec:
+    """The tile table's fwd_wgmma ``spec`` for query blocks that visit at most ``item_keys`` keys
+    (``_plan.keys_per_query_block``): at head_dim 64 under the causal mask without modifiers, on a dense batch,
+    128 x 128 (two consumers) up to WGMMA_SHORT_CAUSAL_MAX_KEYS keys, where the 192-row blocks' diagonal tiles
+    and ragged last block (1024 = 5 x 192 + 64) weigh most; else ``spec``. TFLOP/s on the H200, FlashAttention's
+    grid, causal, 192 x 128 / 128 x 128 in one process (tools/ab_probe.py, 3 rounds; bench/NOTES.md session 31):
+    bfloat16 at seqlen 512 / 1k / 2k / 4k 211.8 / 227.9, 282.2 / 303.0, 393.4 / 364.3, 419.1 / 374.6; float16 at
+    512 / 1k 205.7 / 227.4, 273.8 / 295.0."""
+    if (spec.kernel == "fwd_wgmma" and spec.head_dim == 64 and spec.mask == MASK_CAUSAL and not spec.mods
+            and not spec.varlen and spec.dtype != FLOAT8_E4M3 and item_keys <= WGMMA_SHORT_CAUSAL_MAX_KEYS):
+        return wgmma_spec(spec.dtype, spec.head_dim, spec.mask, 128, 128, spec.mods, device) or spec
+    return spec
+
+
 def wgmma_spec(dtype, head_dim: int, mask: int, block_m: int, block_n: int, mods: int = 0,
                device: DeviceProps | None = None) -> KernelSpec | None:
     """fwd_wgmma's spec at the given tile, its threads and shared memory derived; None where the tile does not
@@ -1036,7 +1055,9 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
         for dev in devices:
             cfg = choose_config(d, dtype, mask, dev, mods, varlen)
             ordered = ordered_dq_kernel(cfg)   # the deterministic backward's own form, where it has one
-            for spec in cfg.specs + ((ordered,) if ordered is not None else ()):
+            # and the forward's tile for short query blocks, where it has one
+            short = wgmma_forward_for_keys(cfg.forward, 1, dev) if cfg.forward is not None else None
+            for spec in cfg.specs + tuple(x for x in (ordered, short) if x is not None):
                 specs[spec.cache_key] = spec
 
     for d in HEAD_DIMS:

@@ -94,6 +94,7 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
         if p.dtype == _config.FLOAT8_E4M3:
             return float8_forward(p, device, packed)
         spec = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device, p.mods, packed).forward
+        spec = _config.wgmma_forward_for_keys(spec, keys_per_query_block(p, spec.block_m), device)
     order = _config.forward_query_blocks_fastest(spec.head_dim, p.masked)
     items = -(-p.seqlen_q // spec.block_m) * p.batch * p.heads
     if spec.kernel != "fwd_wgmma":

@@ -267,9 +267,10 @@ def test_all_specs_are_distinct_and_cover_the_table():
     # covering set's modifiers with and without dropout (bfloat16, 2 masks), and the packed batches' (3 per head
     # dim: plain, and windowed with every modifier with and without dropout); its head_dim 64 three-consumer
     # tile with dropout (every modifier but the softcap: no mask and a window, and packed under a window), where
-    # all modifiers take two consumers and all but dropout three
+    # all modifiers take two consumers and all but dropout three; the causal head_dim 64 tile for short query blocks
+    # (two consumers, each 16-bit dtype)
     hopper = [s for s in specs if s.kernel == "fwd_wgmma" and s.dtype != _config.FLOAT8_E4M3]
-    assert sum(not s.varlen for s in hopper) == 2 * masks * 4 + 2 * 2 * 4 + 2
+    assert sum(not s.varlen for s in hopper) == 2 * masks * 4 + 2 * 2 * 4 + 2 + 2
     # its float8 form per float8 head dim and mask, plain and with every modifier but dropout, and the V^T transpose
     float8 = [s for s in specs if s.dtype == _config.FLOAT8_E4M3 and s.kernel != "append_rotary" and not s.kvcache]
     assert collections.Counter(s.kernel for s in float8) == {"fwd_wgmma": 2 * masks * len(_config.FLOAT8_HEAD_DIMS),

@@ -58,6 +58,28 @@ def test_the_hopper_forward_runs_on_a_persistent_grid_where_keys_are_few():
     assert _plan.keys_per_query_block(dataclasses.replace(windowed, window_right=-1), block_m) == 8 * limit
 
 
+def test_short_causal_query_blocks_at_head_dim_64_take_128_rows():
+    # the table's 192 x 128 at head_dim 64, 128 x 128 for causal query blocks visiting up to
+    # WGMMA_SHORT_CAUSAL_MAX_KEYS keys: plain, dense, 16-bit only
+    limit = _config.WGMMA_SHORT_CAUSAL_MAX_KEYS
+
+    def tile(**options):
+        spec = _plan.forward(problem(head_dim=64, **options), H100).spec
+        return spec.block_m, spec.block_n, spec.threads
+
+    assert tile(seqlen_q=limit, seqlen_k=limit) == (128, 128, 3 * 128)
+    assert tile(seqlen_q=1, seqlen_k=limit, dtype=np.float16) == (128, 128, 3 * 128)
+    assert tile(seqlen_q=limit, seqlen_k=limit + 1)[0] == 192
+    assert tile(seqlen_q=limit, seqlen_k=limit, causal=False)[0] == 192
+    assert tile(seqlen_q=limit, seqlen_k=limit, softcap=30.0)[0] == 192
+    assert _plan.forward(problem(head_dim=128, seqlen_q=limit, seqlen_k=limit), H100).spec.block_m == 128
+    packed = _plan.forward(problem(head_dim=64, seqlen_q=limit, seqlen_k=limit), H100, packed=True)
+    assert packed.spec.block_m == 192 and packed.spec.varlen
+    # the specialization is one the compile check and the warm-up hold
+    short = _plan.forward(problem(head_dim=64, seqlen_q=limit, seqlen_k=limit), H100).spec
+    assert short.cache_key in {s.cache_key for s in _config.all_specs(H100)}
+
+
 def test_the_hopper_forward_falls_back_where_no_tensor_map_serves():
     # arrays whose strides no tensor map describes run the mma.sync forward on the same device
     p = problem()
