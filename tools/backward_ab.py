@@ -1,7 +1,7 @@
 """A/B of the backward in two cuflash trees, in one process, beside FlashAttention-2's backward (SDPA flash).
 
 ``python tools/backward_ab.py BASE_TREE [--new .] [--cases 256:1:2048,192:0:4096] [--portable [--smem BYTES]]
-[--rounds 2] [--out OUT.json]``
+[--deterministic] [--rounds 2] [--out OUT.json]``
 
 A case is ``head_dim:causal:seqlen`` on FlashAttention's grid (16k tokens, model width 2048), bfloat16. Per
 round and case, on fresh inputs: FA2's backward, then each tree's ``attention_backward`` on its own forward's
@@ -9,9 +9,10 @@ out and lse, each as ``bench.timing.EventTimer`` does (L2 flushed before each re
 to run first, round by round (on the H200 the tree run second in a round measured up to 10% slower, whichever
 it was: bench/NOTES.md b17), so an even number of rounds weighs both orders alike. With ``--portable`` both
 trees plan as on a GPU without tensor maps (the ``mma.sync`` kernels an A100 runs), and with ``--smem`` as on
-one with that much shared memory a block (an A100's 166912 bytes picks its tiles). Prints how far the two
-trees' gradients are apart (max |new - base| over max |base|), then the medians in ms with each tree's ratio
-to FA2, and writes every round's times as JSON. A tree is a directory holding a ``cuflash`` package (``git
+one with that much shared memory a block (an A100's 166912 bytes picks its tiles); with ``--deterministic`` both
+trees run ``attention_backward(..., deterministic=True)``. Prints how far the two trees' gradients are apart
+(max |new - base| over max |base|), then the medians in ms with each tree's ratio to FA2, and writes every
+round's times as JSON. A tree is a directory holding a ``cuflash`` package (``git
 archive REV cuflash | tar -x -C DIR``). Run from the repository root with ``PYTHONPATH=.`` on a GPU machine.
 The numbers that count come from ``python -m bench``.
 """
@@ -45,6 +46,7 @@ def main():
     parser.add_argument("--portable", action="store_true", help="both trees without the Hopper kernels")
     parser.add_argument("--smem", type=int, default=None,
                         help="with --portable: plan with this many bytes of shared memory a block (A100: 166912)")
+    parser.add_argument("--deterministic", action="store_true", help="both trees' deterministic backward")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=None, help="write the times here as JSON")
     args = parser.parse_args()
@@ -69,7 +71,8 @@ def main():
                 out, lse = module.attention(x.q, x.k, x.v, causal=causal, return_lse=True)
 
                 def backward(module=module, out=out, lse=lse):
-                    return module.attention_backward(x.dout, x.q, x.k, x.v, out, lse, causal=causal)
+                    return module.attention_backward(x.dout, x.q, x.k, x.v, out, lse, causal=causal,
+                                                     deterministic=args.deterministic)
 
                 times.setdefault(f"{key}:{name}", []).append(float(np.median(timer(backward))))
                 grads[name] = [g.astype(cp.float32) for g in backward()]
