@@ -653,17 +653,19 @@ WGMMA_DKDV_HEAD_DIMS = tuple(WGMMA_DKDV_BLOCK_N)
 WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_TALL_BLOCK_M = 64, 128
 
 
-def wgmma_dkdv_block_m(head_dim: int, mask: int, ordered: bool = False) -> int:
-    """bwd_dkdv_wgmma's query rows per step at the padded ``head_dim`` under ``mask``; ``ordered``: the
-    deterministic form.
+def wgmma_dkdv_block_m(head_dim: int, mask: int) -> int:
+    """bwd_dkdv_wgmma's query rows per step at the padded ``head_dim`` under ``mask``, in the default and the
+    ordered (deterministic) form alike.
 
     At head_dim 64 without a mask the default form takes 128 rows a step (FlashAttention-3's tile there): each
     consumer's S^T and dP^T are 64 keys by 128 queries and the consumers meet to split dQ by queries. Backward ms
     on the H200 (bfloat16, FlashAttention's grid, 64 / 128 rows; bench/NOTES.md b18): 1.192 / 1.035 at 1k,
     3.847 / 3.318 at 4k, 14.479 / 13.086 at 16k; under the causal mask 1.963 / 2.102 at 4k (the 128-row
-    diagonal tiles' masked half), so the masks keep 64. The ordered form keeps 64 too: with 128 rows it spills
-    (4-84 bytes, ptxas of NVRTC 13.0 for sm_90a), as the window mask does."""
-    tall = head_dim == 64 and mask == MASK_NONE and not ordered
+    diagonal tiles' masked half), so the masks keep 64. The ordered form's steps issue S^T and dP^T as one
+    group (as two they spill 20-36 bytes, ptxas of NVRTC 13.0 for sm_90a); its backward ms with 64 / 128 rows
+    on an H100 (the same grid; bench/NOTES.md session 31): 0.883 / 0.783 at 512, 1.414 / 1.128 at 1k, 4.319 /
+    3.432 at 4k, 15.375 / 12.778 at 16k; the default's took 1.118 / 3.349 / 12.837 at 1k / 4k / 16k (another call)."""
+    tall = head_dim == 64 and mask == MASK_NONE
     return WGMMA_DKDV_TALL_BLOCK_M if tall else WGMMA_DKDV_BLOCK_M
 
 
@@ -892,15 +894,16 @@ def ordered_dq_kernel(cfg: AttentionConfig) -> KernelSpec | None:
     ordered form, which adds each 16 x 64 share of dQ in key-block order, counting the adds in one int32 per
     share (bwd_wgmma.cu); None where it does not serve (then ``deterministic_dq_splits``).
 
-    On the H200 its forward plus backward runs at 0.88-0.98x the default's at head_dim 64, 0.92-1.02x at 128
+    On the H200 its forward plus backward ran at 0.88-0.98x the default's at head_dim 64, 0.92-1.02x at 128
     and 0.85-1.00x at 256, where the split grid ran at 0.80-0.95x, 0.75-0.95x and 0.43-0.79x (FlashAttention's
-    grid, seqlen 512-16k, causal and not, bfloat16 and float16; bench/NOTES.md b10, b16)."""
+    grid, seqlen 512-16k, causal and not, bfloat16 and float16; bench/NOTES.md b10, b16). It takes the default's
+    tiles (wgmma_dkdv_block_m): at head_dim 64 without a mask, 128-row steps, whose backward on an H100 ran at
+    0.97-1.01x the default's from 1k (timed in another call), where the split grid's ran at 0.57-0.69x
+    (bench/NOTES.md session 31)."""
     hopper = cfg.bwd_dkdv_wgmma
     if hopper is None:
         return None
-    block_m = wgmma_dkdv_block_m(hopper.head_dim, hopper.mask, ordered=True)
-    return dataclasses.replace(hopper, ordered_dq=True, block_m=block_m,
-                               smem_bytes=wgmma_dkdv_smem_bytes(hopper.head_dim, hopper.dtype.itemsize, block_m))
+    return dataclasses.replace(hopper, ordered_dq=True)   # the default's tiles and shared memory
 
 
 def split_grid_kernel(cfg: AttentionConfig) -> KernelSpec | None:

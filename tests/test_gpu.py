@@ -85,6 +85,14 @@ def test_ordered_dq_is_bitwise_reproducible_under_a_window(cp, rng, head_dim):
     _assert_reproducible(cp, args, 20, **window)
 
 
+@pytest.mark.parametrize("head_dim", _config.ORDERED_DQ_HEAD_DIMS)
+def test_ordered_dq_is_bitwise_reproducible_without_a_mask(cp, rng, head_dim):
+    # without a mask at head_dim 64 the ordered form takes 128-row steps: each consumer's dQ shares are 64 of the
+    # step's query rows, added by a writer lane of its own
+    args = _large_backward_inputs(cp, rng, head_dim)
+    _assert_reproducible(cp, args, 20)
+
+
 def test_default_backward_keeps_dk_dv_bitwise_and_dq_close(cp, rng):
     # dq's float32 atomic sums may round differently per run; dk and dv never use atomics
     args = _large_backward_inputs(cp, rng, causal=True)

@@ -146,12 +146,13 @@ def test_deterministic_backward_keeps_the_banded_grid_in_the_ordered_form():
         assert launch.grid == default.dkdv[0].grid and launch.tail == (0, 0)
         assert plan.accum_shape == default.accum_shape and plan.accum_shape[0] == 1
         assert plan.order_ints == np.prod(plan.accum_shape) // (16 * 64) and default.order_ints == 0
-        # without a mask at head_dim 64 the default takes 128-row steps, and its ordered form 64
+        # without a mask at head_dim 64 both forms take 128-row steps
         full = problem(seqlen_k=1000, heads=4, heads_kv=2, head_dim=head_dim, causal=False)
         default, plan = (_plan.backward(full, H100, deterministic) for deterministic in (False, True))
         rows = (default.dkdv[0].spec.block_m, plan.dkdv[0].spec.block_m)
-        assert rows == ((128, 64) if head_dim == 64 else (64, 64))
-        assert plan.dkdv[0].spec.smem_bytes == _config.wgmma_dkdv_smem_bytes(head_dim)
+        assert rows == ((128, 128) if head_dim == 64 else (64, 64))
+        assert plan.dkdv[0].spec == dataclasses.replace(default.dkdv[0].spec, ordered_dq=True)
+        assert plan.dkdv[0].spec.smem_bytes == _config.wgmma_dkdv_smem_bytes(head_dim, 2, rows[1])
         assert plan.dkdv[0].grid == default.dkdv[0].grid
     # elsewhere the split grid or the dQ kernel: on the mma.sync kernels
     portable = _plan.backward(problem(), H100, deterministic=True, tensor_maps=False)

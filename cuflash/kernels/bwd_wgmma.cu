@@ -6,7 +6,7 @@
 //
 // One thread block owns BLOCK_N keys of one (batch, kv head) (KeyBlock's banded grid) and walks the query tiles
 // of every head of its kv group that see them, BLOCK_M rows at a time (steps: head in group, query tile
-// fastest): 64, or 128 at head_dim 64 in the default form (kTallSteps, below; the plan takes it without a mask:
+// fastest): 64, or 128 at head_dim 64 (kTallSteps, below; the plan takes it without a mask:
 // _config.wgmma_dkdv_block_m). Warpgroups:
 // - 0, the producer: thread 0 loads K and V once, then each step's Q and dO tiles by TMA into two stages;
 //   warp 1 copies the step's lse and delta (BLOCK_M floats each) into the stage; the stage's "full" mbarrier
@@ -41,8 +41,8 @@
 //   dP^T are issued right after step s's dQ product, and the consumers take turns to issue (ping-pong): one's
 //   element-wise phase runs under the other's products. At 128, and at 64 with 128-row steps
 //   (FlashAttention-3's order within a step): S^T and dP^T are two groups, P^T computed while dP^T runs (not
-//   under the softcap); dV is issued before the consumers meet, dK after dQ, and dQ is stored and added while
-//   dK runs.
+//   under the softcap, nor in the ordered form with 128-row steps); dV is issued before the consumers meet, dK
+//   after dQ, and dQ is stored and added while dK runs.
 // Epilogue: dK times the softmax scale, and dV, staged in shared memory where K and V were and stored in whole
 // 16-byte chunks of key rows.
 //
@@ -83,8 +83,8 @@ template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct BwdWgmmaSmem {
 
 // ORDERED_DQ: the ordered form (deterministic, below), its own specialization: the default's code has no
 // branch for it (a runtime branch for a deterministic form cost the default 5-15%: bench/NOTES.md b9). The
-// deterministic split grid (dq_splits > 0) runs the default's form, at head_dim 128 and 256 only: at 64 with
-// 64-row steps both consumers add into each dQ element.
+// deterministic split grid (dq_splits > 0) runs the default's form where one thread adds each dQ element of a
+// launch: not at head_dim 64 with 64-row steps, where both consumers add into each element.
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, bool ORDERED_DQ, bool VARLEN>
 __global__ void __launch_bounds__(384, 1)
 bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
@@ -92,14 +92,13 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                CUFLASH_PARAMS(CUFLASH_BWD_FIELDS)) {
     // the consumers split the block's keys (BLOCK_N 128) or, at head_dim 256, its columns (BLOCK_N 64)
     constexpr bool kKeySplit = HEAD_DIM <= 128;
-    // 128-row steps (head_dim 64, the default form only: the ordered form spills with them): each consumer's S^T
-    // and dP^T of 64 keys by 128 queries, and dQ split by queries (consumer cw takes rows 64 cw.. of the step)
+    // 128-row steps (head_dim 64): each consumer's S^T and dP^T of 64 keys by 128 queries, and dQ split by queries
+    // (consumer cw takes rows 64 cw.. of the step)
     constexpr bool kTallSteps = BLOCK_M == 128;
     static_assert(sizeof(T) == 2 && (HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256) &&
-                      (BLOCK_M == 64 || (HEAD_DIM == 64 && !ORDERED_DQ && BLOCK_M == 128)) &&
-                      BLOCK_N == (kKeySplit ? 128 : 64),
+                      (BLOCK_M == 64 || (HEAD_DIM == 64 && BLOCK_M == 128)) && BLOCK_N == (kKeySplit ? 128 : 64),
                   "head_dim 64 or 128 with two consumers of 64 keys, 256 with two of 128 columns; 64-row query tiles, "
-                  "or 128 at head_dim 64 in the default form");
+                  "or 128 at head_dim 64");
     // at head_dim 64 with 64-row steps each consumer computes dQ of its own keys (both add into each element)
     constexpr bool kDqOwnKeys = HEAD_DIM == 64 && !kTallSteps;
     constexpr bool kDropout = (MODS & kModDropout) != 0;
@@ -213,8 +212,9 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
             const int dq_col = HEAD_DIM == 64 ? 0 : kStagedDq ? 128 * consumer + 64 * dq_pass : 64 * consumer;
             // the lane's share of step s: first_share (the group's first head, row 0) plus s's head and rows
             const int key_block = n0 / BLOCK_N, h0 = h_kv * group;
+            const int dq_row = (kTallSteps ? 64 * consumer : 0) + 16 * writer_warp;   // the share's first row
             const long long first_share = DqAccum::head(blk.split, batch, b, heads, h0, seq, seqlen_q, HEAD_DIM) +
-                                          DqAccum::tile(16 * writer_warp, dq_col, HEAD_DIM);
+                                          DqAccum::tile(dq_row, dq_col, HEAD_DIM);
             const long long head_floats = DqAccum::head(blk.split, batch, b, heads, h0 + 1, seq, seqlen_q, HEAD_DIM) -
                                           DqAccum::head(blk.split, batch, b, heads, h0, seq, seqlen_q, HEAD_DIM);
             if constexpr (!kStagedDq)
@@ -313,9 +313,10 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     // FlashAttention-3's order where dQ is one pass and there is no look-ahead (head_dim 128): dK is issued after
     // dQ, and dQ is stored and added while dK runs; and S^T and dP^T are two groups, P^T = exp2(score - lse)
     // computed while dP^T is in flight (not under the softcap, whose d score / d (scale q.k) per element would have
-    // to be held from the first pass to the second)
+    // to be held from the first pass to the second, nor in the ordered form with 128-row steps, which spills 20-36
+    // bytes with the two groups: ptxas of NVRTC 13.0, sm_90a)
     constexpr bool kDkAfterDq = !kLookahead && kDqPasses == 1;
-    constexpr bool kSplitScores = kDkAfterDq && (MODS & kModSoftcap) == 0;
+    constexpr bool kSplitScores = kDkAfterDq && (MODS & kModSoftcap) == 0 && !(kOrdered && kTallSteps);
     float st[kSq], dpt[kSq];
     auto issue_scores = [&](int s) {
         const int stage = s % kBwdWgmmaStages;
