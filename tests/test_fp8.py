@@ -474,7 +474,7 @@ def test_float8_on_the_gpu_outside_the_kernel_is_refused(rng):
 
 @requires_gpu
 def test_the_error_bench_measures_the_kernel_as_the_model_predicts(monkeypatch):
-    # bench.fp8_error's two sources: the kernel's errors are the model's (the README's table comes from the model)
+    # bench.fp8_error's two sources: the kernel's errors are the model's (the README's table is the kernel's)
     from bench import fp8_error
 
     if not _hopper_gpu():
