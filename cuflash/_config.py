@@ -648,8 +648,8 @@ def wgmma_spec(dtype, head_dim: int, mask: int, block_m: int, block_n: int, mods
 #: would take 256 registers a thread)
 WGMMA_DKDV_BLOCK_N = {64: 128, 128: 128, 256: 64}
 WGMMA_DKDV_HEAD_DIMS = tuple(WGMMA_DKDV_BLOCK_N)
-#: its query rows per step: 64, or WGMMA_DKDV_TALL_BLOCK_M at head_dim 64 without a mask in the default form
-#: (kTallSteps; wgmma_dkdv_block_m)
+#: its query rows per step: 64, or WGMMA_DKDV_TALL_BLOCK_M at head_dim 64 without a mask, in the default and the
+#: ordered form (kTallSteps; wgmma_dkdv_block_m)
 WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_TALL_BLOCK_M = 64, 128
 
 
@@ -901,9 +901,7 @@ def ordered_dq_kernel(cfg: AttentionConfig) -> KernelSpec | None:
     0.97-1.01x the default's from 1k (timed in another call), where the split grid's ran at 0.57-0.69x
     (bench/NOTES.md session 31)."""
     hopper = cfg.bwd_dkdv_wgmma
-    if hopper is None:
-        return None
-    return dataclasses.replace(hopper, ordered_dq=True)   # the default's tiles and shared memory
+    return dataclasses.replace(hopper, ordered_dq=True) if hopper is not None else None
 
 
 def split_grid_kernel(cfg: AttentionConfig) -> KernelSpec | None:
@@ -1038,16 +1036,16 @@ def choose_config(head_dim: int, dtype, mask: int, device: DeviceProps, mods: in
 
 
 def all_specs(device: DeviceProps) -> list[KernelSpec]:
-    """The kernels the compile check compiles for ``device``: every plain kernel the dispatcher can choose
-    (each dtype, head dim and mask kind), and a covering set of the modifier kernels: all modifiers at
-    once (the most registers), with and without dropout (which changes the forward's tiles), without a
-    mask and under a window, at every head dim, for bfloat16 (float16 is the same code) and float32. On a
-    device with tensor maps, both forwards: the Hopper kernel and its mma.sync fallback, and the Hopper
-    forward's three-consumer head_dim 64 tile with dropout (WGMMA_SPILLING_MODS; the covering set's modifiers
-    without dropout take it already), and beside each backward the deterministic backward's own form where it
-    has one (bwd_dkdv_wgmma's ordered form). Not the cross product of the modifiers: 16 combinations per
-    kernel. The KV-cache forward likewise (contiguous and on the smallest pages, plain and
-    under a window with every modifier), the packed-batch kernels (below) with the Hopper forward's
+    """The kernels the compile check compiles for ``device``: every plain kernel the dispatcher can choose (each
+    dtype, head dim and mask kind), and a covering set of the modifier kernels: all modifiers at once (the most
+    registers), with and without dropout (which changes the forward's tiles), without a mask and under a window,
+    at every head dim, for bfloat16 (float16 is the same code) and float32. On a device with tensor maps, both
+    forwards: the Hopper kernel and its mma.sync fallback, and the Hopper forward's three-consumer head_dim 64
+    tile with dropout (WGMMA_SPILLING_MODS; the covering set's modifiers without dropout take it already) and
+    its tile for short query blocks (wgmma_forward_for_keys), and beside each backward the deterministic
+    backward's own form where it has one (bwd_dkdv_wgmma's ordered form). Not the cross product of the
+    modifiers: 16 combinations per kernel. The KV-cache forward likewise (contiguous and on the smallest pages,
+    plain and under a window with every modifier), the packed-batch kernels (below) with the Hopper forward's
     varlen_order per mask kind, merge_parts and merge_into for each dtype and append_rotary for each dtype of
     the KV-cache forward."""
     specs = {}
@@ -1058,9 +1056,8 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
         for dev in devices:
             cfg = choose_config(d, dtype, mask, dev, mods, varlen)
             ordered = ordered_dq_kernel(cfg)   # the deterministic backward's own form, where it has one
-            # and the forward's tile for short query blocks, where it has one
-            short = wgmma_forward_for_keys(cfg.forward, 1, dev) if cfg.forward is not None else None
-            for spec in cfg.specs + tuple(x for x in (ordered, short) if x is not None):
+            short = wgmma_forward_for_keys(cfg.forward, 1, dev)   # the forward's tile for short query blocks
+            for spec in cfg.specs + (short,) + ((ordered,) if ordered is not None else ()):
                 specs[spec.cache_key] = spec
 
     for d in HEAD_DIMS:
