@@ -135,6 +135,8 @@ class DeviceProps:
     #: can the Hopper kernels (SM90A_KERNELS) run here: compute capability 9.0, TMA tensor maps encodable on the
     #: host (cuda-bindings importable) and an NVRTC that compiles for sm_90a through CuPy (_cupy_path.device_props)?
     tensor_maps: bool = False
+    #: the L2 cache, bytes (0: unknown)
+    l2_bytes: int = 0
 
     @property
     def arch(self) -> str:
@@ -142,9 +144,9 @@ class DeviceProps:
 
 
 #: Reference devices, used when compiling without a GPU (values from the CUDA programming guide).
-A100 = DeviceProps(80, 166912, 108)
-H100 = DeviceProps(90, 232448, 132, tensor_maps=True)
-RTX_4090 = DeviceProps(89, 101376, 128)
+A100 = DeviceProps(80, 166912, 108, l2_bytes=40 << 20)
+H100 = DeviceProps(90, 232448, 132, tensor_maps=True, l2_bytes=50 << 20)
+RTX_4090 = DeviceProps(89, 101376, 128, l2_bytes=72 << 20)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -695,22 +697,41 @@ def wgmma_dkdv_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: 
                       wgmma_threads(2 * WGMMA_ROWS_PER_CONSUMER), smem, mods=mods, atomic_dq=True)
 
 
-def forward_query_blocks_fastest(head_dim: int, causal: bool) -> bool:
-    """The forward's grid order (``QueryBlock``, kernels/common.cuh): query blocks fastest (True) or batch *
-    heads fastest, the highest query blocks first (False). ``head_dim`` is the padded one.
+#: The share of the L2 cache that the K and V of one section of the masked Hopper forward's walk may take
+#: (forward_section_heads): of the budgets tried (bench/NOTES.md session 32; 2, 4, 8 and 16 MiB of an H100's 50),
+#: 16 MiB measured best or within the spread at head_dim 64, 128 and 256, seqlen 512-16k.
+FORWARD_SECTION_L2_SHARE = 1 / 3
 
-    Measured on the H200 (forward v6, float16, seqlen 1k / 4k / 16k, medians of four interleaved rounds,
-    batch * heads fastest against query blocks fastest): head_dim 128 without the mask 258 / 314 / 327
-    against 254 / 325 / 348; head_dim 64 without the mask 249 / 302 / 317 against 248 / 304 / 315;
-    head_dim 256 without the mask 221 / 263 / 287 against 213 / 262 / 283. Under the causal mask the
-    longest blocks first balance the SMs (query blocks fastest was 5-10% slower, forward v2).
-    After forward v7 (swizzled tiles), bfloat16, seqlen 1k / 2k / 4k / 8k / 16k, medians of six interleaved
-    rounds: head_dim 256 without the mask 274 / 298 / 317 / 323 / 326 against 274 / 302 / 316 / 324 / 327
-    (float16 276 / 300 / 309 / 320 / 323 against 281 / 304 / 312 / 319 / 327: query blocks fastest ahead
-    at 1k-2k in every round); head_dim 64 283 / 307 / 317 / 317 / 322 against 288 / 311 / 302 / 315 / 326
-    (5% lost at 4k: kept off).
+
+def forward_section_heads(spec: KernelSpec, pairs: int, item_keys: int, group: int, packed: bool,
+                          device: DeviceProps) -> int:
+    """The (batch, head) pairs per section of the forward's grid order (``QueryBlock``, kernels/common.cuh:
+    section after section, the highest query blocks of a section first, its pairs fastest). ``pairs``: batch *
+    heads; ``item_keys``: the most keys a query block visits (_plan.keys_per_query_block); ``group``: the query
+    heads per kv head; ``spec``: the forward's kernel.
+
+    fwd_wgmma under a mask, on a dense batch: as many pairs as fit their K and V (``item_keys`` keys of each kv
+    head, shared by ``group`` pairs) in FORWARD_SECTION_L2_SHARE of the L2, at least one. The blocks resident at
+    once then read the K and V of one section, which stay in L2 from a section's longest query blocks to its
+    shortest; in one section of every pair (the longest blocks of all heads first) each lower query block read
+    its head's K and V from DRAM again. Causal TFLOP/s on an H100, bfloat16, FlashAttention's grid, one section /
+    sections of 16 MiB (bench/NOTES.md session 32): head_dim 64 at 512 / 1k / 2k / 4k 195 / 214, 257 / 314,
+    373 / 410, 395 / 416; head_dim 128 at 512 / 1k / 2k / 4k / 16k 208 / 287, 273 / 439, 336 / 555, 518 / 584,
+    620 / 613; head_dim 256 at 512 / 1k / 4k 197 / 277, 274 / 427, 629 / 694.
+
+    Elsewhere the order measured before: 1 (a head's query blocks together, FlashAttention-2's order) without a
+    mask at head_dim 128 and 256, where the blocks resident at once share a few heads' K and V (forward v6 on the
+    H200, float16, seqlen 1k / 4k / 16k, one section / 1: 128 258 / 314 / 327 against 254 / 325 / 348; 256 221 /
+    263 / 287 against 213 / 262 / 283, and after v7 ahead at 1k-2k in every round); one section at head_dim 64
+    without a mask (v7: 5% lost at 4k with 1; sections of 8 MiB measured within the spread at 1k-16k, session 32),
+    under a mask on the other kernels, and on packed batches (whose walk varlen_order may set).
     """
-    return not causal and head_dim in (128, 256)
+    if spec.kernel == "fwd_wgmma" and spec.mask != MASK_NONE and not packed and device.l2_bytes:
+        pair_bytes = 2 * item_keys * spec.head_dim * spec.dtype.itemsize / group   # its share of K and V
+        return max(1, min(pairs, int(device.l2_bytes * FORWARD_SECTION_L2_SHARE // max(pair_bytes, 1))))
+    if spec.mask == MASK_NONE and spec.head_dim in (128, 256):
+        return 1
+    return pairs
 
 
 #: varlen_order (kernels/varlen.cu), one block of VARLEN_ORDER_THREADS (``kOrderThreads``), orders the work items

@@ -68,7 +68,7 @@ def device_props(device_id: int) -> _config.DeviceProps:
     compute_capability = 10 * props["major"] + props["minor"]
     return _config.DeviceProps(compute_capability=compute_capability,
                                max_smem_per_block=props["sharedMemPerBlockOptin"],
-                               sm_count=props["multiProcessorCount"],
+                               sm_count=props["multiProcessorCount"], l2_bytes=props["l2CacheSize"],
                                tensor_maps=compute_capability == 90 and _tma.available() and _sm90a_compiles())
 
 

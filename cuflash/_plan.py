@@ -79,7 +79,7 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
             packed: bool = False, tensor_maps: bool = True, persistent: bool | None = None,
             total_q: int | None = None) -> Launch:
     """The forward's launch; ``spec`` overrides the tile table's (for tuning tools). Its tail is QueryBlock's
-    grid order (kernels/common.cuh). ``packed``: a packed batch (attention_varlen), ``p`` its batch of the
+    grid order, its pairs per section (kernels/common.cuh; _config.forward_section_heads). ``packed``: a packed batch (attention_varlen), ``p`` its batch of the
     longest sequences' lengths, each sequence's blocks past its own end idle. ``tensor_maps``: can tensor maps
     describe the arrays (_tma.strides_ok)? Where not, the Hopper kernel does not serve. ``persistent``
     overrides the table's choice of a persistent grid for fwd_wgmma (for probes).
@@ -95,12 +95,13 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
             return float8_forward(p, device, packed)
         spec = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device, p.mods, packed).forward
         spec = _config.wgmma_forward_for_keys(spec, keys_per_query_block(p, spec.block_m), device)
-    order = _config.forward_query_blocks_fastest(spec.head_dim, p.masked)
+    item_keys = keys_per_query_block(p, spec.block_m)
+    sections = _config.forward_section_heads(spec, p.batch * p.heads, item_keys, p.group, packed, device)
     items = -(-p.seqlen_q // spec.block_m) * p.batch * p.heads
     if spec.kernel != "fwd_wgmma":
-        return Launch(spec, grid(items), (int(order),))
+        return Launch(spec, grid(items), (sections,))
     if persistent is None:
-        persistent = _config.wgmma_forward_persistent(keys_per_query_block(p, spec.block_m))
+        persistent = _config.wgmma_forward_persistent(item_keys)
     ordered, order_ints = None, 0
     if (packed and total_q is not None and p.batch <= _config.VARLEN_ORDER_MAX_BATCH
             and _config.varlen_forward_ordered(spec.head_dim)):
@@ -108,10 +109,9 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
         capacity = min(-(-total_q // spec.block_m) + p.batch, -(-p.seqlen_q // spec.block_m) * p.batch)
         items = capacity * p.heads
         ordered = Launch(_config.varlen_order_spec(spec.mask), (1,),
-                         (p.batch, p.heads, p.seqlen_q, spec.block_m, spec.block_n, *p.kernel_window, int(order),
-                          capacity))
+                         (p.batch, p.seqlen_q, spec.block_m, spec.block_n, *p.kernel_window, capacity))
         order_ints = 1 + capacity   # the count, then the entries
-    return Launch(spec, grid(min(items, device.sm_count) if persistent else items), (int(order),), persistent,
+    return Launch(spec, grid(min(items, device.sm_count) if persistent else items), (sections,), persistent,
                   ordered, order_ints)
 
 

@@ -384,15 +384,40 @@ def test_split_grid_needs_the_tiled_dkdv_kernel(head_dim, device):
     assert _config.deterministic_dq_splits(portable, 16, 16384, _config.H100.sm_count) > 0
 
 
-@pytest.mark.parametrize("head_dim, causal, expected", [
-    (128, False, True),    # measured: 3-8% faster from seqlen 4k on the H200
-    (128, True, False),    # the longest query blocks first balance the SMs under the mask
-    (64, False, False),    # no gain at most seqlens, 5% lost at 4k
-    (256, False, True),    # since the swizzled tiles (forward v7): 1-2% faster at seqlen 1k-2k
-    (256, True, False),
+@pytest.mark.parametrize("head_dim, mask, expected", [
+    (128, _config.MASK_NONE, 1),   # a head's query blocks together: 3-8% faster from seqlen 4k on the H200
+    (256, _config.MASK_NONE, 1),   # since the swizzled tiles (forward v7): 1-2% faster at seqlen 1k-2k
+    (64, _config.MASK_NONE, 96),   # one section: no gain at most seqlens, 5% lost at 4k with a head's together
+    (128, _config.MASK_CAUSAL, 96),   # masked, on the mma.sync kernels: one section, the longest blocks first
 ])
-def test_forward_grid_order(head_dim, causal, expected):
-    assert _config.forward_query_blocks_fastest(head_dim, causal) is expected
+def test_forward_grid_order_where_no_sections_were_measured(head_dim, mask, expected):
+    spec = _config.mma_spec("fwd_mma", BFLOAT16, head_dim, mask, 128, 64, 4)
+    assert _config.forward_section_heads(spec, 96, 4096, 1, False, _config.H100) == expected
+
+
+def test_the_masked_hopper_forward_walks_sections_whose_keys_fit_a_share_of_l2():
+    # K and V of a section's pairs fill at most FORWARD_SECTION_L2_SHARE of the L2: 2 * keys * head_dim * itemsize
+    # bytes a kv head, shared by the group's query heads; at least one pair, at most all of them
+    device = _config.H100
+    budget = device.l2_bytes * _config.FORWARD_SECTION_L2_SHARE
+    for head_dim, keys, group, mask in ((64, 512, 1, _config.MASK_CAUSAL), (128, 1024, 1, _config.MASK_CAUSAL),
+                                        (128, 1024, 4, _config.MASK_CAUSAL), (256, 2048, 1, _config.MASK_WINDOW),
+                                        (128, 4096, 8, _config.MASK_CAUSAL)):
+        spec = _config.wgmma_spec(BFLOAT16, head_dim, mask, 128, 128)
+        pair_bytes = 2 * keys * head_dim * 2 / group
+        sections = _config.forward_section_heads(spec, 100_000, keys, group, False, device)
+        assert sections * pair_bytes <= budget < (sections + 1) * pair_bytes
+        assert _config.forward_section_heads(spec, 3, keys, group, False, device) == min(sections, 3)
+        # a packed batch, whose walk varlen_order may set, and a GPU of unknown L2 keep one section
+        assert _config.forward_section_heads(spec, 96, keys, group, True, device) == 96
+        assert _config.forward_section_heads(spec, 96, keys, group, False,
+                                             dataclasses.replace(device, l2_bytes=0)) == 96
+    # a pair whose K and V alone outgrow the share still makes a section
+    spec = _config.wgmma_spec(BFLOAT16, 256, _config.MASK_CAUSAL, 128, 64)
+    assert _config.forward_section_heads(spec, 96, 1 << 20, 1, False, device) == 1
+    # float8: a byte an element
+    spec = _config.float8_forward_spec(128, _config.MASK_CAUSAL, device)
+    assert _config.forward_section_heads(spec, 100_000, 4096, 1, False, device) == int(budget // (2 * 4096 * 128))
 
 
 @pytest.mark.parametrize("device", DEVICES.values(), ids=DEVICES.keys())

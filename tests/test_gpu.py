@@ -309,6 +309,39 @@ def test_the_persistent_grid_leaves_its_counters_zeroed(cp, rng):
             assert not counters[:_config.WGMMA_WORK_COUNTER_INTS].any(), (shape, counters)
 
 
+def test_the_sections_of_the_masked_hopper_forward_walk_every_item(cp, rng, monkeypatch):
+    # Under a mask the Hopper forward walks its (batch, head) pairs in sections sized to the L2
+    # (_config.forward_section_heads). An item's result does not depend on the order, so an L2 that makes sections
+    # of 1 to 3 pairs (the last one partial) gives the one section's output (an L2 of unknown size), bit for bit, on
+    # the persistent grid and the one-block-per-item grid.
+    from cuflash import _plan, _validate
+
+    _hopper_devices()
+    real = _cupy_path.device_props
+    cases = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim), causal, window
+        ((2, 1000, 1000, 5, 5, 128), True, (-1, -1)),
+        ((3, 700, 900, 4, 2, 64), True, (-1, -1)),
+        ((1, 1500, 1500, 7, 7, 256), False, (300, 0)),
+    ]
+    for shape, causal, window in cases:
+        q, k, v, _, _ = _hopper_inputs(cp, rng, shape, False, False)
+        p = _validate.check_forward(q, k, v, causal, None, window_size=window)
+        pairs, spec = p.batch * p.heads, _plan.forward(p, real(0)).spec
+        assert spec.kernel == "fwd_wgmma", shape
+        pair_bytes = 2 * _plan.keys_per_query_block(p, spec.block_m) * spec.head_dim * 2 / p.group   # bfloat16
+        for persistent in (True, False):
+            monkeypatch.setattr(_cupy_path, "device_props", lambda i: dataclasses.replace(real(i), l2_bytes=0))
+            assert _plan.forward(p, _cupy_path.device_props(0)).tail == (pairs,), shape
+            want, want_lse = _cupy_path.ForwardPlan(p, 0, q, k, v, persistent=persistent).run(q, k, v)
+            for sections in (1, 2, 3):
+                l2_bytes = int((sections + 0.5) * pair_bytes / _config.FORWARD_SECTION_L2_SHARE)
+                monkeypatch.setattr(_cupy_path, "device_props",
+                                    lambda i, n=l2_bytes: dataclasses.replace(real(i), l2_bytes=n))
+                assert _plan.forward(p, _cupy_path.device_props(0)).tail == (sections,), (shape, sections)
+                out, lse = _cupy_path.ForwardPlan(p, 0, q, k, v, persistent=persistent).run(q, k, v)
+                assert cp.array_equal(out, want) and cp.array_equal(lse, want_lse), (shape, persistent, sections)
+
+
 def test_the_hopper_backward_matches_its_fallback(cp, rng):
     # bwd_dkdv_wgmma (the default backward's dK/dV and atomic dQ on sm_90) against the mma.sync kernels it falls
     # back to, on awkward shapes at the head dims it serves (33..64, 97..128 and 225..256), with the score

@@ -68,7 +68,7 @@ def test_the_lists_read_from_the_source():
     forward, backward = _params.forward_fields(), _params.backward_fields()
     assert [f.name for f in forward[:9]] == ["q", "k", "v", "out", "lse", "alibi_slopes", "sinks", "dropout_seed",
                                             "dropout_offset"]
-    assert forward[-1].name == "query_blocks_fastest" and backward[-2:][0].name == "dq_splits"
+    assert forward[-1].name == "section_heads" and backward[-2:][0].name == "dq_splits"
     assert {f.name for f in forward if f.pointer} == {"q", "k", "v", "out", "lse", "alibi_slopes", "sinks",
                                                      "cache_seqlens", "block_table", "cache_leftpad", "out_partial",
                                                      "lse_partial", "split_counters", "cu_seqlens_q", "cu_seqlens_k",
@@ -96,7 +96,7 @@ def test_a_plan_names_every_field_once(options):
     assert [args[name] for name in _cupy_path.FORWARD_PER_CALL] == per_call
     assert args["k_ss"] == 5 and type(args["k_ss"]) is np.int64 and args["o_sh"] == 12
     assert args["seqlen_q"] == p.seqlen_q and type(args["seqlen_q"]) is np.int32
-    assert args["query_blocks_fastest"] == launch.tail[0]
+    assert args["section_heads"] == launch.tail[0]
     assert type(args["dropout_threshold"]) is np.uint32 and type(args["softcap_in"]) is np.float32
     assert args["alibi_batch_stride"] == (8 if options.get("alibi_shape") else 0)
     # a packed batch's forward: the prefix sums per call, after the others

@@ -28,7 +28,7 @@ def test_forward_launch_covers_every_query_block_of_every_head():
     launch = _plan.forward(p, H100)
     assert launch.spec == _config.choose_config(128, BFLOAT16, _config.MASK_CAUSAL, H100).forward
     assert launch.grid == (-(-1000 // launch.spec.block_m) * 2 * 8,)
-    assert launch.tail == (int(_config.forward_query_blocks_fastest(128, True)),)
+    assert launch.tail == (_config.forward_section_heads(launch.spec, 2 * 8, 1000, p.group, False, H100),)
     # a spec given by a tuning tool is the one launched, on its own tiles
     other = _config.mma_spec("fwd_mma", BFLOAT16, 128, _config.MASK_CAUSAL, 64, 32, 4)
     assert _plan.forward(p, H100, other).grid == (16 * 16,)
@@ -309,7 +309,7 @@ def test_packed_hopper_forward_walks_an_ordered_list_of_its_items():
     assert order.spec == _config.varlen_order_spec(_config.MASK_CAUSAL) and order.grid == (1,)
     assert order.spec.name == "cuflash::varlen_order<1>" and order.spec.threads == _config.VARLEN_ORDER_THREADS
     capacity = -(-1700 // m) + 3
-    assert order.tail == (3, 8, 1000, m, launch.spec.block_n, *p.kernel_window, launch.tail[0], capacity)
+    assert order.tail == (3, 1000, m, launch.spec.block_n, *p.kernel_window, capacity)
     assert launch.order_ints == 1 + capacity
     assert launch.grid == ((min(capacity * 8, H100.sm_count) if launch.work_counter else capacity * 8),)
     long = problem(batch=3, seqlen_q=4000, seqlen_k=4000, heads=8, heads_kv=2, head_dim=64, causal=False)

@@ -687,7 +687,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) bwd_dq_mma(CUFLASH_PARAMS(CUFLA
     T* k_s = q_s + Smem::kK;
     T* v_s = q_s + Smem::kV;
 
-    const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, false);
+    const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, batch * heads);   // one section
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal);
     if (VARLEN && m0 >= seq.seqlen_q) return;

@@ -391,37 +391,43 @@ template <bool ENABLED> struct Dropout {
     }
 };
 
-// The query block of a thread block in the kernels that walk key tiles per query block (forward, dQ):
-// one block per (query block, batch, head), in one of two orders (the host picks:
-// _config.forward_query_blocks_fastest):
-// - batch * heads fastest, the highest query blocks of every head first: under the causal mask they
-//   have the most key tiles to walk, and starting all the long blocks first balances the SMs (query
-//   blocks fastest measured 5-10% slower with the mask);
-// - query blocks fastest (FlashAttention-2's order): the blocks resident at once share the K and V of a
-//   few heads in L2. Without the mask at head_dim 128 (forward v6) 3-8% faster from seqlen 4k, at 256
-//   (forward v7) 1-2% at 1k-2k; at head_dim 64 no gain (bench/NOTES.md).
+// The query block of a thread block in the kernels that walk key tiles per query block (forward, dQ): one
+// block (or work item) per (query block, batch, head), numbered in sections of `section_heads` (batch, head)
+// pairs (the host picks: _config.forward_section_heads): section after section, and within a section the highest
+// query blocks first, its pairs fastest. Under the causal mask the highest query blocks have the most key tiles,
+// so each section starts with its longest blocks, which balances the SMs; and the blocks resident at once read
+// the K and V of one section's heads, which stay in L2 until its lowest blocks have read them.
+// - section_heads = batch * heads (one section): the highest query blocks of every head first, each lower query
+//   block reading its head's K and V from DRAM again (the dQ kernels', and the forward's but where below).
+// - section_heads = 1: a head's query blocks together (FlashAttention-2's order, the highest first; fwd_mma and
+//   fwd_wgmma without a mask at head_dim 128 and 256).
+// - between: fwd_wgmma under a mask, as many pairs as fit their K and V in a share of the L2.
 struct QueryBlock {
     int bh, b, h, h_kv, m0;
-    __device__ __forceinline__ QueryBlock(int block_m, int batch, int heads, int group, int seqlen_q,
-                                          bool query_blocks_fastest)
-        : QueryBlock(blockIdx.x, block_m, batch, heads, group, seqlen_q, query_blocks_fastest) {}
-    // The query block of work item `index` of that order (a persistent grid's blocks walk several).
-    __device__ __forceinline__ QueryBlock(unsigned index, int block_m, int batch, int heads, int group, int seqlen_q,
-                                          bool query_blocks_fastest) {
-        const int bh_count = batch * heads;
-        const int num_m_blocks = (seqlen_q + block_m - 1) / block_m;
-        int m_block;
-        if (query_blocks_fastest) {
-            m_block = static_cast<int>(index % num_m_blocks);
-            bh = static_cast<int>(index / num_m_blocks);
-        } else {
-            m_block = num_m_blocks - 1 - static_cast<int>(index / bh_count);
-            bh = static_cast<int>(index % bh_count);
-        }
+    // Work item `item` of a grid of num_m_blocks query blocks a pair: pair item / num_m_blocks, query block
+    // item % num_m_blocks (fwd_wgmma's items; the grid order maps ranks to them: item_of_rank)
+    __device__ __forceinline__ QueryBlock(unsigned item, int num_m_blocks, int block_m, int heads, int group) {
+        bh = static_cast<int>(item / num_m_blocks);
         b = bh / heads;
         h = bh % heads;
         h_kv = h / group;
-        m0 = m_block * block_m;
+        m0 = static_cast<int>(item % num_m_blocks) * block_m;
+    }
+    // The thread block's: rank blockIdx.x of the grid order
+    __device__ __forceinline__ QueryBlock(int block_m, int batch, int heads, int group, int seqlen_q,
+                                          int section_heads)
+        : QueryBlock(item_of_rank(blockIdx.x, batch * heads, blocks(seqlen_q, block_m), section_heads),
+                     blocks(seqlen_q, block_m), block_m, heads, group) {}
+    __device__ __forceinline__ static int blocks(int seqlen_q, int block_m) { return (seqlen_q + block_m - 1) / block_m; }
+    // The work item of rank `rank` (< bh_count * num_m_blocks) of the grid order
+    __device__ __forceinline__ static unsigned item_of_rank(unsigned rank, int bh_count, int num_m_blocks,
+                                                            int section_heads) {
+        const unsigned per_section = static_cast<unsigned>(section_heads) * num_m_blocks;
+        const int first = static_cast<int>(rank / per_section) * section_heads;   // the section's first pair
+        const int in_section = static_cast<int>(rank % per_section);
+        const int size = min(section_heads, bh_count - first);   // the last section may hold fewer pairs
+        const int bh = first + in_section % size, m_block = num_m_blocks - 1 - in_section / size;
+        return static_cast<unsigned>(bh) * num_m_blocks + m_block;
     }
 };
 
@@ -599,7 +605,7 @@ struct DqAccum {
 // (heads,)), softcap_in and softcap_out ScoreMod's; dropout_seed, dropout_offset and dropout_threshold
 // Dropout's, dropout_scale = 1 / (1 - dropout_p) (all read where MODS asks for them); *_sb, *_ss, *_sh
 // the element strides of batch, sequence and head; vec_ok says whether rows may be read as 16-byte
-// chunks; query_blocks_fastest picks QueryBlock's grid order. The KV-cache forward's (fwd_mma with KVCACHE;
+// chunks; section_heads picks QueryBlock's grid order. The KV-cache forward's (fwd_mma with KVCACHE;
 // the others get nulls and zeros, and pack = num_splits = 1): k and v are the cache, batch b's keys number
 // cache_seqlens[b] + seqlen_k_new (int32; null: seqlen_k for every batch) and sit at the bottom-right
 // corner (diagonal = keys - seqlen_q); block_table (int32, block_table_stride per batch; null: contiguous)
@@ -630,7 +636,7 @@ struct DqAccum {
     PTR(const int, cu_seqlens_k) VAL(long long, block_table_stride) VAL(int, seqlen_k_new) VAL(int, pack)  \
     VAL(int, num_splits) VAL(int, page_size) PTR(const float, q_descale) PTR(const float, k_descale)          \
     PTR(const float, v_descale) VAL(int, descale_sb) VAL(int, descale_sh) VAL(int, vec_ok)                   \
-    LAST(int, query_blocks_fastest)
+    LAST(int, section_heads)
 
 // The backward's (bwd_dkdv_mma, bwd_dkdv_rows_mma, bwd_dq_mma, bwd_dkdv_simt, bwd_dq_simt;
 // _cupy_path.BackwardPlan), the forward's fields as there, plus: delta = rowsum(dout * out) (float32,

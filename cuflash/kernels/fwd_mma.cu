@@ -130,7 +130,7 @@ fwd_mma(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
         h_kv = h / group;
         bh = b * heads + h;
     } else {
-        const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, query_blocks_fastest);
+        const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, section_heads);
         bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     }
     const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal);

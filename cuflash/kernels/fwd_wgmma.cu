@@ -112,13 +112,15 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     // of a block per SM), the next rank not yet taken (gridDim.x + the count of ranks taken: the longest items
     // first, each SM taking one as it frees), else blockIdx.x + gridDim.x, ... work_counter is zero at launch and
     // left zero (the stream's next launch reuses it, with no memset): the last block done taking items zeroes it.
-    // The item of a rank is QueryBlock's index; in a packed batch with item_order (varlen_order, kernels/varlen.cu:
-    // its count of entries, then the QueryBlock index of each entry's head 0, the entries with the most key tiles
+    // The item of a rank is the grid order's (QueryBlock::item_of_rank: pair item / num_m_blocks, query block item %
+    // num_m_blocks); in a packed batch with item_order (varlen_order, kernels/varlen.cu: its count of entries, then
+    // each entry (sequence b, query block m_block) as b * num_m_blocks + m_block, those with the most key tiles
     // first) rank r is head r % heads of entry r / heads, and ranks past its entries end the walk. The producer's
-    // thread 0 picks each item and hands its index to the consumers through two slots (item_full / item_empty);
-    // it loads the next item's Q and keys while the consumers finish the last one's epilogue. The mbarriers'
-    // phases run on across items (counts of Q and key tiles).
-    const unsigned items = static_cast<unsigned>((seqlen_q + BLOCK_M - 1) / BLOCK_M) * batch * heads;
+    // thread 0 picks each item and hands it to the consumers through two slots (item_full / item_empty); it loads
+    // the next item's Q and keys while the consumers finish the last one's epilogue. The mbarriers' phases run on
+    // across items (counts of Q and key tiles).
+    const int num_m_blocks = QueryBlock::blocks(seqlen_q, BLOCK_M);
+    const unsigned items = static_cast<unsigned>(num_m_blocks) * batch * heads;
     struct Item {
         QueryBlock blk;
         Sequence<VARLEN> seq;
@@ -129,7 +131,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         __device__ __forceinline__ int tile_key(int j) const { return key_first + (n_tiles - 1 - j) * BLOCK_N; }
     };
     auto item = [&](unsigned index) {
-        const QueryBlock blk(index, BLOCK_M, batch, heads, group, seqlen_q, query_blocks_fastest);
+        const QueryBlock blk(index, num_m_blocks, BLOCK_M, heads, group);
         const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, blk.b, batch, seqlen_q, seqlen_k, diagonal);
         const Window<MASK> window{seq.diagonal, window_left, window_right};
         const KeyTiles tiles(window, blk.m0, BLOCK_M, BLOCK_N, seq.seqlen_k);
@@ -162,11 +164,11 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             // registers, three consumers at head_dim 64 with softcap, ALiBi and sinks under a window)
             const unsigned ranks = item_order != nullptr ? static_cast<unsigned>(item_order[0]) * heads : items;
             auto item_at = [&](unsigned rank) {
-                if (!VARLEN || item_order == nullptr) return rank;
                 if (rank >= ranks) return items;
-                // QueryBlock's index steps by the query blocks per head where they run fastest, else by 1 per head
-                const unsigned head_step = query_blocks_fastest ? (seqlen_q + BLOCK_M - 1) / BLOCK_M : 1;
-                return static_cast<unsigned>(item_order[1 + rank / heads]) + rank % heads * head_step;
+                if (!VARLEN || item_order == nullptr)
+                    return QueryBlock::item_of_rank(rank, batch * heads, num_m_blocks, section_heads);
+                const unsigned entry = static_cast<unsigned>(item_order[1 + rank / heads]);
+                return (entry / num_m_blocks * heads + rank % heads) * num_m_blocks + entry % num_m_blocks;
             };
             unsigned rank = blockIdx.x, index = item_at(rank);
             for (int handed = 0;; ++handed) {

@@ -90,7 +90,7 @@ fwd_simt(CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     float* l_s = m_s + BLOCK_M;                        // [BLOCK_M] l_i
     float* alpha_s = l_s + BLOCK_M;                    // [BLOCK_M] rescale factor of this tile
 
-    const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, query_blocks_fastest);
+    const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, section_heads);
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal);
     if (VARLEN && m0 >= seq.seqlen_q) return;
@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(kSimtThreads, 1) bwd_dq_simt(CUFLASH_PARAMS(CU
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const auto [q_s, do_s, k_s, v_s, p_s, ds_s, lse2_s, delta_s] = Tiles::bwd_tiles(smem_raw);
 
-    const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, false);
+    const QueryBlock blk(BLOCK_M, batch, heads, group, seqlen_q, batch * heads);   // one section
     const int bh = blk.bh, b = blk.b, h = blk.h, h_kv = blk.h_kv, m0 = blk.m0;
     const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal);
     if (VARLEN && m0 >= seq.seqlen_q) return;

@@ -60,15 +60,16 @@ __device__ __forceinline__ void order_scan(int* data, int n, int* warp_totals) {
     __syncthreads();
 }
 
-// order: int32 (1 + capacity,): the count of entries, then each entry's QueryBlock index of head 0 (as
-// fwd_wgmma's grid order `query_blocks_fastest` numbers items over the longest sequences: seqlen_q rows),
-// the entries with the most key tiles first. capacity bounds the entries of valid prefix sums (ceil(total_q /
-// block_m) + batch); with invalid ones no more are written. The order within a key's entries is the atomics'.
+// order: int32 (1 + capacity,): the count of entries, then each entry (sequence b, query block m_block) as
+// b * num_m_blocks + m_block (num_m_blocks: the longest sequences' query blocks, of seqlen_q rows), the entries
+// with the most key tiles first; fwd_wgmma numbers the items of an entry's heads in its grid order (QueryBlock).
+// capacity bounds the entries of valid prefix sums (ceil(total_q / block_m) + batch); with invalid ones no more
+// are written. The order within a key's entries is the atomics'.
 template <int MASK>
 __global__ void __launch_bounds__(kOrderThreads)
 varlen_order(int* __restrict__ order, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-             int batch, int heads, int seqlen_q, int block_m, int block_n, int window_left, int window_right,
-             int query_blocks_fastest, int capacity) {
+             int batch, int seqlen_q, int block_m, int block_n, int window_left, int window_right,
+             int capacity) {
     static_assert(kOrderThreads == 32 * 32, "order_scan: one warp scans the warps' totals");
     __shared__ int first[kOrderMaxBatch + 1];   // sequence b's entries: first[b] .. first[b + 1] - 1
     __shared__ int slots[kOrderBins];           // entries per key, then each key's next position in `order`
@@ -106,14 +107,11 @@ varlen_order(int* __restrict__ order, const int* __restrict__ cu_seqlens_q, cons
     }
     __syncthreads();
     order_scan(slots, kOrderBins, warp_totals);
-    const unsigned bh_count = static_cast<unsigned>(batch) * heads;
     for (int e = threadIdx.x; e < entries; e += kOrderThreads) {
         int b, m_block;
         locate(e, b, m_block);
         const int position = atomicAdd(&slots[key_of(b, m_block)], 1);
-        const unsigned bh = static_cast<unsigned>(b) * heads;
-        order[1 + position] = static_cast<int>(
-            query_blocks_fastest ? bh * num_m_blocks + m_block : (num_m_blocks - 1 - m_block) * bh_count + bh);
+        order[1 + position] = b * num_m_blocks + m_block;
     }
     if (threadIdx.x == 0) order[0] = entries;
 }
