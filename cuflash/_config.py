@@ -697,10 +697,12 @@ def wgmma_dkdv_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: 
                       wgmma_threads(2 * WGMMA_ROWS_PER_CONSUMER), smem, mods=mods, atomic_dq=True)
 
 
-#: The share of the L2 cache that the K and V of one section of the masked Hopper forward's walk may take
-#: (forward_section_heads): of the budgets tried (bench/NOTES.md session 32; 2, 4, 8 and 16 MiB of an H100's 50),
-#: 16 MiB measured best or within the spread at head_dim 64, 128 and 256, seqlen 512-16k.
+#: The share of the L2 cache that the K and V of one section of the causal Hopper forward's walk may take
+#: (forward_section_heads): of the budgets tried (2, 4, 8 and 16 MiB of an H100's 50; bench/NOTES.md session 32),
+#: 16 MiB measured best or within the spread at head_dim 64, 128 and 256, seqlen 512-16k
 FORWARD_SECTION_L2_SHARE = 1 / 3
+#: ... where its query blocks visit at most this many keys (at 16k sections measured 8% slower at head_dim 64)
+FORWARD_SECTION_MAX_KEYS = 8192
 
 
 def forward_section_heads(spec: KernelSpec, pairs: int, item_keys: int, group: int, packed: bool,
@@ -710,23 +712,26 @@ def forward_section_heads(spec: KernelSpec, pairs: int, item_keys: int, group: i
     heads; ``item_keys``: the most keys a query block visits (_plan.keys_per_query_block); ``group``: the query
     heads per kv head; ``spec``: the forward's kernel.
 
-    fwd_wgmma under a mask, on a dense batch: as many pairs as fit their K and V (``item_keys`` keys of each kv
-    head, shared by ``group`` pairs) in FORWARD_SECTION_L2_SHARE of the L2, at least one. The blocks resident at
-    once then read the K and V of one section, which stay in L2 from a section's longest query blocks to its
-    shortest; in one section of every pair (the longest blocks of all heads first) each lower query block read
-    its head's K and V from DRAM again. Causal TFLOP/s on an H100, bfloat16, FlashAttention's grid, one section /
-    sections of 16 MiB (bench/NOTES.md session 32): head_dim 64 at 512 / 1k / 2k / 4k 195 / 214, 257 / 314,
-    373 / 410, 395 / 416; head_dim 128 at 512 / 1k / 2k / 4k / 16k 208 / 287, 273 / 439, 336 / 555, 518 / 584,
-    620 / 613; head_dim 256 at 512 / 1k / 4k 197 / 277, 274 / 427, 629 / 694.
+    fwd_wgmma under the causal mask, on a dense batch, up to FORWARD_SECTION_MAX_KEYS keys: as many pairs as fit
+    their K and V (``item_keys`` keys of each kv head, shared by ``group`` pairs) in FORWARD_SECTION_L2_SHARE of
+    the L2, at least one. The blocks resident at once then read the K and V of one section, which stay in L2
+    from a section's longest query blocks to its shortest; in one section of every pair (the longest blocks of
+    all heads first) each lower query block read its head's K and V from DRAM again. Causal TFLOP/s on an H100,
+    bfloat16, FlashAttention's grid, one section / sections (tools/ab_probe.py, 3 rounds; bench/NOTES.md session
+    32): head_dim 64 at 512 / 1k / 2k / 4k 198 / 224, 256 / 316, 375 / 403, 412 / 440; head_dim 128 at 512 / 1k /
+    2k / 4k / 8k 207 / 276, 272 / 426, 335 / 556, 524 / 606, 634 / 672; head_dim 256 at 512 / 1k / 2k / 4k 198 /
+    277, 274 / 429, 465 / 549, 640 / 694; float8 at 128, 1k / 4k 337 / 373, 602 / 627. At 16k: 547 / 504 at
+    head_dim 64, 690 / 683 at 128, 802 / 812 at 256. Under a window of 1024 keys 0-2% slower (one section kept).
 
     Elsewhere the order measured before: 1 (a head's query blocks together, FlashAttention-2's order) without a
     mask at head_dim 128 and 256, where the blocks resident at once share a few heads' K and V (forward v6 on the
     H200, float16, seqlen 1k / 4k / 16k, one section / 1: 128 258 / 314 / 327 against 254 / 325 / 348; 256 221 /
     263 / 287 against 213 / 262 / 283, and after v7 ahead at 1k-2k in every round); one section at head_dim 64
     without a mask (v7: 5% lost at 4k with 1; sections of 8 MiB measured within the spread at 1k-16k, session 32),
-    under a mask on the other kernels, and on packed batches (whose walk varlen_order may set).
+    under a mask on the other kernels and under a window, and on packed batches (whose walk varlen_order may set).
     """
-    if spec.kernel == "fwd_wgmma" and spec.mask != MASK_NONE and not packed and device.l2_bytes:
+    if (spec.kernel == "fwd_wgmma" and spec.mask == MASK_CAUSAL and item_keys <= FORWARD_SECTION_MAX_KEYS
+            and not packed and device.l2_bytes):
         pair_bytes = 2 * item_keys * spec.head_dim * spec.dtype.itemsize / group   # its share of K and V
         return max(1, min(pairs, int(device.l2_bytes * FORWARD_SECTION_L2_SHARE // max(pair_bytes, 1))))
     if spec.mask == MASK_NONE and spec.head_dim in (128, 256):

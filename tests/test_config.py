@@ -395,15 +395,14 @@ def test_forward_grid_order_where_no_sections_were_measured(head_dim, mask, expe
     assert _config.forward_section_heads(spec, 96, 4096, 1, False, _config.H100) == expected
 
 
-def test_the_masked_hopper_forward_walks_sections_whose_keys_fit_a_share_of_l2():
+def test_the_causal_hopper_forward_walks_sections_whose_keys_fit_a_share_of_l2():
     # K and V of a section's pairs fill at most FORWARD_SECTION_L2_SHARE of the L2: 2 * keys * head_dim * itemsize
     # bytes a kv head, shared by the group's query heads; at least one pair, at most all of them
     device = _config.H100
     budget = device.l2_bytes * _config.FORWARD_SECTION_L2_SHARE
-    for head_dim, keys, group, mask in ((64, 512, 1, _config.MASK_CAUSAL), (128, 1024, 1, _config.MASK_CAUSAL),
-                                        (128, 1024, 4, _config.MASK_CAUSAL), (256, 2048, 1, _config.MASK_WINDOW),
-                                        (128, 4096, 8, _config.MASK_CAUSAL)):
-        spec = _config.wgmma_spec(BFLOAT16, head_dim, mask, 128, 128)
+    for head_dim, keys, group in ((64, 512, 1), (128, 1024, 1), (128, 1024, 4), (256, 2048, 1), (128, 4096, 8),
+                                  (64, _config.FORWARD_SECTION_MAX_KEYS, 1)):
+        spec = _config.wgmma_spec(BFLOAT16, head_dim, _config.MASK_CAUSAL, 128, 128)
         pair_bytes = 2 * keys * head_dim * 2 / group
         sections = _config.forward_section_heads(spec, 100_000, keys, group, False, device)
         assert sections * pair_bytes <= budget < (sections + 1) * pair_bytes
@@ -414,7 +413,11 @@ def test_the_masked_hopper_forward_walks_sections_whose_keys_fit_a_share_of_l2()
                                              dataclasses.replace(device, l2_bytes=0)) == 96
     # a pair whose K and V alone outgrow the share still makes a section
     spec = _config.wgmma_spec(BFLOAT16, 256, _config.MASK_CAUSAL, 128, 64)
-    assert _config.forward_section_heads(spec, 96, 1 << 20, 1, False, device) == 1
+    assert _config.forward_section_heads(spec, 96, 8192, 1, False, dataclasses.replace(device, l2_bytes=1 << 20)) == 1
+    # past FORWARD_SECTION_MAX_KEYS, and under a window (measured within the spread: 0-2% slower), one section
+    assert _config.forward_section_heads(spec, 96, _config.FORWARD_SECTION_MAX_KEYS + 1, 1, False, device) == 96
+    window = _config.wgmma_spec(BFLOAT16, 128, _config.MASK_WINDOW, 128, 128)
+    assert _config.forward_section_heads(window, 96, 1152, 1, False, device) == 96
     # float8: a byte an element
     spec = _config.float8_forward_spec(128, _config.MASK_CAUSAL, device)
     assert _config.forward_section_heads(spec, 100_000, 4096, 1, False, device) == int(budget // (2 * 4096 * 128))

@@ -309,8 +309,8 @@ def test_the_persistent_grid_leaves_its_counters_zeroed(cp, rng):
             assert not counters[:_config.WGMMA_WORK_COUNTER_INTS].any(), (shape, counters)
 
 
-def test_the_sections_of_the_masked_hopper_forward_walk_every_item(cp, rng, monkeypatch):
-    # Under a mask the Hopper forward walks its (batch, head) pairs in sections sized to the L2
+def test_the_sections_of_the_causal_hopper_forward_walk_every_item(cp, rng, monkeypatch):
+    # Under the causal mask the Hopper forward walks its (batch, head) pairs in sections sized to the L2
     # (_config.forward_section_heads). An item's result does not depend on the order, so an L2 that makes sections
     # of 1 to 3 pairs (the last one partial) gives the one section's output (an L2 of unknown size), bit for bit, on
     # the persistent grid and the one-block-per-item grid.
@@ -321,7 +321,7 @@ def test_the_sections_of_the_masked_hopper_forward_walk_every_item(cp, rng, monk
     cases = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim), causal, window
         ((2, 1000, 1000, 5, 5, 128), True, (-1, -1)),
         ((3, 700, 900, 4, 2, 64), True, (-1, -1)),
-        ((1, 1500, 1500, 7, 7, 256), False, (300, 0)),
+        ((1, 1500, 1500, 7, 7, 256), True, (-1, -1)),
     ]
     for shape, causal, window in cases:
         q, k, v, _, _ = _hopper_inputs(cp, rng, shape, False, False)

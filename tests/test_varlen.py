@@ -202,8 +202,8 @@ def order_keys(lengths_q, lengths_k, block_m, block_n, window_left, window_right
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
 def test_varlen_order_walks_every_query_block_with_rows_once_most_tiles_first(mask):
     """The Hopper forward's item order for a packed batch (varlen_order): every (sequence, query block) with rows
-    once, none past its sequence's end, their key tiles never increasing along the order; its entries are the
-    QueryBlock indices of head 0 in the forward's grid order."""
+    once, none past its sequence's end, their key tiles never increasing along the order; each entry is sequence
+    b's query block m as b * num_m_blocks + m (num_m_blocks: the longest sequence's)."""
     cupy = pytest.importorskip("cupy")
     from cuflash import _config, _cupy_path, _plan, _varlen
 
@@ -228,9 +228,7 @@ def test_varlen_order_walks_every_query_block_with_rows_once_most_tiles_first(ma
     keys = order_keys(lengths_q, lengths_k, launch.spec.block_m, launch.spec.block_n,
                       left if p.mask_kind == _config.MASK_WINDOW else None, right, p.masked)
     num_m_blocks = -(-p.seqlen_q // launch.spec.block_m)
-    fastest = bool(launch.tail[0])
-    index = {((b * heads) * num_m_blocks + m if fastest else (num_m_blocks - 1 - m) * len(lengths_q) * heads
-              + b * heads): (b, m) for b, m in keys}
+    index = {b * num_m_blocks + m: (b, m) for b, m in keys}
     count = int(order[0])
     assert count == len(keys) and (order[1 + count:] == -1).all()
     walked = [index[int(i)] for i in order[1:1 + count]]

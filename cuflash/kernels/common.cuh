@@ -407,27 +407,48 @@ struct QueryBlock {
     // Work item `item` of a grid of num_m_blocks query blocks a pair: pair item / num_m_blocks, query block
     // item % num_m_blocks (fwd_wgmma's items; the grid order maps ranks to them: item_of_rank)
     __device__ __forceinline__ QueryBlock(unsigned item, int num_m_blocks, int block_m, int heads, int group) {
-        bh = static_cast<int>(item / num_m_blocks);
-        b = bh / heads;
-        h = bh % heads;
-        h_kv = h / group;
-        m0 = static_cast<int>(item % num_m_blocks) * block_m;
+        set(static_cast<int>(item / num_m_blocks), static_cast<int>(item % num_m_blocks), block_m, heads, group);
     }
-    // The thread block's: rank blockIdx.x of the grid order
+    // The thread block's, rank blockIdx.x, in the kernels of a block per query block (fwd_mma, fwd_simt, the dQ
+    // kernels): the host gives them sections of one pair or one section of all, and any other count walks one
+    // section (the general decode, item_of_rank, made ptxas spill fwd_mma at 255 registers)
     __device__ __forceinline__ QueryBlock(int block_m, int batch, int heads, int group, int seqlen_q,
-                                          int section_heads)
-        : QueryBlock(item_of_rank(blockIdx.x, batch * heads, blocks(seqlen_q, block_m), section_heads),
-                     blocks(seqlen_q, block_m), block_m, heads, group) {}
-    __device__ __forceinline__ static int blocks(int seqlen_q, int block_m) { return (seqlen_q + block_m - 1) / block_m; }
-    // The work item of rank `rank` (< bh_count * num_m_blocks) of the grid order
+                                          int section_heads) {
+        const unsigned num_m_blocks = blocks(seqlen_q, block_m), pairs = batch * heads, rank = blockIdx.x;
+        const bool together = section_heads == 1;
+        const unsigned below_last = together ? rank % num_m_blocks : rank / pairs;   // query blocks below the last
+        set(static_cast<int>(together ? rank / num_m_blocks : rank % pairs),
+            static_cast<int>(num_m_blocks - 1 - below_last), block_m, heads, group);
+    }
+    __device__ __forceinline__ static int blocks(int seqlen_q, int block_m) {
+        return (seqlen_q + block_m - 1) / block_m;
+    }
+    // The work item of rank `rank` (< bh_count * num_m_blocks) of the grid order (fwd_wgmma's producer)
     __device__ __forceinline__ static unsigned item_of_rank(unsigned rank, int bh_count, int num_m_blocks,
                                                             int section_heads) {
+        int pair, m_block;
+        at_rank(rank, bh_count, num_m_blocks, section_heads, pair, m_block);
+        return static_cast<unsigned>(pair) * num_m_blocks + m_block;
+    }
+
+private:
+    __device__ __forceinline__ void set(int pair, int m_block, int block_m, int heads, int group) {
+        bh = pair;
+        b = pair / heads;
+        h = pair % heads;
+        h_kv = h / group;
+        m0 = m_block * block_m;
+    }
+    // The pair and query block of rank `rank` of the grid order, in unsigned arithmetic (signed divisions here
+    // made ptxas spill fwd_mma's packed form at 254 registers)
+    __device__ __forceinline__ static void at_rank(unsigned rank, unsigned bh_count, int num_m_blocks,
+                                                   int section_heads, int& pair, int& m_block) {
         const unsigned per_section = static_cast<unsigned>(section_heads) * num_m_blocks;
-        const int first = static_cast<int>(rank / per_section) * section_heads;   // the section's first pair
-        const int in_section = static_cast<int>(rank % per_section);
-        const int size = min(section_heads, bh_count - first);   // the last section may hold fewer pairs
-        const int bh = first + in_section % size, m_block = num_m_blocks - 1 - in_section / size;
-        return static_cast<unsigned>(bh) * num_m_blocks + m_block;
+        const unsigned first = rank / per_section * section_heads;   // the section's first pair
+        const unsigned in_section = rank % per_section;
+        const unsigned size = min(static_cast<unsigned>(section_heads), bh_count - first);   // the last: fewer
+        pair = static_cast<int>(first + in_section % size);
+        m_block = num_m_blocks - 1 - static_cast<int>(in_section / size);
     }
 };
 
