@@ -701,7 +701,8 @@ def wgmma_dkdv_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: 
 #: (forward_section_heads): of the budgets tried (2, 4, 8 and 16 MiB of an H100's 50; bench/NOTES.md session 32),
 #: 16 MiB measured best or within the spread at head_dim 64, 128 and 256, seqlen 512-16k
 FORWARD_SECTION_L2_SHARE = 1 / 3
-#: ... where its query blocks visit at most this many keys (at 16k sections measured 8% slower at head_dim 64)
+#: ... where its query blocks visit at most this many keys: at 16k sections measured within the spread (head_dim
+#: 64 -8% and -2% in two runs, 128 -1% and +5%, 256 +1% and +2%), so one section is kept there
 FORWARD_SECTION_MAX_KEYS = 8192
 
 
@@ -720,8 +721,8 @@ def forward_section_heads(spec: KernelSpec, pairs: int, item_keys: int, group: i
     bfloat16, FlashAttention's grid, one section / sections (tools/ab_probe.py, 3 rounds; bench/NOTES.md session
     32): head_dim 64 at 512 / 1k / 2k / 4k 198 / 224, 256 / 316, 375 / 403, 412 / 440; head_dim 128 at 512 / 1k /
     2k / 4k / 8k 207 / 276, 272 / 426, 335 / 556, 524 / 606, 634 / 672; head_dim 256 at 512 / 1k / 2k / 4k 198 /
-    277, 274 / 429, 465 / 549, 640 / 694; float8 at 128, 1k / 4k 337 / 373, 602 / 627. At 16k: 547 / 504 at
-    head_dim 64, 690 / 683 at 128, 802 / 812 at 256. Under a window of 1024 keys 0-2% slower (one section kept).
+    277, 274 / 429, 465 / 549, 640 / 694; float8 at 128, 1k / 4k 337 / 373, 602 / 627. Under a window of 1024
+    keys 0-2% slower (one section kept).
 
     Elsewhere the order measured before: 1 (a head's query blocks together, FlashAttention-2's order) without a
     mask at head_dim 128 and 256, where the blocks resident at once share a few heads' K and V (forward v6 on the
