@@ -401,7 +401,7 @@ template <bool ENABLED> struct Dropout {
 //   block reading its head's K and V from DRAM again (the dQ kernels', and the forward's but where below).
 // - section_heads = 1: a head's query blocks together (FlashAttention-2's order, the highest first; fwd_mma and
 //   fwd_wgmma without a mask at head_dim 128 and 256).
-// - between: fwd_wgmma under a mask, as many pairs as fit their K and V in a share of the L2.
+// - between: fwd_wgmma under the causal mask, as many pairs as fit their K and V in a share of the L2.
 struct QueryBlock {
     int bh, b, h, h_kv, m0;
     // Work item `item` of a grid of num_m_blocks query blocks a pair: pair item / num_m_blocks, query block
@@ -411,7 +411,7 @@ struct QueryBlock {
     }
     // The thread block's, rank blockIdx.x, in the kernels of a block per query block (fwd_mma, fwd_simt, the dQ
     // kernels): the host gives them sections of one pair or one section of all, and any other count walks one
-    // section (the general decode, item_of_rank, made ptxas spill fwd_mma at 255 registers)
+    // section (the general decode, at_rank, made ptxas spill fwd_mma at 255 registers; so did signed divisions)
     __device__ __forceinline__ QueryBlock(int block_m, int batch, int heads, int group, int seqlen_q,
                                           int section_heads) {
         const unsigned num_m_blocks = blocks(seqlen_q, block_m), pairs = batch * heads, rank = blockIdx.x;
@@ -439,8 +439,7 @@ private:
         h_kv = h / group;
         m0 = m_block * block_m;
     }
-    // The pair and query block of rank `rank` of the grid order, in unsigned arithmetic (signed divisions here
-    // made ptxas spill fwd_mma's packed form at 254 registers)
+    // The pair and query block of rank `rank` of the grid order
     __device__ __forceinline__ static void at_rank(unsigned rank, unsigned bh_count, int num_m_blocks,
                                                    int section_heads, int& pair, int& m_block) {
         const unsigned per_section = static_cast<unsigned>(section_heads) * num_m_blocks;

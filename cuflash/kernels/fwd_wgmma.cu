@@ -109,8 +109,8 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     volatile unsigned* const item_slots = reinterpret_cast<volatile unsigned*>(smem_raw + Smem::kItemSlots);
 
     // The block walks work items by rank: blockIdx.x first, then, where work_counter is given (the persistent grid
-    // of a block per SM), the next rank not yet taken (gridDim.x + the count of ranks taken: the longest items
-    // first, each SM taking one as it frees), else blockIdx.x + gridDim.x, ... work_counter is zero at launch and
+    // of a block per SM), the next rank not yet taken (gridDim.x + the count of ranks taken: a section's longest
+    // items first, each SM taking one as it frees), else blockIdx.x + gridDim.x, ... work_counter is zero at launch and
     // left zero (the stream's next launch reuses it, with no memset): the last block done taking items zeroes it.
     // The item of a rank is the grid order's (QueryBlock::item_of_rank: pair item / num_m_blocks, query block item %
     // num_m_blocks); in a packed batch with item_order (varlen_order, kernels/varlen.cu: its count of entries, then
