@@ -706,16 +706,18 @@ FORWARD_SECTION_L2_SHARE = 1 / 3
 FORWARD_SECTION_MAX_KEYS = 8192
 
 
-def forward_section_heads(spec: KernelSpec, pairs: int, item_keys: int, group: int, packed: bool,
-                          device: DeviceProps) -> int:
+def forward_section_heads(spec: KernelSpec, pairs: int, item_keys: int, group: int, device: DeviceProps,
+                          pair_keys: int | None = None) -> int:
     """The (batch, head) pairs per section of the forward's grid order (``QueryBlock``, kernels/common.cuh:
     section after section, the highest query blocks of a section first, its pairs fastest). ``pairs``: batch *
     heads; ``item_keys``: the most keys a query block visits (_plan.keys_per_query_block); ``group``: the query
-    heads per kv head; ``spec``: the forward's kernel.
+    heads per kv head; ``spec``: the forward's kernel; ``pair_keys``: the keys of a pair that its section reads,
+    ``item_keys`` where not given. A packed batch walked in varlen_order's order has a pair per head (``pairs``
+    = heads), each section walking every sequence's query blocks: its ``pair_keys`` are total_k.
 
-    fwd_wgmma under the causal mask, on a dense batch, up to FORWARD_SECTION_MAX_KEYS keys: as many pairs as fit
-    their K and V (``item_keys`` keys of each kv head, shared by ``group`` pairs) in FORWARD_SECTION_L2_SHARE of
-    the L2, at least one. The blocks resident at once then read the K and V of one section, which stay in L2
+    fwd_wgmma under the causal mask, up to FORWARD_SECTION_MAX_KEYS keys: as many pairs as fit their K and V
+    (``pair_keys`` keys of each kv head, shared by ``group`` pairs) in FORWARD_SECTION_L2_SHARE of the L2, at
+    least one. The blocks resident at once then read the K and V of one section, which stay in L2
     from a section's longest query blocks to its shortest; in one section of every pair (the longest blocks of
     all heads first) each lower query block read its head's K and V from DRAM again. Causal TFLOP/s on an H100,
     bfloat16, FlashAttention's grid, one section / sections (tools/ab_probe.py, 3 rounds; bench/NOTES.md session
@@ -729,11 +731,12 @@ def forward_section_heads(spec: KernelSpec, pairs: int, item_keys: int, group: i
     H200, float16, seqlen 1k / 4k / 16k, one section / 1: 128 258 / 314 / 327 against 254 / 325 / 348; 256 221 /
     263 / 287 against 213 / 262 / 283, and after v7 ahead at 1k-2k in every round); one section at head_dim 64
     without a mask (v7: 5% lost at 4k with 1; sections of 8 MiB measured within the spread at 1k-16k, session 32),
-    under a mask on the other kernels and under a window, and on packed batches (whose walk varlen_order may set).
+    under a mask on the other kernels and under a window.
     """
     if (spec.kernel == "fwd_wgmma" and spec.mask == MASK_CAUSAL and item_keys <= FORWARD_SECTION_MAX_KEYS
-            and not packed and device.l2_bytes):
-        pair_bytes = 2 * item_keys * spec.head_dim * spec.dtype.itemsize / group   # its share of K and V
+            and device.l2_bytes):
+        keys = item_keys if pair_keys is None else pair_keys
+        pair_bytes = 2 * keys * spec.head_dim * spec.dtype.itemsize / group   # its share of K and V
         return max(1, min(pairs, int(device.l2_bytes * FORWARD_SECTION_L2_SHARE // max(pair_bytes, 1))))
     if spec.mask == MASK_NONE and spec.head_dim in (128, 256):
         return 1

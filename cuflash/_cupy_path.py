@@ -232,7 +232,7 @@ class ForwardPlan:
         map_shapes = [(1, *x.shape) if packed else tuple(x.shape) for x in (q, k, v)]
         tensor_maps = all(_tma.strides_ok(itemsize, shape, s) for shape, s in zip(map_shapes, strides))
         launch = _plan.forward(p, device_props(device_id), spec, packed, tensor_maps, persistent,
-                               total_q=q.shape[0] if packed else None)
+                               total_q=q.shape[0] if packed else None, total_k=k.shape[0] if packed else None)
         with cupy.cuda.Device(device_id):
             self.kernel = get_kernel(launch.spec, device_id)
             # the packed Hopper forward's item order, written into a buffer of order_ints by its own launch

@@ -77,17 +77,19 @@ def keys_per_query_block(p: Problem, block_m: int) -> int:
 
 def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | None = None,
             packed: bool = False, tensor_maps: bool = True, persistent: bool | None = None,
-            total_q: int | None = None) -> Launch:
+            total_q: int | None = None, total_k: int | None = None) -> Launch:
     """The forward's launch; ``spec`` overrides the tile table's (for tuning tools). Its tail is QueryBlock's
-    grid order, its pairs per section (kernels/common.cuh; _config.forward_section_heads). ``packed``: a packed batch (attention_varlen), ``p`` its batch of the
-    longest sequences' lengths, each sequence's blocks past its own end idle. ``tensor_maps``: can tensor maps
+    grid order, its pairs per section (kernels/common.cuh; _config.forward_section_heads). ``packed``: a packed
+    batch (attention_varlen), ``p`` its batch of the longest sequences' lengths, each sequence's blocks past its
+    own end idle. ``tensor_maps``: can tensor maps
     describe the arrays (_tma.strides_ok)? Where not, the Hopper kernel does not serve. ``persistent``
     overrides the table's choice of a persistent grid for fwd_wgmma (for probes).
 
-    ``total_q``: the packed batch's rows. Where _config.varlen_forward_ordered, the Hopper forward then walks only
-    the items with rows, those with the most key tiles first, in the order varlen_order writes before it
-    (``Launch.order``), on a grid sized by the most items that ``total_q`` rows can fill (up to
-    VARLEN_ORDER_MAX_BATCH sequences)."""
+    ``total_q``, ``total_k``: the packed batch's rows and keys. Where _config.varlen_forward_ordered, the Hopper
+    forward then walks only the items with rows, those with the most key tiles first, in the order varlen_order
+    writes before it (``Launch.order``), on a grid sized by the most items that ``total_q`` rows can fill (up to
+    VARLEN_ORDER_MAX_BATCH sequences), in sections of heads whose K and V of every sequence (``total_k`` keys,
+    at most batch * seqlen_k where not given) share the L2."""
     if spec is None:
         if not tensor_maps:
             device = dataclasses.replace(device, tensor_maps=False)
@@ -96,7 +98,7 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
         spec = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device, p.mods, packed).forward
         spec = _config.wgmma_forward_for_keys(spec, keys_per_query_block(p, spec.block_m), device)
     item_keys = keys_per_query_block(p, spec.block_m)
-    sections = _config.forward_section_heads(spec, p.batch * p.heads, item_keys, p.group, packed, device)
+    sections = _config.forward_section_heads(spec, p.batch * p.heads, item_keys, p.group, device)
     items = -(-p.seqlen_q // spec.block_m) * p.batch * p.heads
     if spec.kernel != "fwd_wgmma":
         return Launch(spec, grid(items), (sections,))
@@ -105,6 +107,9 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
     ordered, order_ints = None, 0
     if (packed and total_q is not None and p.batch <= _config.VARLEN_ORDER_MAX_BATCH
             and _config.varlen_forward_ordered(spec.head_dim)):
+        # sections of heads, each walking every sequence's entries: its K and V are every sequence's keys
+        sections = _config.forward_section_heads(spec, p.heads, item_keys, p.group, device,
+                                                 p.batch * p.seqlen_k if total_k is None else total_k)
         # entries (sequence, query block) of valid prefix sums: sum of ceil(rows_b / block_m) over b
         capacity = min(-(-total_q // spec.block_m) + p.batch, -(-p.seqlen_q // spec.block_m) * p.batch)
         items = capacity * p.heads

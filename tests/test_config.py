@@ -392,7 +392,7 @@ def test_split_grid_needs_the_tiled_dkdv_kernel(head_dim, device):
 ])
 def test_forward_grid_order_where_no_sections_were_measured(head_dim, mask, expected):
     spec = _config.mma_spec("fwd_mma", BFLOAT16, head_dim, mask, 128, 64, 4)
-    assert _config.forward_section_heads(spec, 96, 4096, 1, False, _config.H100) == expected
+    assert _config.forward_section_heads(spec, 96, 4096, 1, _config.H100) == expected
 
 
 def test_the_causal_hopper_forward_walks_sections_whose_keys_fit_a_share_of_l2():
@@ -404,23 +404,24 @@ def test_the_causal_hopper_forward_walks_sections_whose_keys_fit_a_share_of_l2()
                                   (64, _config.FORWARD_SECTION_MAX_KEYS, 1)):
         spec = _config.wgmma_spec(BFLOAT16, head_dim, _config.MASK_CAUSAL, 128, 128)
         pair_bytes = 2 * keys * head_dim * 2 / group
-        sections = _config.forward_section_heads(spec, 100_000, keys, group, False, device)
+        sections = _config.forward_section_heads(spec, 100_000, keys, group, device)
         assert sections * pair_bytes <= budget < (sections + 1) * pair_bytes
-        assert _config.forward_section_heads(spec, 3, keys, group, False, device) == min(sections, 3)
-        # a packed batch, whose walk varlen_order may set, and a GPU of unknown L2 keep one section
-        assert _config.forward_section_heads(spec, 96, keys, group, True, device) == 96
-        assert _config.forward_section_heads(spec, 96, keys, group, False,
-                                             dataclasses.replace(device, l2_bytes=0)) == 96
+        assert _config.forward_section_heads(spec, 3, keys, group, device) == min(sections, 3)
+        # a packed batch in varlen_order's walk: heads as pairs, each reading every sequence's keys (pair_keys)
+        assert (_config.forward_section_heads(spec, 100_000, keys, group, device, 3 * keys)
+                == max(1, int(budget // (3 * pair_bytes))))
+        # a GPU of unknown L2 keeps one section
+        assert _config.forward_section_heads(spec, 96, keys, group, dataclasses.replace(device, l2_bytes=0)) == 96
     # a pair whose K and V alone outgrow the share still makes a section
     spec = _config.wgmma_spec(BFLOAT16, 256, _config.MASK_CAUSAL, 128, 64)
-    assert _config.forward_section_heads(spec, 96, 8192, 1, False, dataclasses.replace(device, l2_bytes=1 << 20)) == 1
+    assert _config.forward_section_heads(spec, 96, 8192, 1, dataclasses.replace(device, l2_bytes=1 << 20)) == 1
     # past FORWARD_SECTION_MAX_KEYS, and under a window (measured within the spread: 0-2% slower), one section
-    assert _config.forward_section_heads(spec, 96, _config.FORWARD_SECTION_MAX_KEYS + 1, 1, False, device) == 96
+    assert _config.forward_section_heads(spec, 96, _config.FORWARD_SECTION_MAX_KEYS + 1, 1, device) == 96
     window = _config.wgmma_spec(BFLOAT16, 128, _config.MASK_WINDOW, 128, 128)
-    assert _config.forward_section_heads(window, 96, 1152, 1, False, device) == 96
+    assert _config.forward_section_heads(window, 96, 1152, 1, device) == 96
     # float8: a byte an element
     spec = _config.float8_forward_spec(128, _config.MASK_CAUSAL, device)
-    assert _config.forward_section_heads(spec, 100_000, 4096, 1, False, device) == int(budget // (2 * 4096 * 128))
+    assert _config.forward_section_heads(spec, 100_000, 4096, 1, device) == int(budget // (2 * 4096 * 128))
 
 
 @pytest.mark.parametrize("device", DEVICES.values(), ids=DEVICES.keys())

@@ -28,7 +28,7 @@ def test_forward_launch_covers_every_query_block_of_every_head():
     launch = _plan.forward(p, H100)
     assert launch.spec == _config.choose_config(128, BFLOAT16, _config.MASK_CAUSAL, H100).forward
     assert launch.grid == (-(-1000 // launch.spec.block_m) * 2 * 8,)
-    assert launch.tail == (_config.forward_section_heads(launch.spec, 2 * 8, 1000, p.group, False, H100),)
+    assert launch.tail == (_config.forward_section_heads(launch.spec, 2 * 8, 1000, p.group, H100),)
     # a spec given by a tuning tool is the one launched, on its own tiles
     other = _config.mma_spec("fwd_mma", BFLOAT16, 128, _config.MASK_CAUSAL, 64, 32, 4)
     assert _plan.forward(p, H100, other).grid == (16 * 16,)
@@ -312,6 +312,12 @@ def test_packed_hopper_forward_walks_an_ordered_list_of_its_items():
     assert order.tail == (3, 1000, m, launch.spec.block_n, *p.kernel_window, capacity)
     assert launch.order_ints == 1 + capacity
     assert launch.grid == ((min(capacity * 8, H100.sm_count) if launch.work_counter else capacity * 8),)
+    # in sections of heads whose K and V of every sequence (total_k keys; batch * seqlen_k where not given) fit a
+    # share of the L2: here all 8 heads, or 2 of 2 * 1500 * 64 * 2 / 4 bytes each in a small L2
+    assert launch.tail == (_config.forward_section_heads(launch.spec, 8, 900, p.group, H100, 3 * 900),) == (8,)
+    head_bytes = 2 * 1500 * 64 * 2 / 4
+    small = dataclasses.replace(H100, l2_bytes=int(2.5 * head_bytes / _config.FORWARD_SECTION_L2_SHARE))
+    assert _plan.forward(p, small, packed=True, total_q=1700, total_k=1500).tail == (2,)
     long = problem(batch=3, seqlen_q=4000, seqlen_k=4000, heads=8, heads_kv=2, head_dim=64, causal=False)
     launch = _plan.forward(long, H100, packed=True, total_q=5000)
     assert not launch.work_counter and launch.grid == ((-(-5000 // launch.spec.block_m) + 3) * 8,)
@@ -324,7 +330,10 @@ def test_packed_hopper_forward_walks_an_ordered_list_of_its_items():
     assert _plan.forward(many, H100, packed=True, total_q=100).order is None
     assert _config.varlen_forward_ordered(64) and not _config.varlen_forward_ordered(128)
     wide = problem(batch=3, seqlen_q=1000, seqlen_k=900, heads=8, heads_kv=2, head_dim=128)
-    assert _plan.forward(wide, H100, packed=True, total_q=1700).order is None
+    launch = _plan.forward(wide, H100, packed=True, total_q=1700)
+    assert launch.order is None
+    # QueryBlock's walk over the longest sequences' grid, in sections of (sequence, head) pairs as a dense batch
+    assert launch.tail == (_config.forward_section_heads(launch.spec, 3 * 8, 900, wide.group, H100),)
 
 
 @given(lengths=st.lists(st.integers(0, 3000), min_size=1, max_size=40), block_m=st.sampled_from([64, 128, 192]))

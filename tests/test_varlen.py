@@ -4,6 +4,8 @@ cut to each sequence); bad packings refused."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import example, given
@@ -235,6 +237,47 @@ def test_varlen_order_walks_every_query_block_with_rows_once_most_tiles_first(ma
     assert sorted(walked) == sorted(keys)
     tiles = [max(keys[entry], 0) for entry in walked]
     assert tiles == sorted(tiles, reverse=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_sections_of_the_packed_causal_hopper_forward_walk_every_item(rng, monkeypatch, head_dim):
+    """Under the causal mask the packed Hopper forward walks its heads in sections sized to the L2 (at head_dim
+    64 varlen_order's order, sections of heads; at 128 QueryBlock's, sections of (sequence, head) pairs). An
+    item's result does not depend on the order, so an L2 that makes sections of 1 to 3 (the last partial) gives
+    the one section's output (an L2 of unknown size) bit for bit, on both grids."""
+    cupy = pytest.importorskip("cupy")
+    from cuflash import _config, _cupy_path, _plan, _varlen
+
+    from .conftest import GPU
+    if not GPU or not _cupy_path.device_props(0).tensor_maps:
+        pytest.skip("the Hopper forward runs where the plan has tensor maps (compute capability 9.0)")
+    lengths_q = [700, 0, 1, 300, 129, 1000, 64]
+    lengths_k = [700, 40, 0, 500, 129, 1000, 64]
+    heads = 7
+    q, k, v, _, cu_q, cu_k = packed(cupy, rng, lengths_q, lengths_k, heads, heads, head_dim, np.float16)
+    batch = _varlen.check_packing(q, k, v, cu_q, cu_k, None, None, read=True)
+    p = _varlen.problem(q, k, batch, True, None, (-1, -1), 0.0, None, None, 0.0)
+    real = _cupy_path.device_props
+    launch = _plan.forward(p, real(0), packed=True, total_q=q.shape[0], total_k=k.shape[0])
+    assert launch.spec.kernel == "fwd_wgmma" and (launch.order is not None) == (head_dim == 64)
+    pairs = heads if launch.order is not None else p.batch * heads
+    keys = k.shape[0] if launch.order is not None else p.seqlen_k
+    pair_bytes = 2 * keys * launch.spec.head_dim * 2   # float16, no groups
+    for persistent in (True, False):
+        def plan(l2_bytes):
+            monkeypatch.setattr(_cupy_path, "device_props", lambda i: dataclasses.replace(real(i), l2_bytes=l2_bytes))
+            forward = _cupy_path.ForwardPlan(p, 0, q, k, v, packed=True, persistent=persistent)
+            launch = _plan.forward(p, _cupy_path.device_props(0), packed=True, total_q=q.shape[0],
+                                   total_k=k.shape[0])
+            return forward, launch.tail[0]
+        forward, sections = plan(0)
+        assert sections == pairs
+        want, want_lse = forward.run(q, k, v, None, None, 0, 0, True, (cu_q, cu_k))
+        for expected in (1, 2, 3):
+            forward, sections = plan(int((expected + 0.5) * pair_bytes / _config.FORWARD_SECTION_L2_SHARE))
+            assert sections == expected, (head_dim, persistent)
+            out, lse = forward.run(q, k, v, None, None, 0, 0, True, (cu_q, cu_k))
+            assert cupy.array_equal(out, want) and cupy.array_equal(lse, want_lse), (head_dim, persistent, expected)
 
 
 def test_packed_batches_past_the_persistent_grids_keys_match_the_reference(xp, rng):

@@ -123,6 +123,8 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         return (pass == 0 ? q_s : do_s) + stage * Smem::kQStage + consumer * kConsumerColBlocks * Smem::kQBlock +
                warp * Smem::kDqWarp;
     };
+    // the first query row of consumer `consumer`'s dQ share of a step: its 64 rows of a 128-row step, else row 0
+    auto dq_share_row = [](int consumer) { return kTallSteps ? 64 * consumer : 0; };
 
     // the banded grid (dq_splits 0), or the deterministic split grid: block `split` adds into its own copy of
     // dq_accum, and one thread adds each element there (head_dim 128 and 256), so the sums are reproducible
@@ -212,7 +214,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
             const int dq_col = HEAD_DIM == 64 ? 0 : kStagedDq ? 128 * consumer + 64 * dq_pass : 64 * consumer;
             // the lane's share of step s: first_share (the group's first head, row 0) plus s's head and rows
             const int key_block = n0 / BLOCK_N, h0 = h_kv * group;
-            const int dq_row = (kTallSteps ? 64 * consumer : 0) + 16 * writer_warp;   // the share's first row
+            const int dq_row = dq_share_row(consumer) + 16 * writer_warp;   // the share's first row
             const long long first_share = DqAccum::head(blk.split, batch, b, heads, h0, seq, seqlen_q, HEAD_DIM) +
                                           DqAccum::tile(dq_row, dq_col, HEAD_DIM);
             const long long head_floats = DqAccum::head(blk.split, batch, b, heads, h0 + 1, seq, seqlen_q, HEAD_DIM) -
@@ -289,7 +291,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     // dQ's share of this consumer: queries dq_row0.. (64 of them) by keys dq_key0.. (kDqKeys of them) times
     // columns dq_col0.. (64 per pass)
     constexpr int kDqKeys = kDqOwnKeys ? 64 : BLOCK_N, kDqPasses = kKeySplit ? 1 : kCols / 64;
-    const int dq_key0 = kDqOwnKeys ? 64 * cw : 0, dq_row0 = kTallSteps ? 64 * cw : 0;
+    const int dq_key0 = kDqOwnKeys ? 64 * cw : 0, dq_row0 = dq_share_row(cw);
     const int dq_col0 = kDqOwnKeys || kTallSteps ? 0 : kKeySplit ? 64 * cw : col0;
     // the consumers that store dS^T: both (their own keys), or at head_dim 256 consumer 0 (both hold all of it)
     const bool stores_ds = kKeySplit || cw == 0;

@@ -401,7 +401,8 @@ template <bool ENABLED> struct Dropout {
 //   block reading its head's K and V from DRAM again (the dQ kernels', and the forward's but where below).
 // - section_heads = 1: a head's query blocks together (FlashAttention-2's order, the highest first; fwd_mma and
 //   fwd_wgmma without a mask at head_dim 128 and 256).
-// - between: fwd_wgmma under the causal mask, as many pairs as fit their K and V in a share of the L2.
+// - between: fwd_wgmma under the causal mask, as many pairs as fit their K and V in a share of the L2 (in a
+//   packed batch walked in varlen_order's order, sections of heads: in_sections).
 struct QueryBlock {
     int bh, b, h, h_kv, m0;
     // Work item `item` of a grid of num_m_blocks query blocks a pair: pair item / num_m_blocks, query block
@@ -411,7 +412,7 @@ struct QueryBlock {
     }
     // The thread block's, rank blockIdx.x, in the kernels of a block per query block (fwd_mma, fwd_simt, the dQ
     // kernels): the host gives them sections of one pair or one section of all, and any other count walks one
-    // section (the general decode, at_rank, made ptxas spill fwd_mma at 255 registers; so did signed divisions)
+    // section (the general decode, in_sections, made ptxas spill fwd_mma at 255 registers; so did signed divisions)
     __device__ __forceinline__ QueryBlock(int block_m, int batch, int heads, int group, int seqlen_q,
                                           int section_heads) {
         const unsigned num_m_blocks = blocks(seqlen_q, block_m), pairs = batch * heads, rank = blockIdx.x;
@@ -426,9 +427,22 @@ struct QueryBlock {
     // The work item of rank `rank` (< bh_count * num_m_blocks) of the grid order (fwd_wgmma's producer)
     __device__ __forceinline__ static unsigned item_of_rank(unsigned rank, int bh_count, int num_m_blocks,
                                                             int section_heads) {
-        int pair, m_block;
-        at_rank(rank, bh_count, num_m_blocks, section_heads, pair, m_block);
-        return static_cast<unsigned>(pair) * num_m_blocks + m_block;
+        unsigned pair, step;
+        in_sections(rank, bh_count, num_m_blocks, section_heads, pair, step);
+        return pair * num_m_blocks + (num_m_blocks - 1 - step);
+    }
+    // The walk in sections of rank `rank` (< pairs * steps): sections of `section_pairs` of the `pairs` pairs
+    // (the last has fewer where they do not divide), each walking its pairs' step 0, then their step 1, ...,
+    // its pairs fastest. `pair` and `step` (0 first) of that rank: the step is the query block from the highest
+    // in the grid order, the entry of varlen_order's order in fwd_wgmma's packed walk (pairs there are heads).
+    __device__ __forceinline__ static void in_sections(unsigned rank, unsigned pairs, unsigned steps,
+                                                       unsigned section_pairs, unsigned& pair, unsigned& step) {
+        const unsigned per_section = section_pairs * steps;
+        const unsigned first = rank / per_section * section_pairs;   // the section's first pair
+        const unsigned in_section = rank % per_section;
+        const unsigned size = min(section_pairs, pairs - first);     // the last: fewer
+        pair = first + in_section % size;
+        step = in_section / size;
     }
 
 private:
@@ -438,16 +452,6 @@ private:
         h = pair % heads;
         h_kv = h / group;
         m0 = m_block * block_m;
-    }
-    // The pair and query block of rank `rank` of the grid order
-    __device__ __forceinline__ static void at_rank(unsigned rank, unsigned bh_count, int num_m_blocks,
-                                                   int section_heads, int& pair, int& m_block) {
-        const unsigned per_section = static_cast<unsigned>(section_heads) * num_m_blocks;
-        const unsigned first = rank / per_section * section_heads;   // the section's first pair
-        const unsigned in_section = rank % per_section;
-        const unsigned size = min(static_cast<unsigned>(section_heads), bh_count - first);   // the last: fewer
-        pair = static_cast<int>(first + in_section % size);
-        m_block = num_m_blocks - 1 - static_cast<int>(in_section / size);
     }
 };
 

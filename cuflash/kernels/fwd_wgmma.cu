@@ -115,7 +115,8 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     // The item of a rank is the grid order's (QueryBlock::item_of_rank: pair item / num_m_blocks, query block item %
     // num_m_blocks); in a packed batch with item_order (varlen_order, kernels/varlen.cu: its count of entries, then
     // each entry (sequence b, query block m_block) as b * num_m_blocks + m_block, those with the most key tiles
-    // first) rank r is head r % heads of entry r / heads, and ranks past its entries end the walk. The producer's
+    // first) the ranks walk the heads in sections of section_heads heads, each section every entry in that order
+    // with its heads fastest (QueryBlock::in_sections), and ranks past its entries end the walk. The producer's
     // thread 0 picks each item and hands it to the consumers through two slots (item_full / item_empty); it loads
     // the next item's Q and keys while the consumers finish the last one's epilogue. The mbarriers' phases run on
     // across items (counts of Q and key tiles).
@@ -163,12 +164,15 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             // (a dense batch has no order, and its kernels no code for one: with it the producer spilled at 32
             // registers, three consumers at head_dim 64 with softcap, ALiBi and sinks under a window)
             const unsigned ranks = item_order != nullptr ? static_cast<unsigned>(item_order[0]) * heads : items;
+            const unsigned entries = VARLEN && item_order != nullptr ? static_cast<unsigned>(item_order[0]) : 0;
             auto item_at = [&](unsigned rank) {
                 if (rank >= ranks) return items;
                 if (!VARLEN || item_order == nullptr)
                     return QueryBlock::item_of_rank(rank, batch * heads, num_m_blocks, section_heads);
-                const unsigned entry = static_cast<unsigned>(item_order[1 + rank / heads]);
-                return (entry / num_m_blocks * heads + rank % heads) * num_m_blocks + entry % num_m_blocks;
+                unsigned head, step;
+                QueryBlock::in_sections(rank, heads, entries, section_heads, head, step);
+                const unsigned entry = static_cast<unsigned>(item_order[1 + step]);
+                return (entry / num_m_blocks * heads + head) * num_m_blocks + entry % num_m_blocks;
             };
             unsigned rank = blockIdx.x, index = item_at(rank);
             for (int handed = 0;; ++handed) {
