@@ -621,15 +621,17 @@ WGMMA_SHORT_CAUSAL_MAX_KEYS = 1024
 
 def wgmma_forward_for_keys(spec: KernelSpec, item_keys: int, device: DeviceProps) -> KernelSpec:
     """The tile table's fwd_wgmma ``spec`` for query blocks that visit at most ``item_keys`` keys
-    (``_plan.keys_per_query_block``): at head_dim 64 under the causal mask without modifiers, on a dense batch,
-    128 x 128 (two consumers) up to WGMMA_SHORT_CAUSAL_MAX_KEYS keys, where the 192-row blocks' diagonal tiles
-    and ragged last block (1024 = 5 x 192 + 64) weigh most; else ``spec``. TFLOP/s on the H200, FlashAttention's
+    (``_plan.keys_per_query_block``; a packed batch's longest sequence's): at head_dim 64 under the causal mask
+    without modifiers, 128 x 128 (two consumers) up to WGMMA_SHORT_CAUSAL_MAX_KEYS keys, where the 192-row
+    blocks' diagonal tiles and ragged last block (1024 = 5 x 192 + 64) weigh most; else ``spec``. TFLOP/s on the H200, FlashAttention's
     grid, causal, 192 x 128 / 128 x 128 in one process (tools/ab_probe.py, 3 rounds; bench/NOTES.md session 31):
     bfloat16 at seqlen 512 / 1k / 2k / 4k 211.8 / 227.9, 282.2 / 303.0, 393.4 / 364.3, 419.1 / 374.6; float16 at
-    512 / 1k 205.7 / 227.4, 273.8 / 295.0."""
+    512 / 1k 205.7 / 227.4, 273.8 / 295.0. Packed, 16 sequences of 1k causal (the varlen suite's equal batch, an
+    H100, forward ms): 0.262 / 0.239 (bench/NOTES.md session 33)."""
     if (spec.kernel == "fwd_wgmma" and spec.head_dim == 64 and spec.mask == MASK_CAUSAL and not spec.mods
-            and not spec.varlen and spec.dtype != FLOAT8_E4M3 and item_keys <= WGMMA_SHORT_CAUSAL_MAX_KEYS):
-        return wgmma_spec(spec.dtype, spec.head_dim, spec.mask, 128, 128, spec.mods, device) or spec
+            and spec.dtype != FLOAT8_E4M3 and item_keys <= WGMMA_SHORT_CAUSAL_MAX_KEYS):
+        short = wgmma_spec(spec.dtype, spec.head_dim, spec.mask, 128, 128, spec.mods, device)
+        return spec if short is None else dataclasses.replace(short, varlen=spec.varlen)
     return spec
 
 
@@ -724,7 +726,10 @@ def forward_section_heads(spec: KernelSpec, pairs: int, item_keys: int, group: i
     32): head_dim 64 at 512 / 1k / 2k / 4k 198 / 224, 256 / 316, 375 / 403, 412 / 440; head_dim 128 at 512 / 1k /
     2k / 4k / 8k 207 / 276, 272 / 426, 335 / 556, 524 / 606, 634 / 672; head_dim 256 at 512 / 1k / 2k / 4k 198 /
     277, 274 / 429, 465 / 549, 640 / 694; float8 at 128, 1k / 4k 337 / 373, 602 / 627. Under a window of 1024
-    keys 0-2% slower (one section kept).
+    keys 0-2% slower (one section kept). Packed, the varlen suite's causal batches on an H100 (16384 tokens,
+    forward ms, one section / sections, two runs; bench/NOTES.md session 33): head_dim 128 equal (16 x 1k) 0.254
+    / 0.169 twice, mixed 0.342 / 0.320 and 0.337 / 0.312, long-tail and random within the spread; head_dim 64
+    (sections of heads) 1-5% faster in most runs, within the spread.
 
     Elsewhere the order measured before: 1 (a head's query blocks together, FlashAttention-2's order) without a
     mask at head_dim 128 and 256, where the blocks resident at once share a few heads' K and V (forward v6 on the
@@ -1121,6 +1126,11 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
             if spec is not None:
                 spec = dataclasses.replace(spec, varlen=varlen)
                 specs[spec.cache_key] = spec
+    if device.tensor_maps:   # the packed Hopper forward's tile for short causal query blocks (bfloat16)
+        spec = wgmma_forward_spec(SWIZZLE_ELEMS, BFLOAT16, MASK_CAUSAL, device)
+        if spec is not None:
+            spec = wgmma_forward_for_keys(dataclasses.replace(spec, varlen=True), 1, device)
+            specs[spec.cache_key] = spec
     if device.tensor_maps:   # the order of the Hopper forward's packed batches
         for mask in MASK_KINDS:
             spec = varlen_order_spec(mask)

@@ -64,11 +64,11 @@ def test_every_specialization_compiles(reports):
     assert kernels["varlen_order"] == (masks if device.tensor_maps else 0)
     # the Hopper forward (sm_90a) on sm_90 only: 4 head dims (64-column blocks) per plain (dtype, mask), the
     # modifiers with and without dropout (bfloat16, 2 masks), packed (bfloat16, 3 per head dim), the head_dim
-    # 64 three-consumer tile with dropout (3), the head_dim 64 causal tile of short query blocks (2 dtypes), and the
-    # float8 form per float8 head dim and mask, plain and with every modifier but dropout, with its V^T transpose;
-    # its fallback is counted above
+    # 64 three-consumer tile with dropout (3), the head_dim 64 causal tile of short query blocks (2 dtypes, and
+    # packed in bfloat16), and the float8 form per float8 head dim and mask, plain and with every modifier but
+    # dropout, with its V^T transpose; its fallback is counted above
     float8 = 2 * masks * len(_config.FLOAT8_HEAD_DIMS)
-    assert kernels["fwd_wgmma"] == (2 * masks * 4 + 2 * 2 * 4 + 3 * 4 + 3 + 2 + float8 if device.tensor_maps else 0)
+    assert kernels["fwd_wgmma"] == (2 * masks * 4 + 2 * 2 * 4 + 3 * 4 + 3 + 2 + 1 + float8 if device.tensor_maps else 0)
     assert kernels["transpose_v_float8"] == (len(_config.FLOAT8_HEAD_DIMS) if device.tensor_maps else 0)
     # the Hopper dK/dV kernel at head dims 64, 128 and 256: each half dtype and mask, the modifiers with and
     # without dropout (bfloat16, 2 masks), packed bfloat16 as the forward; at 64 and 128 each also in the

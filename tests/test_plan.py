@@ -60,7 +60,7 @@ def test_the_hopper_forward_runs_on_a_persistent_grid_where_keys_are_few():
 
 def test_short_causal_query_blocks_at_head_dim_64_take_128_rows():
     # the table's 192 x 128 at head_dim 64, 128 x 128 for causal query blocks visiting up to
-    # WGMMA_SHORT_CAUSAL_MAX_KEYS keys: plain, dense, 16-bit only
+    # WGMMA_SHORT_CAUSAL_MAX_KEYS keys (a packed batch's longest sequence's): plain, 16-bit only
     limit = _config.WGMMA_SHORT_CAUSAL_MAX_KEYS
 
     def tile(**options):
@@ -73,11 +73,14 @@ def test_short_causal_query_blocks_at_head_dim_64_take_128_rows():
     assert tile(seqlen_q=limit, seqlen_k=limit, causal=False)[0] == 192
     assert tile(seqlen_q=limit, seqlen_k=limit, softcap=30.0)[0] == 192
     assert _plan.forward(problem(head_dim=128, seqlen_q=limit, seqlen_k=limit), H100).spec.block_m == 128
-    packed = _plan.forward(problem(head_dim=64, seqlen_q=limit, seqlen_k=limit), H100, packed=True)
-    assert packed.spec.block_m == 192 and packed.spec.varlen
-    # the specialization is one the compile check and the warm-up hold
+    packed = _plan.forward(problem(head_dim=64, seqlen_q=limit, seqlen_k=limit), H100, packed=True, total_q=limit)
+    assert (packed.spec.block_m, packed.spec.block_n) == (128, 128) and packed.spec.varlen
+    longer = _plan.forward(problem(head_dim=64, seqlen_q=limit, seqlen_k=limit + 1), H100, packed=True)
+    assert longer.spec.block_m == 192 and longer.spec.varlen
+    # the specializations are ones the compile check and the warm-up hold
     short = _plan.forward(problem(head_dim=64, seqlen_q=limit, seqlen_k=limit), H100).spec
-    assert short.cache_key in {s.cache_key for s in _config.all_specs(H100)}
+    specs = {s.cache_key for s in _config.all_specs(H100)}
+    assert short.cache_key in specs and packed.spec.cache_key in specs
 
 
 def test_the_hopper_forward_falls_back_where_no_tensor_map_serves():
