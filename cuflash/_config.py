@@ -755,19 +755,23 @@ VARLEN_ORDER_THREADS = 1024
 VARLEN_ORDER_MAX_BATCH = 4096
 
 
-def varlen_forward_ordered(head_dim: int) -> bool:
-    """Does fwd_wgmma walk a packed batch in varlen_order's order (``head_dim`` the padded one)? The order costs
-    a launch before the forward, about 8 us, and saves the idle items and the long items at the walk's end.
-    Forward ms on the H200, bfloat16, the varlen suite's batches (16384 tokens, heads x head_dim = 2048),
-    QueryBlock's order / varlen_order's, non-causal and causal (bench/NOTES.md, "Packed batches: the item
-    order"):
+def varlen_forward_ordered(head_dim: int, equal_lengths: bool = False) -> bool:
+    """Does fwd_wgmma walk a packed batch in varlen_order's order (``head_dim`` the padded one)?
+    ``equal_lengths``: every sequence has the longest one's rows (total_q = batch x max_seqlen_q), so that
+    QueryBlock's walk has no idle items and nothing to sort. The order costs a launch before the forward, about
+    8 us, and saves the idle items and the long items at the walk's end. Forward ms on the H200, bfloat16, the
+    varlen suite's batches (16384 tokens, heads x head_dim = 2048), QueryBlock's order / varlen_order's,
+    non-causal and causal (bench/NOTES.md, "Packed batches: the item order"):
       head_dim 64:  long-tail 1.456 / 1.364, 0.847 / 0.801;  mixed 0.577 / 0.562, 0.409 / 0.398;
                     random 1.166 / 1.126, 0.689 / 0.664;  equal 0.342 / 0.343, 0.254 / 0.261
       head_dim 128: long-tail 1.071 / 1.076, 0.631 / 0.615;  mixed 0.431 / 0.433, 0.303 / 0.307;
                     random 0.879 / 0.874, 0.535 / 0.531;  equal 0.237 / 0.250, 0.192 / 0.200
-    At 64 the items are short beside their scheduling and the order gains 2.5-7% on mixed lengths; at 128 it
-    gains within 1% there and loses its launch on equal lengths."""
-    return head_dim <= 64
+    At 64 the items are short beside their scheduling and the order gains 2.5-7% on mixed lengths (and on an
+    H100 with the causal walk's L2 sections 3-11%, both masks). At 128, with the sections (an H100, session 33):
+    long-tail 1.090 / 1.078, 0.727 / 0.684; mixed 0.473 / 0.466, 0.311 / 0.291; random 0.866 / 0.845, 0.543 /
+    0.525; equal 0.250 / 0.261, 0.165 / 0.173: the order gains on mixed lengths and loses its launch on equal
+    ones, so it walks there only batches of unequal lengths (past 128 not measured: QueryBlock's walk)."""
+    return head_dim <= 64 or (head_dim <= 128 and not equal_lengths)
 
 
 def varlen_order_spec(mask: int) -> KernelSpec:

@@ -106,7 +106,7 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
         persistent = _config.wgmma_forward_persistent(item_keys)
     ordered, order_ints = None, 0
     if (packed and total_q is not None and p.batch <= _config.VARLEN_ORDER_MAX_BATCH
-            and _config.varlen_forward_ordered(spec.head_dim)):
+            and _config.varlen_forward_ordered(spec.head_dim, total_q == p.batch * p.seqlen_q)):
         # sections of heads, each walking every sequence's entries: its K and V are every sequence's keys
         sections = _config.forward_section_heads(spec, p.heads, item_keys, p.group, device,
                                                  p.batch * p.seqlen_k if total_k is None else total_k)

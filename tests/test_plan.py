@@ -304,7 +304,7 @@ def test_packed_hopper_forward_walks_an_ordered_list_of_its_items():
     """On a packed batch the Hopper forward's launch comes with varlen_order's (one block), which writes the
     item order into a buffer of 1 + capacity ints; the forward's grid holds capacity entries of every head (or
     a block per SM on the persistent grid). No order without the packed rows, off the Hopper forward, past
-    VARLEN_ORDER_MAX_BATCH sequences, or at a head dim where it does not pay (varlen_forward_ordered)."""
+    VARLEN_ORDER_MAX_BATCH sequences, or where it does not pay (varlen_forward_ordered)."""
     p = problem(batch=3, seqlen_q=1000, seqlen_k=900, heads=8, heads_kv=2, head_dim=64)
     launch = _plan.forward(p, H100, packed=True, total_q=1700)
     m = launch.spec.block_m
@@ -331,12 +331,18 @@ def test_packed_hopper_forward_walks_an_ordered_list_of_its_items():
     assert _plan.forward(p, _config.A100, packed=True, total_q=1700).order is None
     many = problem(batch=_config.VARLEN_ORDER_MAX_BATCH + 1, seqlen_q=10, seqlen_k=10, head_dim=64)
     assert _plan.forward(many, H100, packed=True, total_q=100).order is None
-    assert _config.varlen_forward_ordered(64) and not _config.varlen_forward_ordered(128)
+    # at 128 only sequences of unequal lengths (total_q below batch x seqlen_q), past 128 none
+    assert _config.varlen_forward_ordered(64) and _config.varlen_forward_ordered(64, equal_lengths=True)
+    assert _config.varlen_forward_ordered(128) and not _config.varlen_forward_ordered(128, equal_lengths=True)
+    assert not _config.varlen_forward_ordered(256)
     wide = problem(batch=3, seqlen_q=1000, seqlen_k=900, heads=8, heads_kv=2, head_dim=128)
-    launch = _plan.forward(wide, H100, packed=True, total_q=1700)
+    assert _plan.forward(wide, H100, packed=True, total_q=1700).order is not None
+    launch = _plan.forward(wide, H100, packed=True, total_q=3000)
     assert launch.order is None
     # QueryBlock's walk over the longest sequences' grid, in sections of (sequence, head) pairs as a dense batch
     assert launch.tail == (_config.forward_section_heads(launch.spec, 3 * 8, 900, wide.group, H100),)
+    widest = problem(batch=3, seqlen_q=1000, seqlen_k=900, heads=8, heads_kv=2, head_dim=256)
+    assert _plan.forward(widest, H100, packed=True, total_q=1700).order is None
 
 
 @given(lengths=st.lists(st.integers(0, 3000), min_size=1, max_size=40), block_m=st.sampled_from([64, 128, 192]))

@@ -239,27 +239,27 @@ def test_varlen_order_walks_every_query_block_with_rows_once_most_tiles_first(ma
     assert tiles == sorted(tiles, reverse=True)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_the_sections_of_the_packed_causal_hopper_forward_walk_every_item(rng, monkeypatch, head_dim):
-    """Under the causal mask the packed Hopper forward walks its heads in sections sized to the L2 (at head_dim
-    64 varlen_order's order, sections of heads; at 128 QueryBlock's, sections of (sequence, head) pairs). An
-    item's result does not depend on the order, so an L2 that makes sections of 1 to 3 (the last partial) gives
-    the one section's output (an L2 of unknown size) bit for bit, on both grids."""
+@pytest.mark.parametrize("head_dim, equal", [(64, False), (128, False), (128, True)])
+def test_the_sections_of_the_packed_causal_hopper_forward_walk_every_item(rng, monkeypatch, head_dim, equal):
+    """Under the causal mask the packed Hopper forward walks its heads in sections sized to the L2 (in
+    varlen_order's order sections of heads; in QueryBlock's, at 128 on equal lengths, sections of (sequence, head)
+    pairs). An item's result does not depend on the order, so an L2 that makes sections of 1 to 3 (the last
+    partial) gives the one section's output (an L2 of unknown size) bit for bit, on both grids."""
     cupy = pytest.importorskip("cupy")
     from cuflash import _config, _cupy_path, _plan, _varlen
 
     from .conftest import GPU
     if not GPU or not _cupy_path.device_props(0).tensor_maps:
         pytest.skip("the Hopper forward runs where the plan has tensor maps (compute capability 9.0)")
-    lengths_q = [700, 0, 1, 300, 129, 1000, 64]
-    lengths_k = [700, 40, 0, 500, 129, 1000, 64]
+    lengths_q = [300] * 4 if equal else [700, 0, 1, 300, 129, 1000, 64]
+    lengths_k = [300] * 4 if equal else [700, 40, 0, 500, 129, 1000, 64]
     heads = 7
     q, k, v, _, cu_q, cu_k = packed(cupy, rng, lengths_q, lengths_k, heads, heads, head_dim, np.float16)
     batch = _varlen.check_packing(q, k, v, cu_q, cu_k, None, None, read=True)
     p = _varlen.problem(q, k, batch, True, None, (-1, -1), 0.0, None, None, 0.0)
     real = _cupy_path.device_props
     launch = _plan.forward(p, real(0), packed=True, total_q=q.shape[0], total_k=k.shape[0])
-    assert launch.spec.kernel == "fwd_wgmma" and (launch.order is not None) == (head_dim == 64)
+    assert launch.spec.kernel == "fwd_wgmma" and (launch.order is None) == equal
     pairs = heads if launch.order is not None else p.batch * heads
     keys = k.shape[0] if launch.order is not None else p.seqlen_k
     pair_bytes = 2 * keys * launch.spec.head_dim * 2   # float16, no groups
@@ -282,12 +282,14 @@ def test_the_sections_of_the_packed_causal_hopper_forward_walk_every_item(rng, m
 
 def test_packed_batches_past_the_persistent_grids_keys_match_the_reference(xp, rng):
     """Sequences of several query blocks each, the longest past fwd_wgmma's persistent grid (one block per item
-    in varlen_order's order) and not (the persistent grid), causal and not: every query block computed once."""
+    in varlen_order's order) and not (the persistent grid), causal and not, at the head dims that walk that order:
+    every query block computed once."""
     if xp is np:
         pytest.skip("the order of the GPU path's packed kernels; the NumPy path runs each sequence on its own")
-    for lengths in ([2200, 100, 700, 0, 1300], [900, 64, 1, 500]):
-        for options in ({}, dict(causal=True), dict(window_size=(200, 0))):
-            check_varlen(xp, rng, lengths, lengths, 4, 2, 64, np.dtype("float16"), options)
+    for head_dim in (64, 128):
+        for lengths in ([2200, 100, 700, 0, 1300], [900, 64, 1, 500]):
+            for options in ({}, dict(causal=True), dict(window_size=(200, 0))):
+                check_varlen(xp, rng, lengths, lengths, 4, 2, head_dim, np.dtype("float16"), options)
 
 
 @pytest.mark.parametrize("page_size", [16, 64, 256])
