@@ -6,8 +6,10 @@
 round, on the varlen suite's batches (``bench.varlen.BATCHES``: 16384 tokens, bfloat16, heads x head_dim = 2048),
 causal and not, as ``bench.timing.EventTimer`` does (repeats back to back, the L2 flushed before each); then the
 first tree's dense call on the batch padded to its longest sequence. Checks that the trees' outputs are equal bit
-for bit (a change of the walk's order must not change a result), and prints the median ms per tree. Run from the
-repository root with ``PYTHONPATH=.``. The numbers that count come from ``python -m bench varlen``.
+for bit (a change of the walk's order must not change a result), and prints the median ms per tree.
+``--persistent`` adds each tree once more as ``TREE+persistent``, its Hopper forward on the persistent grid
+whatever the keys (``_config.wgmma_forward_persistent``). Run from the repository root with ``PYTHONPATH=.``. The
+numbers that count come from ``python -m bench varlen``.
 """
 
 from __future__ import annotations
@@ -27,8 +29,16 @@ def main():
     parser.add_argument("--trees", required=True, help="comma-separated directories, each holding a cuflash package")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dims", default="64,128", help="comma-separated head dims")
+    parser.add_argument("--persistent", action="store_true",
+                        help="also each tree with its Hopper forward on the persistent grid at any length")
     args = parser.parse_args()
-    trees = {path: load_tree(f"cuflash_tree{i}", path) for i, path in enumerate(args.trees.split(","))}
+    paths = args.trees.split(",")
+    trees = {path: load_tree(f"cuflash_tree{i}", path) for i, path in enumerate(paths)}
+    if args.persistent:
+        for i, path in enumerate(paths):
+            module = load_tree(f"cuflash_persistent{i}", path)
+            module._config.wgmma_forward_persistent = lambda item_keys: True
+            trees[f"{path}+persistent"] = module
     dims = [int(d) for d in args.dims.split(",")]
     timer = EventTimer(warmup=2, repeats=10)
     ms: dict[tuple, list[float]] = {}
