@@ -623,11 +623,11 @@ def wgmma_forward_for_keys(spec: KernelSpec, item_keys: int, device: DeviceProps
     """The tile table's fwd_wgmma ``spec`` for query blocks that visit at most ``item_keys`` keys
     (``_plan.keys_per_query_block``; a packed batch's longest sequence's): at head_dim 64 under the causal mask
     without modifiers, 128 x 128 (two consumers) up to WGMMA_SHORT_CAUSAL_MAX_KEYS keys, where the 192-row
-    blocks' diagonal tiles and ragged last block (1024 = 5 x 192 + 64) weigh most; else ``spec``. TFLOP/s on the H200, FlashAttention's
-    grid, causal, 192 x 128 / 128 x 128 in one process (tools/ab_probe.py, 3 rounds; bench/NOTES.md session 31):
-    bfloat16 at seqlen 512 / 1k / 2k / 4k 211.8 / 227.9, 282.2 / 303.0, 393.4 / 364.3, 419.1 / 374.6; float16 at
-    512 / 1k 205.7 / 227.4, 273.8 / 295.0. Packed, 16 sequences of 1k causal (the varlen suite's equal batch, an
-    H100, forward ms): 0.262 / 0.239 (bench/NOTES.md session 33)."""
+    blocks' diagonal tiles and ragged last block (1024 = 5 x 192 + 64) weigh most; else ``spec``. TFLOP/s on the
+    H200, FlashAttention's grid, causal, 192 x 128 / 128 x 128 in one process (tools/ab_probe.py, 3 rounds;
+    bench/NOTES.md session 31): bfloat16 at seqlen 512 / 1k / 2k / 4k 211.8 / 227.9, 282.2 / 303.0, 393.4 /
+    364.3, 419.1 / 374.6; float16 at 512 / 1k 205.7 / 227.4, 273.8 / 295.0. Packed, 16 sequences of 1k causal
+    (the varlen suite's equal batch, an H100, forward ms): 0.262 / 0.239 (bench/NOTES.md session 33)."""
     if (spec.kernel == "fwd_wgmma" and spec.head_dim == 64 and spec.mask == MASK_CAUSAL and not spec.mods
             and spec.dtype != FLOAT8_E4M3 and item_keys <= WGMMA_SHORT_CAUSAL_MAX_KEYS):
         short = wgmma_spec(spec.dtype, spec.head_dim, spec.mask, 128, 128, spec.mods, device)

@@ -81,9 +81,9 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
     """The forward's launch; ``spec`` overrides the tile table's (for tuning tools). Its tail is QueryBlock's
     grid order, its pairs per section (kernels/common.cuh; _config.forward_section_heads). ``packed``: a packed
     batch (attention_varlen), ``p`` its batch of the longest sequences' lengths, each sequence's blocks past its
-    own end idle. ``tensor_maps``: can tensor maps
-    describe the arrays (_tma.strides_ok)? Where not, the Hopper kernel does not serve. ``persistent``
-    overrides the table's choice of a persistent grid for fwd_wgmma (for probes).
+    own end idle. ``tensor_maps``: can tensor maps describe the arrays (_tma.strides_ok)? Where not, the Hopper
+    kernel does not serve. ``persistent`` overrides the table's choice of a persistent grid for fwd_wgmma (for
+    probes).
 
     ``total_q``, ``total_k``: the packed batch's rows and keys. Where _config.varlen_forward_ordered, the Hopper
     forward then walks only the items with rows, those with the most key tiles first, in the order varlen_order

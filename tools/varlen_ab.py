@@ -24,6 +24,11 @@ from bench.timing import EventTimer
 from bench.varlen import BATCHES, VARLEN_DTYPE, VARLEN_MODEL_DIM
 
 
+def draw(*shape):
+    """Standard-normal values of ``shape`` in the varlen suite's dtype."""
+    return cp.random.standard_normal(shape, dtype=cp.float32).astype(VARLEN_DTYPE)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--trees", required=True, help="comma-separated directories, each holding a cuflash package")
@@ -49,10 +54,6 @@ def main():
             heads = VARLEN_MODEL_DIM // head_dim
             for batch_name, lengths in BATCHES.items():
                 longest = max(lengths)
-
-                def draw(*shape):
-                    return cp.random.standard_normal(shape, dtype=cp.float32).astype(VARLEN_DTYPE)
-
                 q, k, v = (draw(sum(lengths), heads, head_dim) for _ in range(3))
                 cu = cp.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
                 dense = [draw(len(lengths), longest, heads, head_dim) for _ in range(3)]
