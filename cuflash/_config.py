@@ -601,17 +601,26 @@ def float8_transpose_spec(head_dim: int) -> KernelSpec:
 WGMMA_PERSISTENT_MAX_KEYS = 2048
 
 
-def wgmma_forward_persistent(item_keys: int) -> bool:
+def wgmma_forward_persistent(item_keys: int, mean_keys: int | None = None) -> bool:
     """Does fwd_wgmma run on a persistent grid, its query blocks visiting at most ``item_keys`` keys each
     (``_plan.keys_per_query_block``: seqlen_k, or fewer under a window bounded on both sides)? Where items are
-    short: the next item's loads then overlap this one's last products and epilogue. TFLOP/s on the H200,
-    bfloat16, FlashAttention's grid, one block per item / persistent, at seqlen 512 / 1k / 4k / 16k
-    (bench/NOTES.md h4):
+    short: the next item's loads then overlap this one's last products and epilogue. A packed batch in
+    varlen_order's walk (_plan.forward), its longest sequence of ``item_keys`` keys and its sequences of
+    ``mean_keys`` on average, is judged by the mean: most of its items are shorter than the longest's.
+
+    TFLOP/s on the H200, bfloat16, FlashAttention's grid, one block per item / persistent, at seqlen 512 / 1k /
+    4k / 16k (bench/NOTES.md h4):
       head_dim 64:  255 / 324, 330 / 379, 477 / 453, 506 / 514;  causal 147 / 188, 220 / 270, 418 / 443, 489 / 501
       head_dim 128: 414 / 485, 541 / 594, 687 / 682, 665 / 659;  causal 238 / 259, 334 / 361, 559 / 577, 635 / 628
       head_dim 256: 405 / 438, 543 / 573, 731 / 734, 772 / 751;  causal 234 / 229, 333 / 329, 641 / 662, 800 / 741
+    Packed batches of the varlen suite (bench/varlen.py: 16384 tokens, means 1365-2048 keys, longest 3072-8192),
+    bfloat16, forward ms on an H100, one block per item / persistent (bench/NOTES.md, session 34):
+      head_dim 64:  long-tail 1.484 / 1.406, mixed 0.589 / 0.509, random 1.131 / 1.044;
+                    causal 0.965 / 0.938, 0.419 / 0.363, 0.782 / 0.726
+      head_dim 128: long-tail 1.066 / 1.069, mixed 0.452 / 0.446, random 0.858 / 0.838;
+                    causal 0.689 / 0.702, 0.300 / 0.270, 0.537 / 0.519
     """
-    return item_keys <= WGMMA_PERSISTENT_MAX_KEYS
+    return min(item_keys, item_keys if mean_keys is None else mean_keys) <= WGMMA_PERSISTENT_MAX_KEYS
 
 
 #: fwd_wgmma's query blocks of head_dim 64 under the causal mask, without modifiers, that visit at most this many

@@ -89,7 +89,8 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
     forward then walks only the items with rows, those with the most key tiles first, in the order varlen_order
     writes before it (``Launch.order``), on a grid sized by the most items that ``total_q`` rows can fill (up to
     VARLEN_ORDER_MAX_BATCH sequences), in sections of heads whose K and V of every sequence (``total_k`` keys,
-    at most batch * seqlen_k where not given) share the L2."""
+    at most batch * seqlen_k where not given) share the L2, on the persistent grid where the mean sequence's keys
+    (``total_k`` over the batch) are few (_config.wgmma_forward_persistent)."""
     if spec is None:
         if not tensor_maps:
             device = dataclasses.replace(device, tensor_maps=False)
@@ -102,9 +103,7 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
     items = -(-p.seqlen_q // spec.block_m) * p.batch * p.heads
     if spec.kernel != "fwd_wgmma":
         return Launch(spec, grid(items), (sections,))
-    if persistent is None:
-        persistent = _config.wgmma_forward_persistent(item_keys)
-    ordered, order_ints = None, 0
+    ordered, order_ints, mean_keys = None, 0, None
     if (packed and total_q is not None and p.batch <= _config.VARLEN_ORDER_MAX_BATCH
             and _config.varlen_forward_ordered(spec.head_dim, total_q == p.batch * p.seqlen_q)):
         # sections of heads, each walking every sequence's entries: its K and V are every sequence's keys
@@ -116,6 +115,9 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
         ordered = Launch(_config.varlen_order_spec(spec.mask), (1,),
                          (p.batch, p.seqlen_q, spec.block_m, spec.block_n, *p.kernel_window, capacity))
         order_ints = 1 + capacity   # the count, then the entries
+        mean_keys = None if total_k is None else -(-total_k // p.batch)
+    if persistent is None:
+        persistent = _config.wgmma_forward_persistent(item_keys, mean_keys)
     return Launch(spec, grid(min(items, device.sm_count) if persistent else items), (sections,), persistent,
                   ordered, order_ints)
 

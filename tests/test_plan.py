@@ -44,6 +44,14 @@ def test_the_hopper_forward_runs_on_a_persistent_grid_where_keys_are_few():
     launch = _plan.forward(long, H100)
     assert not launch.work_counter and launch.grid == (-(-limit // launch.spec.block_m) * 8 * 8,)
     assert _plan.forward(long, H100, persistent=True).grid == (H100.sm_count,)
+    # a packed batch of unequal sequences up to limit + 1 keys, in varlen_order's walk, by its mean sequence's
+    # keys (total_k over batch); in QueryBlock's walk (head_dim 256) by its longest's
+    rows = 8 * limit - 1
+    assert _plan.forward(long, H100, packed=True, total_q=rows, total_k=8 * limit).work_counter
+    assert not _plan.forward(long, H100, packed=True, total_q=rows, total_k=8 * limit + 1).work_counter
+    wide = dataclasses.replace(long, head_dim=256)
+    assert _plan.forward(wide, H100, packed=True, total_q=rows, total_k=rows).order is None
+    assert not _plan.forward(wide, H100, packed=True, total_q=rows, total_k=rows).work_counter
     few = _plan.forward(problem(batch=1, seqlen_q=100, seqlen_k=100, heads=2, heads_kv=2), H100)
     assert few.work_counter and few.grid == (2,)
     assert not _plan.forward(problem(), _config.A100).work_counter

@@ -42,7 +42,7 @@ def main():
     if args.persistent:
         for i, path in enumerate(paths):
             module = load_tree(f"cuflash_persistent{i}", path)
-            module._config.wgmma_forward_persistent = lambda item_keys: True
+            module._config.wgmma_forward_persistent = lambda *keys: True
             trees[f"{path}+persistent"] = module
     dims = [int(d) for d in args.dims.split(",")]
     timer = EventTimer(warmup=2, repeats=10)
