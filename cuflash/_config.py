@@ -620,7 +620,8 @@ def wgmma_forward_persistent(item_keys: int, mean_keys: int | None = None) -> bo
       head_dim 128: long-tail 1.066 / 1.069, mixed 0.452 / 0.446, random 0.858 / 0.838;
                     causal 0.689 / 0.702, 0.300 / 0.270, 0.537 / 0.519
     """
-    return min(item_keys, item_keys if mean_keys is None else mean_keys) <= WGMMA_PERSISTENT_MAX_KEYS
+    keys = item_keys if mean_keys is None else min(item_keys, mean_keys)
+    return keys <= WGMMA_PERSISTENT_MAX_KEYS
 
 
 #: fwd_wgmma's query blocks of head_dim 64 under the causal mask, without modifiers, that visit at most this many
