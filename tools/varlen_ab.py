@@ -21,11 +21,11 @@ import numpy as np
 
 from ab_probe import load_tree
 from bench.timing import EventTimer
-from bench.varlen import BATCHES, VARLEN_DTYPE, VARLEN_MODEL_DIM
+from bench.varlen import BATCHES, VARLEN_DTYPE, VARLEN_MODEL_DIM, PackedInputs
 
 
 def draw(*shape):
-    """Standard-normal values of ``shape`` in the varlen suite's dtype."""
+    """Standard-normal values of ``shape`` in the varlen suite's dtype (the dense call's padded batch)."""
     return cp.random.standard_normal(shape, dtype=cp.float32).astype(VARLEN_DTYPE)
 
 
@@ -53,9 +53,8 @@ def main():
         for head_dim in dims:
             heads = VARLEN_MODEL_DIM // head_dim
             for batch_name, lengths in BATCHES.items():
-                longest = max(lengths)
-                q, k, v = (draw(sum(lengths), heads, head_dim) for _ in range(3))
-                cu = cp.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+                inputs = PackedInputs(lengths, heads, head_dim, seed=round_)
+                q, k, v, cu, longest = inputs.q, inputs.k, inputs.v, inputs.cu, inputs.longest
                 dense = [draw(len(lengths), longest, heads, head_dim) for _ in range(3)]
                 for causal in (False, True):
                     outs = []
