@@ -319,6 +319,12 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     // bytes with the two groups: ptxas of NVRTC 13.0, sm_90a)
     constexpr bool kDkAfterDq = !kLookahead && kDqPasses == 1;
     constexpr bool kSplitScores = kDkAfterDq && (MODS & kModSoftcap) == 0 && !(kOrdered && kTallSteps);
+    // With the scores split, 64-row steps and no dropout (whose kept P would need its bits in the first pass),
+    // dV += P^T dO is issued as soon as P^T is packed, before the wait for dP^T: the wait then follows an issue
+    // that needs P^T, so ptxas computes P^T while dP^T is in flight (otherwise it moves the wait above that
+    // arithmetic), and the tensor cores take dV while the consumer computes dS^T. With 128-row steps P^T's
+    // fragments beside dP^T spill and serialize the wgmma (ptxas of NVRTC 13.0, sm_90a).
+    constexpr bool kEarlyDv = kSplitScores && !kDropout && !kTallSteps;
     float st[kSq], dpt[kSq];
     auto issue_scores = [&](int s) {
         const int stage = s % kBwdWgmmaStages;
@@ -351,6 +357,22 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         const float* delta_tile = lse_tile + BLOCK_M;
         const ScoreMod<MODS> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
         const Dropout<kDropout> dropout(dropout_seed, dropout_offset, dropout_threshold, b * heads + h);
+        // P^T of st into A fragments (k16 step kk: n8 tiles 2 kk, 2 kk + 1, as the forward packs P)
+        auto pack_p = [&](unsigned (&frag)[kPSteps][4]) {
+#pragma unroll
+            for (int nb = 0; nb < kSq / 4; ++nb) {
+                frag[nb / 2][(nb % 2) * 2 + 0] = pack2<T>(st[4 * nb], st[4 * nb + 1]);
+                frag[nb / 2][(nb % 2) * 2 + 1] = pack2<T>(st[4 * nb + 2], st[4 * nb + 3]);
+            }
+        };
+        // dV += P^T dO from frag (dO MN-major: the query rows are the k dimension), uncommitted
+        auto issue_dv = [&](unsigned (&frag)[kPSteps][4]) {
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kPSteps; ++kk)
+                wgmma_rs<T, kCols>(dv_acc, frag[kk],
+                                   smem_descriptor(do_tile + col_block0 + kk * 16 * kSwizzleRowBytes, Smem::kQBlock), 1);
+        };
         if constexpr (!kLookahead) issue_scores(s);
         if constexpr (kSplitScores) {
             const bool need_mask = m0 + BLOCK_M > seq.seqlen_q || key_wg0 + 64 > seq.seqlen_k ||
@@ -373,7 +395,17 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                 st[i] = probability(st[i], i / 4, i % 4, grad);   // st holds P^T from here
             }
         }
-        wgmma_wait<0>();   // step s's S^T and dP^T, the only group in flight
+        unsigned p_frag[kPSteps][4], ds_frag[kPSteps][4];
+        if constexpr (kEarlyDv) {
+            pack_p(p_frag);
+            pin_registers(dv_acc);
+            pin_registers(p_frag);
+            issue_dv(p_frag);
+            wgmma_commit();
+            wgmma_wait<1>();   // step s's dP^T; dV in flight
+        } else {
+            wgmma_wait<0>();   // step s's S^T and dP^T, the only group in flight
+        }
         pin_registers(st);
         pin_registers(dpt);
 
@@ -382,7 +414,6 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         // (Dropout::transposed_bits): keep holds the two calls of the 16-query block of n8 tiles nb, nb + 1.
         const bool need_mask = m0 + BLOCK_M > seq.seqlen_q || key_wg0 + 64 > seq.seqlen_k ||
                                !window.covers(m0, m0 + BLOCK_M, key_wg0, key_wg0 + 64);
-        unsigned p_frag[kPSteps][4], ds_frag[kPSteps][4];
         const unsigned ds_stage = ds_s + (s % 2) * Smem::kDsStage;
         unsigned keep[2];
 #pragma unroll
@@ -407,8 +438,10 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                 ds[e] = p[e] * (dp - delta_tile[query]) * grad;
                 if (!kept) p[e] = 0.f;   // dV takes the kept P
             }
-            p_frag[nb / 2][(nb % 2) * 2 + 0] = pack2<T>(p[0], p[1]);
-            p_frag[nb / 2][(nb % 2) * 2 + 1] = pack2<T>(p[2], p[3]);
+            if constexpr (!kEarlyDv) {
+                p_frag[nb / 2][(nb % 2) * 2 + 0] = pack2<T>(p[0], p[1]);
+                p_frag[nb / 2][(nb % 2) * 2 + 1] = pack2<T>(p[2], p[3]);
+            }
             const unsigned ds_lo = pack2<T>(ds[0], ds[1]), ds_hi = pack2<T>(ds[2], ds[3]);
             ds_frag[nb / 2][(nb % 2) * 2 + 0] = ds_lo;
             ds_frag[nb / 2][(nb % 2) * 2 + 1] = ds_hi;
@@ -425,17 +458,15 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         }
         fence_proxy_async_shared();
 
-        // dV += P^T dO, dK += dS^T Q (Q and dO MN-major: the query rows are the k dimension)
+        // dV += P^T dO (issued already where kEarlyDv), dK += dS^T Q (Q MN-major)
         pin_registers(dv_acc);
         pin_registers(dk_acc);
         pin_registers(p_frag);
         pin_registers(ds_frag);
-        take_turn();
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kPSteps; ++kk)
-            wgmma_rs<T, kCols>(dv_acc, p_frag[kk],
-                               smem_descriptor(do_tile + col_block0 + kk * 16 * kSwizzleRowBytes, Smem::kQBlock), 1);
+        if constexpr (!kEarlyDv) {
+            take_turn();
+            issue_dv(p_frag);
+        }
         auto issue_dk = [&] {
 #pragma unroll
             for (int kk = 0; kk < kPSteps; ++kk)
@@ -443,7 +474,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                                    smem_descriptor(q_tile + col_block0 + kk * 16 * kSwizzleRowBytes, Smem::kQBlock), 1);
         };
         if constexpr (!kDkAfterDq) issue_dk();
-        wgmma_commit();
+        if constexpr (!kEarlyDv) wgmma_commit();
 
         // dQ = dS K over this consumer's share (dS^T of both consumers at head_dim 128, consumer 0's at 256:
         // they meet first)
