@@ -318,7 +318,8 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     // to be held from the first pass to the second, nor in the ordered form with 128-row steps, which spills 20-36
     // bytes with the two groups: ptxas of NVRTC 13.0, sm_90a)
     constexpr bool kDkAfterDq = !kLookahead && kDqPasses == 1;
-    constexpr bool kSplitScores = kDkAfterDq && (MODS & kModSoftcap) == 0 && !(kOrdered && kTallSteps);
+    constexpr bool kSplitScores = (kDkAfterDq || HEAD_DIM == 256) && (MODS & kModSoftcap) == 0 &&
+                                  !(kOrdered && kTallSteps);
     // With the scores split, 64-row steps and no dropout (whose kept P would need its bits in the first pass),
     // dV += P^T dO is issued as soon as P^T is packed, before the wait for dP^T: the wait then follows an issue
     // that needs P^T, so ptxas computes P^T while dP^T is in flight (otherwise it moves the wait above that
@@ -474,7 +475,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                                    smem_descriptor(q_tile + col_block0 + kk * 16 * kSwizzleRowBytes, Smem::kQBlock), 1);
         };
         if constexpr (!kDkAfterDq) issue_dk();
-        if constexpr (!kEarlyDv) wgmma_commit();
+        if constexpr (!kEarlyDv || !kDkAfterDq) wgmma_commit();
 
         // dQ = dS K over this consumer's share (dS^T of both consumers at head_dim 128, consumer 0's at 256:
         // they meet first)
