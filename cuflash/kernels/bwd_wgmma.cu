@@ -313,10 +313,10 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     // look-ahead): products in flight across a join of branches make it serialize every wgmma (C7514/C7518).
     constexpr bool kLookahead = HEAD_DIM == 64 && !kTallSteps;
     // FlashAttention-3's order where dQ is one pass and there is no look-ahead (head_dim 128): dK is issued after
-    // dQ, and dQ is stored and added while dK runs; and S^T and dP^T are two groups, P^T = exp2(score - lse)
-    // computed while dP^T is in flight (not under the softcap, whose d score / d (scale q.k) per element would have
-    // to be held from the first pass to the second, nor in the ordered form with 128-row steps, which spills 20-36
-    // bytes with the two groups: ptxas of NVRTC 13.0, sm_90a)
+    // dQ, and dQ is stored and added while dK runs. There and at head_dim 256, S^T and dP^T are two groups,
+    // P^T = exp2(score - lse) computed while dP^T is in flight (not under the softcap, whose d score / d (scale
+    // q.k) per element would have to be held from the first pass to the second, nor in the ordered form with
+    // 128-row steps, which spills 20-36 bytes with the two groups: ptxas of NVRTC 13.0, sm_90a)
     constexpr bool kDkAfterDq = !kLookahead && kDqPasses == 1;
     constexpr bool kSplitScores = (kDkAfterDq || HEAD_DIM == 256) && (MODS & kModSoftcap) == 0 &&
                                   !(kOrdered && kTallSteps);
