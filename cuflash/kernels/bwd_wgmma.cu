@@ -380,21 +380,23 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                                    !window.covers(m0, m0 + BLOCK_M, key_wg0, key_wg0 + 64);
             wgmma_wait<1>();   // S^T done, dP^T in flight
             pin_registers(st);
-            // P^T of element e of n8 tile nb (key key0 + 8 (e / 2), query 8 nb + 2 t + e % 2), masked, not dropped
+            // P^T of element e of n8 tile nb (key key0 + 8 (e / 2), query 8 nb + 2 t + e % 2), not dropped; then,
+            // on a tile the mask cuts, its masked elements zeroed in a block of their own that whole tiles skip
             // (the element loop below computes the same where the scores are one group: one lambda for both, defined
             // outside this block, changed the PTX of the other head dims)
-            auto probability = [&](float score_t, int nb, int e, float& grad) {
-                const int query = 8 * nb + 2 * t + (e & 1), key = key0 + 8 * (e / 2);
-                float p = exp2f(mod.score(score_t, m0 + query, key, seq.diagonal, grad) - lse_tile[query] * kLog2e);
-                if (need_mask && !window.sees(m0 + query, key, seq.seqlen_k)) p = 0.f;
-                if (need_mask && m0 + query >= seq.seqlen_q) p = 0.f;
-                return p;
-            };
 #pragma unroll
             for (int i = 0; i < kSq; ++i) {
+                const int query = 8 * (i / 4) + 2 * t + (i & 1), key = key0 + 8 * ((i % 4) / 2);
                 float grad;
-                st[i] = probability(st[i], i / 4, i % 4, grad);   // st holds P^T from here
+                st[i] = exp2f(mod.score(st[i], m0 + query, key, seq.diagonal, grad) - lse_tile[query] * kLog2e);
             }
+            if (need_mask) {
+#pragma unroll
+                for (int i = 0; i < kSq; ++i) {
+                    const int query = 8 * (i / 4) + 2 * t + (i & 1), key = key0 + 8 * ((i % 4) / 2);
+                    if (!window.sees(m0 + query, key, seq.seqlen_k) || m0 + query >= seq.seqlen_q) st[i] = 0.f;
+                }
+            }   // st holds P^T from here
         }
         unsigned p_frag[kPSteps][4], ds_frag[kPSteps][4];
         if constexpr (kEarlyDv) {
