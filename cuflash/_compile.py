@@ -8,6 +8,7 @@ invalidates the cache. Compiled kernels are kept per (device, spec) in memory an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import pathlib
@@ -119,37 +120,55 @@ def nvrtc_version() -> tuple[int, int]:
     return major, minor
 
 
+def _nvrtc_result(result):
+    """The value of a cuda-bindings NVRTC call's ``(err, value...)`` tuple; RuntimeError if ``err`` is not success."""
+    from cuda.bindings import nvrtc
+
+    err, *rest = result
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"NVRTC error {err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+@contextlib.contextmanager
+def nvrtc_program(source: str, arch: str, name_expressions: list[str]):
+    """``source`` compiled for ``arch`` by NVRTC (no GPU) with the GPU path's options and ptxas's resource report:
+    yields (the NVRTC program, its log); the program is destroyed on exit. RuntimeError with the log on failure."""
+    from cuda.bindings import nvrtc
+
+    program = _nvrtc_result(nvrtc.nvrtcCreateProgram(source.encode(), b"cuflash.cu", 0, [], []))
+    try:
+        for name in name_expressions:
+            _nvrtc_result(nvrtc.nvrtcAddNameExpression(program, name.encode()))
+        options = [o.encode() for o in COMMON_OPTIONS] + [
+            f"--gpu-architecture={arch}".encode(), b"--ptxas-options=-v",
+            f"-I{_cuda_include_dir()}".encode()]
+        err, = nvrtc.nvrtcCompileProgram(program, len(options), options)
+        log = nvrtc_output(program, nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog)
+        log = log.decode(errors="replace").rstrip("\x00")
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"NVRTC failed for {arch}:\n{log[:6000]}")
+        yield program, log
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+
+
+def nvrtc_output(program, get_size, get) -> bytes:
+    """One output of a compiled NVRTC program, by its pair of calls (``nvrtcGetPTXSize``, ``nvrtcGetPTX``)."""
+    data = b" " * _nvrtc_result(get_size(program))
+    _nvrtc_result(get(program, data))
+    return data
+
+
 def _nvrtc_compile(source: str, arch: str, name_expressions: list[str]) -> tuple[str, dict[str, str], str]:
     """Compile ``source`` for ``arch`` with NVRTC (no GPU) and the GPU path's options: (the log with ptxas's
     report, the lowered name of each name expression, the PTX). RuntimeError with the log on failure."""
     from cuda.bindings import nvrtc
 
-    def check(result):
-        err, *rest = result
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"NVRTC error {err}")
-        return rest[0] if len(rest) == 1 else rest
-
-    program = check(nvrtc.nvrtcCreateProgram(source.encode(), b"cuflash.cu", 0, [], []))
-    try:
-        for name in name_expressions:
-            check(nvrtc.nvrtcAddNameExpression(program, name.encode()))
-        options = [o.encode() for o in COMMON_OPTIONS] + [
-            f"--gpu-architecture={arch}".encode(), b"--ptxas-options=-v",
-            f"-I{_cuda_include_dir()}".encode()]
-        err, = nvrtc.nvrtcCompileProgram(program, len(options), options)
-        log_size = check(nvrtc.nvrtcGetProgramLogSize(program))
-        log = b" " * log_size
-        check(nvrtc.nvrtcGetProgramLog(program, log))
-        log = log.decode(errors="replace").rstrip("\x00")
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"NVRTC failed for {arch}:\n{log[:6000]}")
-        lowered = {name: check(nvrtc.nvrtcGetLoweredName(program, name.encode())).decode()
+    with nvrtc_program(source, arch, name_expressions) as (program, log):
+        lowered = {name: _nvrtc_result(nvrtc.nvrtcGetLoweredName(program, name.encode())).decode()
                    for name in name_expressions}
-        ptx = b" " * check(nvrtc.nvrtcGetPTXSize(program))
-        check(nvrtc.nvrtcGetPTX(program, ptx))
-    finally:
-        nvrtc.nvrtcDestroyProgram(program)
+        ptx = nvrtc_output(program, nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX)
     return log, lowered, ptx.decode(errors="replace").rstrip("\x00")
 
 

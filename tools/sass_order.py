@@ -27,25 +27,9 @@ from cuflash import _compile, _config
 
 def cubin(spec: _config.KernelSpec) -> bytes:
     """The sm_90a cubin of ``spec``'s source with only ``spec`` instantiated."""
-    def check(result):
-        err, *rest = result
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"NVRTC error {err}")
-        return rest[0] if len(rest) == 1 else rest
-
-    program = check(nvrtc.nvrtcCreateProgram(_compile.kernel_source(spec.source_file).encode(), b"cuflash.cu", 0, [], []))
-    try:
-        check(nvrtc.nvrtcAddNameExpression(program, spec.name.encode()))
-        options = [o.encode() for o in _compile.COMMON_OPTIONS] + [
-            b"--gpu-architecture=sm_90a", f"-I{_compile._cuda_include_dir()}".encode()]
-        err, = nvrtc.nvrtcCompileProgram(program, len(options), options)
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"NVRTC failed for {spec.name}: {err}")
-        data = b" " * check(nvrtc.nvrtcGetCUBINSize(program))
-        check(nvrtc.nvrtcGetCUBIN(program, data))
-    finally:
-        nvrtc.nvrtcDestroyProgram(program)
-    return data
+    source = _compile.kernel_source(spec.source_file)
+    with _compile.nvrtc_program(source, "sm_90a", [spec.name]) as (program, _):
+        return _compile.nvrtc_output(program, nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN)
 
 
 def order(sass: str) -> str:
