@@ -5,6 +5,7 @@ The GPU measurements themselves are not run here.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -91,6 +92,35 @@ def test_untimed_tflops_and_memory_records():
     assert compile_cold["tflops"] is None
     memory = make_record("cuflash", "fwd", "bfloat16", SHAPE, False, peak_bytes=4096)
     assert memory["peak_bytes"] == 4096 and memory["ms_median"] is None
+
+
+def _scripted_timer(*runs):
+    """A stand-in for EventTimer that returns the given runs' times in turn, and counts its calls."""
+    def timer(fn):
+        timer.calls += 1
+        return list(runs[timer.calls - 1])
+    timer.calls = 0
+    return timer
+
+
+@pytest.mark.parametrize("runs, calls, kept", [
+    ([[1.00, 1.01, 1.02, 1.03]], 1, 0),                                     # undisturbed: one run
+    ([[1.0, 1.6, 1.7, 2.5], [1.0, 1.01, 1.02, 1.02]], 2, 1),                # disturbed, then clean
+    ([[1.0, 1.5, 1.6, 2.0], [1.0, 1.3, 1.4, 1.5], [1.0, 1.4, 1.5, 3.0]], 3, 1),   # never clean: the lowest median
+])
+def test_a_disturbed_cell_is_measured_again_and_keeps_its_lowest_median(runs, calls, kept):
+    from bench.suites import DISTURBED_RETRIES, _measure_timed
+
+    assert len(runs) <= 1 + DISTURBED_RETRIES
+    timer = _scripted_timer(*runs)
+    record = functools.partial(make_record, "cuflash", "fwd", "bfloat16", SHAPE, False)
+    rec = _measure_timed(None, lambda: None, record, None, timer)
+    assert timer.calls == calls
+    assert rec["ms_median"] == pytest.approx(float(np.median(runs[kept])))
+    assert rec["ms_max"] == max(runs[kept])
+    assert (rec["note"] is None) == (calls == 1)
+    if calls > 1:
+        assert f"measured {calls} times" in rec["note"]
 
 
 @pytest.mark.parametrize("name, expected", [
