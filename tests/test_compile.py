@@ -280,3 +280,19 @@ def test_the_block_timeline_stamps_the_hopper_kernels():
     # compiles the stamped kernels: an edit that moves one of those places fails here (update the tool's _STAMPS)
     output = check_tool("block_timeline.py")
     assert output.count("stamped, ") == 2, output
+
+
+def test_the_block_timeline_stamps_only_the_measured_kernel(tmp_path):
+    # each pass's stamps go through a pointer that only that pass's measurement fills: the backward's run calls the
+    # forward first, and a stamped fwd_wgmma wrote its stamps through the null out_partial (an illegal address)
+    import importlib.util
+    import pathlib
+
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("block_timeline", repo / "tools" / "block_timeline.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    kernels = tool.stamped_package(tmp_path, ("bwd_wgmma.cu",)) / "cuflash" / "kernels"
+    for name in ("bwd_wgmma.cu", "fwd_wgmma.cu"):
+        stamped = (kernels / name).read_text() != (repo / "cuflash" / "kernels" / name).read_text()
+        assert stamped == (name == "bwd_wgmma.cu"), name

@@ -88,11 +88,14 @@ _FWD_STAMPS = [
 _STAMPS = {"bwd_wgmma.cu": _BWD_STAMPS, "fwd_wgmma.cu": _FWD_STAMPS}
 
 
-def stamped_package(into: pathlib.Path) -> pathlib.Path:
-    """A copy of the cuflash package under ``into`` with the kernels stamped; ValueError where a place moved."""
+def stamped_package(into: pathlib.Path, sources=tuple(_STAMPS)) -> pathlib.Path:
+    """A copy of the cuflash package under ``into`` with the kernels of ``sources`` (names in _STAMPS) stamped;
+    ValueError where a place moved. Stamp only the measured kernel: each writes its stamps through a pointer that
+    only its own measurement fills, and a stamped kernel run by the other pass would write through null."""
     package = into / "cuflash"
     shutil.copytree(REPO / "cuflash", package, ignore=shutil.ignore_patterns("__pycache__"))
-    for name, stamps in _STAMPS.items():
+    for name in sources:
+        stamps = _STAMPS[name]
         source = package / "kernels" / name
         text = source.read_text()
         for place, stamped in stamps:
@@ -251,7 +254,8 @@ def main(argv=None) -> int:
     if args.check:
         return check()
     with tempfile.TemporaryDirectory() as folder:
-        sys.path.insert(0, str(stamped_package(pathlib.Path(folder))))
+        measured = "fwd_wgmma.cu" if args.pass_ == "fwd" else "bwd_wgmma.cu"
+        sys.path.insert(0, str(stamped_package(pathlib.Path(folder), (measured,))))
         if args.pass_ == "fwd":
             measure_forward(args.head_dim, args.seqlens, args.causal, args.window, args.dtype)
         else:
