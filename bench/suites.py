@@ -13,7 +13,6 @@ import functools
 import json
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -190,21 +189,11 @@ def check_reference(cells: list[Cell]):
                              f"{exc}") from None
 
 
-#: A cell whose median time is over this multiple of its fastest repeat was disturbed (another process on the GPU,
-#: a clock drop): undisturbed cells of the grid keep their median within 1-3% of the minimum, disturbed ones were
-#: seen at 1.25-3x (bench/NOTES.md). Such a cell is measured again, up to DISTURBED_RETRIES more times, and keeps
-#: its least disturbed measurement (the lowest median): a disturbance only ever slows a call down.
-DISTURBED_RATIO = 1.10
-DISTURBED_RETRIES = 2
-
-
 def _measure_timed(impl, fn, record, settings: Settings, timer):
-    times, runs = timer(fn), 1
-    while statistics.median(times) > DISTURBED_RATIO * min(times) and runs <= DISTURBED_RETRIES:
-        again, runs = timer(fn), runs + 1
-        times = min(times, again, key=statistics.median)
-    note = f"measured {runs} times (disturbed: median over {DISTURBED_RATIO}x the minimum); the lowest median kept"
-    return record(times_ms=times, note=note if runs > 1 else None)
+    from .timing import least_disturbed
+
+    times, note = least_disturbed(timer, fn)
+    return record(times_ms=times, note=note)
 
 
 def _measure_memory(impl, fn, record, settings: Settings, timer):

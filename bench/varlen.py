@@ -73,6 +73,11 @@ class PackedInputs:
         self.longest = max(lengths)
 
 
+def joined(note: str, disturbed: str | None) -> str:
+    """A record's note with least_disturbed's, where it has one."""
+    return note if disturbed is None else f"{note}; {disturbed}"
+
+
 def packed_call(pass_: str, x: PackedInputs, causal: bool):
     """cuflash.attention_varlen on ``x`` (its max lengths given: no device read), returning its outputs."""
     import cuflash
@@ -124,7 +129,7 @@ def run(impl_names: list[str], quick: bool, warmup: int, repeats: int, head_dims
     from .accuracy import Mismatch, check_outputs
     from .impls import OUTPUT_NAMES, Cuflash, TorchSdpa, _sdpa_backend, classify_error, make_inputs, release_memory
     from .records import make_record
-    from .timing import EventTimer
+    from .timing import EventTimer, least_disturbed
 
     names = [n for n in VARLEN_IMPLS if (n in impl_names or n.startswith("cuflash"))
              and (not n.startswith("torch") or _sdpa_backend(n) is not None)]
@@ -147,8 +152,8 @@ def run(impl_names: list[str], quick: bool, warmup: int, repeats: int, head_dims
                                            visible=visible_entries(lengths, causal))
                 try:
                     if impl == "cuflash":
-                        records.append(record(times_ms=timer(packed_call(pass_, packed, causal)),
-                                              note="packed: attention_varlen"))
+                        times, disturbed = least_disturbed(timer, packed_call(pass_, packed, causal))
+                        records.append(record(times_ms=times, note=joined("packed: attention_varlen", disturbed)))
                         bar.update()
                         continue
                     with runner.context():
@@ -159,7 +164,9 @@ def run(impl_names: list[str], quick: bool, warmup: int, repeats: int, head_dims
                             except Mismatch as exc:
                                 raise SystemExit(f"bench: {impl} disagrees with cuflash on the padded {name} batch "
                                                  f"(head_dim {head_dim}, causal={causal}, {pass_}): {exc}") from None
-                        records.append(record(times_ms=timer(fn), note="on the batch padded to its longest sequence"))
+                        times, disturbed = least_disturbed(timer, fn)
+                        records.append(record(times_ms=times,
+                                              note=joined("on the batch padded to its longest sequence", disturbed)))
                 except Exception as exc:
                     status = classify_error(runner, exc)
                     if status is None:

@@ -109,7 +109,8 @@ def _scripted_timer(*runs):
     ([[1.0, 1.5, 1.6, 2.0], [1.0, 1.3, 1.4, 1.5], [1.0, 1.4, 1.5, 3.0]], 3, 1),   # never clean: the lowest median
 ])
 def test_a_disturbed_cell_is_measured_again_and_keeps_its_lowest_median(runs, calls, kept):
-    from bench.suites import DISTURBED_RETRIES, _measure_timed
+    from bench.suites import _measure_timed
+    from bench.timing import DISTURBED_RETRIES
 
     assert len(runs) <= 1 + DISTURBED_RETRIES
     timer = _scripted_timer(*runs)
@@ -121,6 +122,18 @@ def test_a_disturbed_cell_is_measured_again_and_keeps_its_lowest_median(runs, ca
     assert (rec["note"] is None) == (calls == 1)
     if calls > 1:
         assert f"measured {calls} times" in rec["note"]
+
+
+def test_a_disturbed_varlen_cell_keeps_both_notes():
+    # the varlen suite measures as the grid does (bench.timing.least_disturbed) and adds its note to the cell's own
+    from bench.timing import least_disturbed
+    from bench.varlen import joined
+
+    times, note = least_disturbed(_scripted_timer([1.0, 1.6, 1.7, 2.5], [1.0, 1.01, 1.02, 1.02]), lambda: None)
+    assert times == [1.0, 1.01, 1.02, 1.02]
+    assert joined("packed: attention_varlen", note) == f"packed: attention_varlen; {note}"
+    assert note.startswith("measured 2 times")
+    assert joined("packed: attention_varlen", None) == "packed: attention_varlen"
 
 
 @pytest.mark.parametrize("name, expected", [
