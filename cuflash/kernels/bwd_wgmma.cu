@@ -415,6 +415,9 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         // P^T and dS^T, element by element into A fragments (k16 step kk: n8 tiles 2 kk, 2 kk + 1, as the
         // forward packs P), and dS^T into shared memory for dQ. Dropout in the transposed tile
         // (Dropout::transposed_bits): keep holds the two calls of the 16-query block of n8 tiles nb, nb + 1.
+        // (the split path's test above, spelled again: as one lambda for both places the PTX of 8 specs changed,
+        // and with each element's query and key from lambdas too ptxas spilled 4 bytes at head_dim 128 under a
+        // window with the modifiers, ordered; NVRTC 13.0, sm_90a)
         const bool need_mask = m0 + BLOCK_M > seq.seqlen_q || key_wg0 + 64 > seq.seqlen_k ||
                                !window.covers(m0, m0 + BLOCK_M, key_wg0, key_wg0 + 64);
         const unsigned ds_stage = ds_s + (s % 2) * Smem::kDsStage;
