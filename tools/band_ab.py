@@ -22,10 +22,12 @@ import cupy as cp
 import numpy as np
 
 import cuflash
+from ab_probe import TOKENS, WIDTH
+from bench.impls import make_inputs
+from bench.records import Shape
 from bench.timing import EventTimer
 from cuflash import _config, _cupy_path, _validate
 
-TOKENS, WIDTH = 16384, 2048  # FlashAttention's grid: batch * seqlen, heads * head_dim
 PLANNED = _config.block_band
 #: variant name -> block_band in its place while its plan is built
 VARIANTS = {
@@ -54,10 +56,8 @@ def main():
     for head_dim in (int(x) for x in args.head_dims.split(",")):
         for causal in (False, True):
             for seqlen in (int(x) for x in args.seqlens.split(",")):
-                batch, heads = TOKENS // seqlen, WIDTH // head_dim
-                rng = cp.random.default_rng(0)
-                q, k, v, dout = (rng.standard_normal((batch, seqlen, heads, head_dim), dtype=cp.float32)
-                                 .astype(cp.dtype("bfloat16")) for _ in range(4))
+                x = make_inputs(Shape.square(TOKENS // seqlen, seqlen, WIDTH // head_dim, head_dim), "bfloat16")
+                q, k, v, dout = x.q, x.k, x.v, x.dout
                 out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
                 problem = _validate.check_backward(dout, q, k, v, out, lse, causal, None)
                 plans = {name: plan_with(band, problem, args.deterministic, q, k, v, dout, out, lse)
