@@ -61,9 +61,9 @@ def grid(blocks: int) -> tuple[int]:
     return (max(blocks, 1),)
 
 
-def banded_grid(tiles_per_head: int, pairs: int, sm_count: int) -> tuple[int, int]:
+def banded_grid(tiles_per_head: int, pairs: int, sm_count: int, pair_major: bool = False) -> tuple[int, int]:
     """(tiles of one band, bands): the grid of the dK/dV kernels that decode KeyBlock (kernels/common.cuh)."""
-    band = _config.block_band(tiles_per_head, pairs, sm_count)
+    band = _config.block_band(tiles_per_head, pairs, sm_count, pair_major)
     return grid(tiles_per_head * band)[0], pairs // band
 
 
@@ -183,7 +183,8 @@ def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
             dkdv += [Launch(spec, grid(pairs * dq_splits), (dq_splits, dq_pass))
                      for dq_pass in range(-(-key_blocks // dq_splits))]
         else:
-            dkdv.append(Launch(spec, banded_grid(key_blocks, pairs, device.sm_count), (0, 0)))
+            pair_major = spec.kernel == "bwd_dkdv_wgmma" and ordered is None
+            dkdv.append(Launch(spec, banded_grid(key_blocks, pairs, device.sm_count, pair_major), (0, 0)))
     if adds_dq:
         copies = max(dq_splits, 1)  # one buffer per split of the split grid
         if packed:

@@ -320,6 +320,16 @@ def test_block_band_examples(tiles_per_head, pairs, expected):
     assert _config.block_band(tiles_per_head, pairs, 132) == expected
 
 
+@given(tiles_per_head=st.integers(1, 4096), pairs=st.integers(1, 100_000), sm_count=st.sampled_from([108, 132]))
+def test_block_band_pair_major(tiles_per_head, pairs, sm_count):
+    # one pair per band up to PAIR_MAJOR_MAX_TILES key blocks (within gridDim.y), the wave-sized bands past it
+    band = _config.block_band(tiles_per_head, pairs, sm_count, pair_major=True)
+    if tiles_per_head <= _config.PAIR_MAJOR_MAX_TILES and pairs <= _config.MAX_GRID_Y:
+        assert band == 1
+    else:
+        assert band == _config.block_band(tiles_per_head, pairs, sm_count)
+
+
 @pytest.mark.parametrize("device", DEVICES.values(), ids=DEVICES.keys())
 def test_dq_accum_rows_cover_every_query_tile(device):
     # The atomic-dQ kernels add whole query tiles into the padded float32 buffer (DqAccum in

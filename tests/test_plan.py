@@ -146,15 +146,16 @@ def test_default_backward_adds_dq_in_the_banded_dkdv_launch():
 
 
 def test_deterministic_backward_keeps_the_banded_grid_in_the_ordered_form():
-    # on sm_90 at head_dim 64, 128 and 256: one launch of the Hopper kernel's ordered form, the default's grid
-    # and buffer, and one int32 count per 16 x 64 share of the buffer
+    # on sm_90 at head_dim 64, 128 and 256: one launch of the Hopper kernel's ordered form on the wave-sized
+    # bands (batch 2 x 2 kv heads), the default's buffer, and one int32 count per 16 x 64 share of the buffer
     for head_dim in _config.ORDERED_DQ_HEAD_DIMS:
         p = problem(seqlen_k=1000, heads=4, heads_kv=2, head_dim=head_dim)
         default, plan = (_plan.backward(p, H100, deterministic) for deterministic in (False, True))
         (launch,) = plan.dkdv
         assert launch.spec == dataclasses.replace(default.dkdv[0].spec, ordered_dq=True)
         assert launch.spec.name.endswith(", true, false>")
-        assert launch.grid == default.dkdv[0].grid and launch.tail == (0, 0)
+        assert launch.grid == _plan.banded_grid(-(-1000 // launch.spec.block_n), 2 * 2, H100.sm_count)
+        assert launch.tail == (0, 0)
         assert plan.accum_shape == default.accum_shape and plan.accum_shape[0] == 1
         assert plan.order_ints == np.prod(plan.accum_shape) // (16 * 64) and default.order_ints == 0
         # without a mask at head_dim 64 both forms take 128-row steps
@@ -164,7 +165,9 @@ def test_deterministic_backward_keeps_the_banded_grid_in_the_ordered_form():
         assert rows == ((128, 128) if head_dim == 64 else (64, 64))
         assert plan.dkdv[0].spec == dataclasses.replace(default.dkdv[0].spec, ordered_dq=True)
         assert plan.dkdv[0].spec.smem_bytes == _config.wgmma_dkdv_smem_bytes(head_dim, 2, rows[1])
-        assert plan.dkdv[0].grid == default.dkdv[0].grid
+        # the ordered form keeps the wave-sized bands (the default runs a pair's key blocks side by side)
+        key_blocks = -(-1000 // plan.dkdv[0].spec.block_n)
+        assert plan.dkdv[0].grid == _plan.banded_grid(key_blocks, 2 * 2, H100.sm_count)
     # elsewhere the split grid or the dQ kernel: on the mma.sync kernels
     portable = _plan.backward(problem(), H100, deterministic=True, tensor_maps=False)
     assert portable.order_ints == 0 and {launch.spec.kernel for launch in portable.dkdv} == {"bwd_dkdv_mma"}
@@ -223,6 +226,22 @@ def test_backward_launches_cover_every_key_block_once_per_pass(batch, heads_kv, 
             tiles, bands = launch.grid
             assert tiles * bands == key_blocks * pairs and bands <= _config.MAX_GRID_Y
     assert all(len(launch.grid) in (1, 2) and min(launch.grid) >= 1 for launch in (plan.preprocess, plan.dq))
+
+
+@pytest.mark.parametrize("seqlen, pair_major", [(512, True), (2048, True), (4096, False), (16384, False)])
+def test_the_hopper_backward_runs_a_pairs_key_blocks_side_by_side_up_to_the_limit(seqlen, pair_major):
+    # FlashAttention's grid at head_dim 128 (16k tokens, 16 heads): a band per pair while a pair has at most
+    # PAIR_MAJOR_MAX_TILES key blocks; past it the wave-sized bands, as the mma.sync kernels always have
+    p = problem(batch=16384 // seqlen, seqlen_q=seqlen, seqlen_k=seqlen, heads=16, heads_kv=16)
+    (launch,) = _plan.backward(p, H100, deterministic=False).dkdv
+    assert launch.spec.kernel == "bwd_dkdv_wgmma"
+    key_blocks, pairs = -(-seqlen // launch.spec.block_n), 16384 // seqlen * 16
+    assert (key_blocks <= _config.PAIR_MAJOR_MAX_TILES) == pair_major
+    bands = pairs if pair_major else pairs // _config.block_band(key_blocks, pairs, H100.sm_count)
+    assert launch.grid == (key_blocks * pairs // bands, bands)
+    portable = _plan.backward(p, H100, deterministic=False, tensor_maps=False)
+    assert all(launch.grid == _plan.banded_grid(-(-seqlen // launch.spec.block_n), pairs, H100.sm_count)
+               for launch in portable.dkdv)
 
 
 def test_a_grid_past_cudas_limit_is_a_value_error():
