@@ -544,7 +544,8 @@ struct CacheBlock {
 //   causal mask) first. The host sizes a band to about one wave of resident blocks (_config.block_band),
 //   so the blocks resident at once stream the Q and dO of a few heads, which stay in L2, instead of
 //   every head's from DRAM (5-24% faster at seqlen 1k-4k than pairs fastest, the same at 16k:
-//   bench/NOTES.md).
+//   bench/NOTES.md); bwd_dkdv_wgmma's default form takes one pair per band where a pair has few key
+//   blocks (_config.PAIR_MAJOR_MAX_TILES), so that a wave holds whole pairs.
 // - split (dq_splits > 0; the deterministic backward, bwd_dkdv_mma and bwd_dkdv_wgmma): the
 //   host launches the kernel once per pass, each launch one block per ((batch, kv head) pair, split), splits
 //   fastest; in pass
