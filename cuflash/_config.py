@@ -662,24 +662,29 @@ def wgmma_spec(dtype, head_dim: int, mask: int, block_m: int, block_n: int, mods
 #: would take 256 registers a thread)
 WGMMA_DKDV_BLOCK_N = {64: 128, 128: 128, 256: 64}
 WGMMA_DKDV_HEAD_DIMS = tuple(WGMMA_DKDV_BLOCK_N)
-#: its query rows per step: 64, or WGMMA_DKDV_TALL_BLOCK_M at head_dim 64 without a mask, in the default and the
-#: ordered form (kTallSteps; wgmma_dkdv_block_m)
+#: its query rows per step: 64, or WGMMA_DKDV_TALL_BLOCK_M at head_dim 64 without a mask (the default and the
+#: ordered form) and under the causal mask (the default form) (kTallSteps; wgmma_dkdv_block_m)
 WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_TALL_BLOCK_M = 64, 128
 
 
-def wgmma_dkdv_block_m(head_dim: int, mask: int) -> int:
-    """bwd_dkdv_wgmma's query rows per step at the padded ``head_dim`` under ``mask``, in the default and the
-    ordered (deterministic) form alike.
+def wgmma_dkdv_block_m(head_dim: int, mask: int, ordered: bool = False) -> int:
+    """bwd_dkdv_wgmma's query rows per step at the padded ``head_dim`` under ``mask``, in the default form or the
+    ``ordered`` (deterministic) one.
 
-    At head_dim 64 without a mask the default form takes 128 rows a step (FlashAttention-3's tile there): each
+    At head_dim 64 without a mask both forms take 128 rows a step (FlashAttention-3's tile there): each
     consumer's S^T and dP^T are 64 keys by 128 queries and the consumers meet to split dQ by queries. Backward ms
     on the H200 (bfloat16, FlashAttention's grid, 64 / 128 rows; bench/NOTES.md b18): 1.192 / 1.035 at 1k,
-    3.847 / 3.318 at 4k, 14.479 / 13.086 at 16k; under the causal mask 1.963 / 2.102 at 4k (the 128-row
-    diagonal tiles' masked half), so the masks keep 64. The ordered form's steps issue S^T and dP^T as one
-    group (as two they spill 20-36 bytes, ptxas of NVRTC 13.0 for sm_90a); its backward ms with 64 / 128 rows
-    on an H100 (the same grid; bench/NOTES.md session 31): 0.883 / 0.783 at 512, 1.414 / 1.128 at 1k, 4.319 /
-    3.432 at 4k, 15.375 / 12.778 at 16k; the default's took 1.118 / 3.349 / 12.837 at 1k / 4k / 16k (another call)."""
-    tall = head_dim == 64 and mask == MASK_NONE
+    3.847 / 3.318 at 4k, 14.479 / 13.086 at 16k. The ordered form's steps issue S^T and dP^T as one group (as
+    two they spill 20-36 bytes, ptxas of NVRTC 13.0 for sm_90a); its backward ms with 64 / 128 rows on an H100
+    (the same grid; bench/NOTES.md session 31): 0.883 / 0.783 at 512, 1.414 / 1.128 at 1k, 4.319 / 3.432 at 4k,
+    15.375 / 12.778 at 16k.
+
+    Under the causal mask the default form takes 128 rows too: backward ms on an H100, 64 / 128 rows in one
+    process (tools/backward_ab.py, 2 rounds, the pair-major bands; bench/NOTES.md session 37): 1.164 / 1.051 at
+    2k, 1.989 / 1.708 at 4k, 3.827 / 3.098 at 8k, 7.113 / 6.132 at 16k. (On the H200 in b18, before the
+    kernel's later steps, 64 rows had led at 4k: 1.963 / 2.102.) The ordered form keeps 64 there: with 128 its
+    causal steps spill 8 bytes. Windows and the other masks keep 64 (not measured)."""
+    tall = head_dim == 64 and (mask == MASK_NONE or mask == MASK_CAUSAL and not ordered)
     return WGMMA_DKDV_TALL_BLOCK_M if tall else WGMMA_DKDV_BLOCK_M
 
 
@@ -744,16 +749,17 @@ def forward_section_heads(spec: KernelSpec, pairs: int, item_keys: int, group: i
     Elsewhere the order measured before: 1 (a head's query blocks together, FlashAttention-2's order) without a
     mask at head_dim 128 and 256, where the blocks resident at once share a few heads' K and V (forward v6 on the
     H200, float16, seqlen 1k / 4k / 16k, one section / 1: 128 258 / 314 / 327 against 254 / 325 / 348; 256 221 /
-    263 / 287 against 213 / 262 / 283, and after v7 ahead at 1k-2k in every round); one section at head_dim 64
-    without a mask (v7: 5% lost at 4k with 1; sections of 8 MiB measured within the spread at 1k-16k, session 32),
-    under a mask on the other kernels and under a window.
+    263 / 287 against 213 / 262 / 283, and after v7 ahead at 1k-2k in every round); 1 for fwd_wgmma at head_dim 64
+    without a mask too (an H100, bfloat16, one section / 1, tools/ab_probe.py, 3 rounds, session 37: 332 / 355 at
+    512, 386 / 423 at 1k, 459 / 497 at 2k, 457 / 500 at 4k; v7 had lost 5% at 4k with 1); one section at head_dim
+    64 on the mma.sync kernels, under a mask on the other kernels and under a window.
     """
     if (spec.kernel == "fwd_wgmma" and spec.mask == MASK_CAUSAL and item_keys <= FORWARD_SECTION_MAX_KEYS
             and device.l2_bytes):
         keys = item_keys if pair_keys is None else pair_keys
         pair_bytes = 2 * keys * spec.head_dim * spec.dtype.itemsize / group   # its share of K and V
         return max(1, min(pairs, int(device.l2_bytes * FORWARD_SECTION_L2_SHARE // max(pair_bytes, 1))))
-    if spec.mask == MASK_NONE and spec.head_dim in (128, 256):
+    if spec.mask == MASK_NONE and (spec.head_dim in (128, 256) or spec.kernel == "fwd_wgmma" and spec.head_dim == 64):
         return 1
     return pairs
 
@@ -958,11 +964,15 @@ def ordered_dq_kernel(cfg: AttentionConfig) -> KernelSpec | None:
     On the H200 its forward plus backward ran at 0.88-0.98x the default's at head_dim 64, 0.92-1.02x at 128
     and 0.85-1.00x at 256, where the split grid ran at 0.80-0.95x, 0.75-0.95x and 0.43-0.79x (FlashAttention's
     grid, seqlen 512-16k, causal and not, bfloat16 and float16; bench/NOTES.md b10, b16). It takes the default's
-    tiles (wgmma_dkdv_block_m): at head_dim 64 without a mask, 128-row steps, whose backward on an H100 ran at
-    0.97-1.01x the default's from 1k (timed in another call), where the split grid's ran at 0.57-0.69x
-    (bench/NOTES.md session 31)."""
+    tiles but for 64-row steps under the causal mask at head_dim 64 (wgmma_dkdv_block_m): at head_dim 64
+    without a mask, 128-row steps, whose backward on an H100 ran at 0.97-1.01x the default's from 1k (timed in
+    another call), where the split grid's ran at 0.57-0.69x (bench/NOTES.md session 31)."""
     hopper = cfg.bwd_dkdv_wgmma
-    return dataclasses.replace(hopper, ordered_dq=True) if hopper is not None else None
+    if hopper is None:
+        return None
+    block_m = wgmma_dkdv_block_m(hopper.head_dim, hopper.mask, ordered=True)
+    return dataclasses.replace(hopper, ordered_dq=True, block_m=block_m,
+                               smem_bytes=wgmma_dkdv_smem_bytes(hopper.head_dim, hopper.dtype.itemsize, block_m))
 
 
 def split_grid_kernel(cfg: AttentionConfig) -> KernelSpec | None:

@@ -152,7 +152,11 @@ def test_deterministic_backward_keeps_the_banded_grid_in_the_ordered_form():
         p = problem(seqlen_k=1000, heads=4, heads_kv=2, head_dim=head_dim)
         default, plan = (_plan.backward(p, H100, deterministic) for deterministic in (False, True))
         (launch,) = plan.dkdv
-        assert launch.spec == dataclasses.replace(default.dkdv[0].spec, ordered_dq=True)
+        # under the causal mask the ordered form takes 64-row steps at every head dim (128 would spill at 64),
+        # the default 128 at head_dim 64
+        assert default.dkdv[0].spec.block_m == (128 if head_dim == 64 else 64)
+        assert launch.spec == dataclasses.replace(default.dkdv[0].spec, ordered_dq=True, block_m=64,
+                                                  smem_bytes=_config.wgmma_dkdv_smem_bytes(head_dim, 2, 64))
         assert launch.spec.name.endswith(", true, false>")
         assert launch.grid == _plan.banded_grid(-(-1000 // launch.spec.block_n), 2 * 2, H100.sm_count)
         assert launch.tail == (0, 0)
@@ -183,13 +187,17 @@ def test_deterministic_backward_on_the_split_grid_launches_each_pass_in_order(mo
     assert all(launch.grid == (2 * 4 * 3,) for launch in plan.dkdv)
     assert plan.adds_dq and plan.accum_shape[0] == 3
     # on the Hopper kernel (the default's form) where one thread adds each dQ element of a launch, else on
-    # bwd_dkdv_mma's: at head_dim 64 with 64-row steps (under a mask) both Hopper consumers add into each element
+    # bwd_dkdv_mma's: at head_dim 64 with 64-row steps (under a window) both Hopper consumers add into each element
     hopper = _config.choose_config(128, BFLOAT16, True, H100).bwd_dkdv_wgmma
     assert [launch.spec for launch in plan.dkdv] == [hopper] * 3
     full = problem(seqlen_k=1000, heads=4, heads_kv=4, head_dim=64, causal=False)
     tall = _plan.backward(full, H100, deterministic=True)
     assert {(launch.spec.kernel, launch.spec.block_m) for launch in tall.dkdv} == {("bwd_dkdv_wgmma", 128)}
-    narrow = _plan.backward(problem(seqlen_k=1000, heads=4, heads_kv=4, head_dim=64), H100, deterministic=True)
+    causal = _plan.backward(dataclasses.replace(full, causal=True, window_right=0), H100, deterministic=True)
+    assert {(launch.spec.kernel, launch.spec.block_m) for launch in causal.dkdv} == {("bwd_dkdv_wgmma", 128)}
+    windowed = dataclasses.replace(full, window_left=256, window_right=0)
+    narrow = _plan.backward(windowed, H100, deterministic=True)
+    assert narrow.dkdv[0].spec.mask != _config.MASK_CAUSAL
     assert {launch.spec.kernel for launch in narrow.dkdv} == {"bwd_dkdv_mma"}
 
 
