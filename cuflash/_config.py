@@ -721,6 +721,10 @@ FORWARD_SECTION_L2_SHARE = 1 / 3
 #: ... where its query blocks visit at most this many keys: at 16k sections measured within the spread (head_dim
 #: 64 -8% and -2% in two runs, 128 -1% and +5%, 256 +1% and +2%), so one section is kept there
 FORWARD_SECTION_MAX_KEYS = 8192
+#: fwd_wgmma at head_dim 64 without a mask walks a pair's query blocks together (forward_section_heads) where
+#: they visit at most this many keys: on an H100, TFLOP/s one section / a pair's together, 531 / 545 at 8k,
+#: 550 / 511 at 16k (bench/NOTES.md session 37)
+PAIR_ORDER_64_MAX_KEYS = 8192
 
 
 def forward_section_heads(spec: KernelSpec, pairs: int, item_keys: int, group: int, device: DeviceProps,
@@ -750,16 +754,20 @@ def forward_section_heads(spec: KernelSpec, pairs: int, item_keys: int, group: i
     mask at head_dim 128 and 256, where the blocks resident at once share a few heads' K and V (forward v6 on the
     H200, float16, seqlen 1k / 4k / 16k, one section / 1: 128 258 / 314 / 327 against 254 / 325 / 348; 256 221 /
     263 / 287 against 213 / 262 / 283, and after v7 ahead at 1k-2k in every round); 1 for fwd_wgmma at head_dim 64
-    without a mask too (an H100, bfloat16, one section / 1, tools/ab_probe.py, 3 rounds, session 37: 332 / 355 at
-    512, 386 / 423 at 1k, 459 / 497 at 2k, 457 / 500 at 4k; v7 had lost 5% at 4k with 1); one section at head_dim
-    64 on the mma.sync kernels, under a mask on the other kernels and under a window.
+    without a mask up to PAIR_ORDER_64_MAX_KEYS keys (an H100, bfloat16, one section / 1, tools/ab_probe.py, 3
+    rounds, session 37: 332 / 355 at 512, 386 / 423 at 1k, 459 / 497 at 2k, 457 / 500 at 4k, 531 / 545 at 8k,
+    550 / 511 at 16k; v7 had lost 5% at 4k with 1); one section at head_dim 64 past it and on the mma.sync
+    kernels, under a mask on the other kernels and under a window.
     """
     if (spec.kernel == "fwd_wgmma" and spec.mask == MASK_CAUSAL and item_keys <= FORWARD_SECTION_MAX_KEYS
             and device.l2_bytes):
         keys = item_keys if pair_keys is None else pair_keys
         pair_bytes = 2 * keys * spec.head_dim * spec.dtype.itemsize / group   # its share of K and V
         return max(1, min(pairs, int(device.l2_bytes * FORWARD_SECTION_L2_SHARE // max(pair_bytes, 1))))
-    if spec.mask == MASK_NONE and (spec.head_dim in (128, 256) or spec.kernel == "fwd_wgmma" and spec.head_dim == 64):
+    if spec.mask == MASK_NONE and spec.head_dim in (128, 256):
+        return 1
+    if (spec.kernel == "fwd_wgmma" and spec.mask == MASK_NONE and spec.head_dim == 64
+            and item_keys <= PAIR_ORDER_64_MAX_KEYS):
         return 1
     return pairs
 

@@ -397,12 +397,22 @@ def test_split_grid_needs_the_tiled_dkdv_kernel(head_dim, device):
 @pytest.mark.parametrize("head_dim, mask, expected", [
     (128, _config.MASK_NONE, 1),   # a head's query blocks together: 3-8% faster from seqlen 4k on the H200
     (256, _config.MASK_NONE, 1),   # since the swizzled tiles (forward v7): 1-2% faster at seqlen 1k-2k
-    (64, _config.MASK_NONE, 96),   # one section: no gain at most seqlens, 5% lost at 4k with a head's together
+    (64, _config.MASK_NONE, 96),   # mma.sync: one section (fwd_wgmma takes a pair's together up to 8k keys)
     (128, _config.MASK_CAUSAL, 96),   # masked, on the mma.sync kernels: one section, the longest blocks first
 ])
 def test_forward_grid_order_where_no_sections_were_measured(head_dim, mask, expected):
     spec = _config.mma_spec("fwd_mma", BFLOAT16, head_dim, mask, 128, 64, 4)
     assert _config.forward_section_heads(spec, 96, 4096, 1, _config.H100) == expected
+
+
+def test_the_hopper_forward_at_head_dim_64_walks_a_pairs_blocks_together_up_to_the_limit():
+    # without a mask, up to PAIR_ORDER_64_MAX_KEYS keys (7-10% faster at 512-4k on an H100, 7% slower at 16k)
+    spec = _config.wgmma_forward_spec(64, BFLOAT16, _config.MASK_NONE, _config.H100)
+    limit = _config.PAIR_ORDER_64_MAX_KEYS
+    assert [_config.forward_section_heads(spec, 96, keys, 1, _config.H100) for keys in (512, limit, limit + 1)] == [
+        1, 1, 96]
+    window = _config.wgmma_forward_spec(64, BFLOAT16, _config.MASK_WINDOW, _config.H100)
+    assert _config.forward_section_heads(window, 96, 512, 1, _config.H100) == 96
 
 
 def test_the_causal_hopper_forward_walks_sections_whose_keys_fit_a_share_of_l2():
