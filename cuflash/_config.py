@@ -682,9 +682,9 @@ def wgmma_dkdv_block_m(head_dim: int, mask: int, ordered: bool = False) -> int:
     Under the causal mask the default form takes 128 rows too: backward ms on an H100, 64 / 128 rows in one
     process (tools/backward_ab.py, 2 rounds, the pair-major bands; bench/NOTES.md session 37): 0.574 / 0.524 at
     512, 0.760 / 0.694 at 1k (another call), 1.164 / 1.051 at 2k, 1.989 / 1.708 at 4k, 3.827 / 3.098 at 8k,
-    7.113 / 6.132 at 16k. (On the H200 in b18, before the
-    kernel's later steps, 64 rows had led at 4k: 1.963 / 2.102.) The ordered form keeps 64 there: with 128 its
-    causal steps spill 8 bytes. Windows and the other masks keep 64 (not measured)."""
+    7.113 / 6.132 at 16k. (On the H200 in b18, before the kernel's later steps, 64 rows had led at 4k: 1.963 /
+    2.102.) The ordered form keeps 64 there: with 128 its causal steps spill 8 bytes. Windows keep 64 (not
+    measured)."""
     tall = head_dim == 64 and (mask == MASK_NONE or mask == MASK_CAUSAL and not ordered)
     return WGMMA_DKDV_TALL_BLOCK_M if tall else WGMMA_DKDV_BLOCK_M
 
