@@ -692,10 +692,10 @@ def wgmma_dkdv_block_m(head_dim: int, mask: int, ordered: bool = False) -> int:
 def wgmma_dkdv_smem_bytes(head_dim: int, itemsize: int = 2, block_m: int = WGMMA_DKDV_BLOCK_M) -> int:
     """bwd_dkdv_wgmma's shared memory (``BwdWgmmaSmem``): K and V, two stages of Q and dO, two of dS^T, up to
     head_dim 128 each consumer warp's dQ share (16 x 64 float32, 8 warps), two stages of lse and delta
-    (float32), and 5 mbarriers."""
+    (float32) and of the first query row (int32), and 5 mbarriers."""
     m, n, d = block_m, WGMMA_DKDV_BLOCK_N[head_dim], head_dim
     dq_shares = 8 * 16 * 64 * 4 if head_dim <= 128 else 0
-    return (2 * n * d + 2 * 2 * m * d + 2 * n * m) * itemsize + dq_shares + 2 * 2 * m * 4 + 8 * 5
+    return (2 * n * d + 2 * 2 * m * d + 2 * n * m) * itemsize + dq_shares + 2 * (2 * m + 1) * 4 + 8 * 5
 
 
 def wgmma_dkdv_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: int = 0) -> KernelSpec | None:
@@ -926,7 +926,7 @@ def block_band(tiles_per_head: int, pairs: int, sm_count: int, pair_major: bool 
     H200 against pairs fastest and against one pair per band (bench/NOTES.md): the backward gains 5-24%
     at seqlen 1k-4k, nothing at 16k, and one-pair bands are up to 10% slower under the causal mask.
 
-    ``pair_major`` (the Hopper dK/dV kernel): one pair per band where a pair has at most
+    ``pair_major`` (the Hopper dK/dV kernel, both forms): one pair per band where a pair has at most
     ``PAIR_MAJOR_MAX_TILES`` key blocks, so a wave holds the key blocks of a few pairs, whose Q and dO stay in
     L2, not one key block of each of a wave of pairs.
     """
@@ -939,6 +939,20 @@ def block_band(tiles_per_head: int, pairs: int, sm_count: int, pair_major: bool 
         if pairs % i == 0:
             divisors.update((i, pairs // i))
     return min((d for d in divisors if d >= least), default=max(pairs, 1))
+
+
+def ordered_side_by_side(tiles_per_head: int, band: int, sm_count: int) -> bool:
+    """Does bwd_dkdv_wgmma's ordered form run a pair's key blocks side by side (KeyBlock's dq_pass 1), adding
+    each dQ share in the order in which they reach its query tile (bwd_wgmma.cu)? Where a band holds one pair
+    and the pair has no more key blocks than SMs (the kernel holds one block per SM): that order waits on
+    higher key blocks too, so all of a pair's must be resident together, which they are once the pairs before
+    theirs have ended. Its backward on an H100 (bfloat16, FlashAttention's grid, in one process with the key-block
+    order on the wave-sized bands; bench/NOTES.md session 38): head_dim 128 0.867 -> 0.639 ms at 512, 1.152 ->
+    0.943 at 1k, 1.751 -> 1.550 at 2k without a mask, 0.631 -> 0.525, 0.748 -> 0.677, 1.023 -> 0.977 causal;
+    head_dim 256 1.164 -> 0.783 and 1.676 -> 1.245 at 512 and 1k, 0.705 -> 0.586 and 0.940 -> 0.826 causal.
+    The key-block order on the same grid took 0.647, 0.989 and 1.710 ms at head_dim 128 without a mask, 0.538,
+    0.744 and 1.151 causal."""
+    return band == 1 and tiles_per_head <= sm_count
 
 
 #: the split-grid kernels' resident blocks per SM: bwd_dkdv_mma's 256 threads at up to 255 registers with

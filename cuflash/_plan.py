@@ -151,7 +151,9 @@ def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
     float16/bfloat16). ``deterministic`` runs the Hopper kernel's ordered form on the same grid where it serves
     (``_config.ordered_dq_kernel``), else the same kernel on the split grid, one float32 dQ buffer per split,
     one launch per pass (KeyBlock), or, where that grid would leave SMs idle, the separate dQ kernel
-    (``_config.deterministic_dq_splits``). The dK/dV and dQ kernels' tail is (dq_splits, dq_pass).
+    (``_config.deterministic_dq_splits``). The dK/dV and dQ kernels' tail is (dq_splits, dq_pass); on the
+    banded grid dq_pass is 1 where the ordered form runs a pair's key blocks side by side
+    (``_config.ordered_side_by_side``), else 0.
     """
     packed = total_q is not None
     if cfg is None:
@@ -183,8 +185,11 @@ def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
             dkdv += [Launch(spec, grid(pairs * dq_splits), (dq_splits, dq_pass))
                      for dq_pass in range(-(-key_blocks // dq_splits))]
         else:
-            pair_major = spec.kernel == "bwd_dkdv_wgmma" and ordered is None
-            dkdv.append(Launch(spec, banded_grid(key_blocks, pairs, device.sm_count, pair_major), (0, 0)))
+            pair_major = spec.kernel == "bwd_dkdv_wgmma"
+            band = _config.block_band(key_blocks, pairs, device.sm_count, pair_major)
+            side_by_side = ordered is not None and _config.ordered_side_by_side(key_blocks, band, device.sm_count)
+            dkdv.append(Launch(spec, banded_grid(key_blocks, pairs, device.sm_count, pair_major),
+                               (0, int(side_by_side))))
     if adds_dq:
         copies = max(dq_splits, 1)  # one buffer per split of the split grid
         if packed:

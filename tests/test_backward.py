@@ -30,6 +30,12 @@ BACKWARD_SHAPES = [
     # 1024 (batch, kv head) pairs of one key block each: the dK/dV grid has two or more bands of pairs
     # on any GPU of up to 256 SMs (_config.block_band), with GQA groups of 2
     (4, 9, 65, 512, 256, 32, True),
+    # the deterministic backward on sm_90 (a pair's key blocks side by side; bwd_wgmma.cu): more key blocks than
+    # query tiles without a mask (all start at tile 0), two query tiles per key block, and under the causal
+    # mask with more keys than queries
+    (1, 60, 700, 2, 1, 128, False),
+    (1, 700, 300, 4, 2, 64, False),
+    (1, 200, 700, 2, 2, 256, True),
 ]
 
 

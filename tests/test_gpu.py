@@ -32,10 +32,10 @@ def test_forward_is_bitwise_reproducible(cp, rng, dtype):
         assert cp.array_equal(a.view(cp.uint8), b.view(cp.uint8))
 
 
-def _large_backward_inputs(cp, rng, head_dim=64, seqlen_k=1024, **options):
+def _large_backward_inputs(cp, rng, head_dim=64, seqlen_k=1024, seqlen_q=1024, **options):
     # 8 x 4 kv heads x 8-16 key blocks: enough dK/dV blocks to fill every SM several times, so the order
     # in which blocks run (and add into dQ) varies between runs
-    q, k, v = make_qkv(cp, rng, 8, 1024, seqlen_k, 16, 4, head_dim, BF16)
+    q, k, v = make_qkv(cp, rng, 8, seqlen_q, seqlen_k, 16, 4, head_dim, BF16)
     dout = cp.asarray(rng.standard_normal(q.shape, dtype=np.float32).astype(BF16))
     out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
     return dout, q, k, v, out, lse
@@ -90,6 +90,14 @@ def test_ordered_dq_is_bitwise_reproducible_without_a_mask(cp, rng, head_dim):
     # without a mask at head_dim 64 the ordered form takes 128-row steps: each consumer's dQ shares are 64 of the
     # step's query rows, added by a writer lane of its own
     args = _large_backward_inputs(cp, rng, head_dim)
+    _assert_reproducible(cp, args, 20)
+
+
+@pytest.mark.parametrize("head_dim", _config.ORDERED_DQ_HEAD_DIMS)
+def test_ordered_dq_is_bitwise_reproducible_with_more_key_blocks_than_query_tiles(cp, rng, head_dim):
+    # a pair's 8-16 key blocks side by side over 1-2 query tiles: without a mask they all start at tile 0
+    # (stride 0 in bwd_wgmma.cu), and a tile's adds come from the last key block downwards
+    args = _large_backward_inputs(cp, rng, head_dim, seqlen_q=128)
     _assert_reproducible(cp, args, 20)
 
 

@@ -146,8 +146,9 @@ def test_default_backward_adds_dq_in_the_banded_dkdv_launch():
 
 
 def test_deterministic_backward_keeps_the_banded_grid_in_the_ordered_form():
-    # on sm_90 at head_dim 64, 128 and 256: one launch of the Hopper kernel's ordered form on the wave-sized
-    # bands (batch 2 x 2 kv heads), the default's buffer, and one int32 count per 16 x 64 share of the buffer
+    # on sm_90 at head_dim 64, 128 and 256: one launch of the Hopper kernel's ordered form on the default's
+    # grid (batch 2 x 2 kv heads, a pair's key blocks side by side), the default's buffer, and one int32 count
+    # per 16 x 64 share of the buffer
     for head_dim in _config.ORDERED_DQ_HEAD_DIMS:
         p = problem(seqlen_k=1000, heads=4, heads_kv=2, head_dim=head_dim)
         default, plan = (_plan.backward(p, H100, deterministic) for deterministic in (False, True))
@@ -158,8 +159,9 @@ def test_deterministic_backward_keeps_the_banded_grid_in_the_ordered_form():
         assert launch.spec == dataclasses.replace(default.dkdv[0].spec, ordered_dq=True, block_m=64,
                                                   smem_bytes=_config.wgmma_dkdv_smem_bytes(head_dim, 2, 64))
         assert launch.spec.name.endswith(", true, false>")
-        assert launch.grid == _plan.banded_grid(-(-1000 // launch.spec.block_n), 2 * 2, H100.sm_count)
-        assert launch.tail == (0, 0)
+        key_blocks = -(-1000 // launch.spec.block_n)
+        assert launch.grid == (key_blocks, 2 * 2) == default.dkdv[0].grid
+        assert launch.tail == (0, 1) and default.dkdv[0].tail == (0, 0)
         assert plan.accum_shape == default.accum_shape and plan.accum_shape[0] == 1
         assert plan.order_ints == np.prod(plan.accum_shape) // (16 * 64) and default.order_ints == 0
         # without a mask at head_dim 64 both forms take 128-row steps
@@ -169,9 +171,7 @@ def test_deterministic_backward_keeps_the_banded_grid_in_the_ordered_form():
         assert rows == ((128, 128) if head_dim == 64 else (64, 64))
         assert plan.dkdv[0].spec == dataclasses.replace(default.dkdv[0].spec, ordered_dq=True)
         assert plan.dkdv[0].spec.smem_bytes == _config.wgmma_dkdv_smem_bytes(head_dim, 2, rows[1])
-        # the ordered form keeps the wave-sized bands (the default runs a pair's key blocks side by side)
-        key_blocks = -(-1000 // plan.dkdv[0].spec.block_n)
-        assert plan.dkdv[0].grid == _plan.banded_grid(key_blocks, 2 * 2, H100.sm_count)
+        assert plan.dkdv[0].grid == default.dkdv[0].grid and plan.dkdv[0].tail == (0, 1)
     # elsewhere the split grid or the dQ kernel: on the mma.sync kernels
     portable = _plan.backward(problem(), H100, deterministic=True, tensor_maps=False)
     assert portable.order_ints == 0 and {launch.spec.kernel for launch in portable.dkdv} == {"bwd_dkdv_mma"}
@@ -250,6 +250,24 @@ def test_the_hopper_backward_runs_a_pairs_key_blocks_side_by_side_up_to_the_limi
     portable = _plan.backward(p, H100, deterministic=False, tensor_maps=False)
     assert all(launch.grid == _plan.banded_grid(-(-seqlen // launch.spec.block_n), pairs, H100.sm_count)
                for launch in portable.dkdv)
+    # the ordered form on the same grid, adding dQ in the order in which the key blocks reach a tile where a
+    # pair's run side by side, else in key-block order
+    (ordered,) = _plan.backward(p, H100, deterministic=True).dkdv
+    assert ordered.spec.ordered_dq and ordered.grid == launch.grid and ordered.tail == (0, int(pair_major))
+    assert launch.tail == (0, 0)
+
+
+@pytest.mark.parametrize("seqlen, sm_count", [(32768, H100.sm_count), (2048, 8)])
+def test_the_ordered_backward_adds_in_key_block_order_where_a_pair_outnumbers_the_sms(seqlen, sm_count):
+    # one pair: one band whatever its key blocks, but the order in which they reach a tile waits on higher key
+    # blocks too, and more key blocks than SMs could not all be resident; so also on a GPU of 8 SMs
+    device = dataclasses.replace(H100, sm_count=sm_count)
+    p = problem(batch=1, seqlen_q=seqlen, seqlen_k=seqlen, heads=1, heads_kv=1)
+    (launch,) = _plan.backward(p, device, deterministic=True).dkdv
+    key_blocks = -(-seqlen // launch.spec.block_n)
+    assert launch.spec.ordered_dq and launch.grid == (key_blocks, 1) and key_blocks > sm_count
+    assert launch.tail == (0, 0)
+    assert _plan.backward(dataclasses.replace(p, seqlen_q=512, seqlen_k=512), device, True).dkdv[0].tail == (0, 1)
 
 
 def test_a_grid_past_cudas_limit_is_a_value_error():

@@ -9,7 +9,8 @@
 // fastest): 64, or 128 at head_dim 64 (kTallSteps, below; the plan takes it without a mask:
 // _config.wgmma_dkdv_block_m). Warpgroups:
 // - 0, the producer: thread 0 loads K and V once, then each step's Q and dO tiles by TMA into two stages;
-//   warp 1 copies the step's lse and delta (BLOCK_M floats each) into the stage; the stage's "full" mbarrier
+//   warp 1 copies the step's lse and delta (BLOCK_M floats each) into the stage (and, kRowFromStage, the step's
+//   first query row); the stage's "full" mbarrier
 //   completes on both, and it is refilled once both consumers (at 256: two lanes of the dQ writer, below) have
 //   arrived on its "empty" one.
 // - 1 and 2, the consumers, holding dK and dV of 64 keys in registers for the whole block. At head_dim 64 and
@@ -46,12 +47,26 @@
 // Epilogue: dK times the softmax scale, and dV, staged in shared memory where K and V were and stored in whole
 // 16-byte chunks of key rows.
 //
-// The ordered form (deterministic; after FlashAttention-3's dQ semaphores) keeps the default's grid and its one
-// dq_accum, and adds each share into it in key-block order: warp 2 of the producer warpgroup, the dQ writer,
-// takes the consumer warps' buffers (named barriers), waits until the share's count in dq_order says that the
-// key blocks below this one have added, adds by the TMA unit, and counts (at head_dim 256 from the stage, as
-// the default's writer does). Key blocks wait only on lower blockIdx.x (KeyBlock's banded grid numbers a
-// head's key blocks upwards), which the GPU starts earlier.
+// The ordered form (deterministic; after FlashAttention-3's dQ semaphores) keeps the default's banded grid and
+// its one dq_accum, and adds each share into it in a fixed order of the key blocks: warp 2 of the producer
+// warpgroup, the dQ writer, takes the consumer warps' buffers (named barriers), waits until the share's count
+// in dq_order says that the key blocks before this one have added, adds by the TMA unit, and counts (at
+// head_dim 256 from the stage, as the default's writer does). The order, and the walk of the query tiles that
+// matches it (QueryTiles):
+// - where a pair's key blocks run side by side (KeyBlock's dq_pass 1: all resident together), each tile's adds
+//   come in the order in which its key blocks reach it, so that a key block never waits for one still steps
+//   behind: under a mask, key block j walks its tiles upwards from its first, and a tile's adds come from its
+//   highest key block downwards (the higher a key block, the earlier it reaches a tile); without one, key block
+//   j starts at tile j * stride (stride = tiles / key blocks, 0 where the key blocks outnumber the tiles) and
+//   walks upwards, wrapping from the last tile to the first, so that at each step the key blocks are at
+//   different tiles, and a tile's adds come from the highest key block starting at or below it downwards,
+//   wrapping from key block 0 to the last. Every wait is on a key block that reached the tile at an earlier
+//   step (or the same one), so none waits in a cycle. Measured on an H100 against the key-block order on this
+//   grid and on the wave-sized bands: bench/NOTES.md session 38.
+// - else (the wave-sized bands, where key block j may start only after key block j - 1 has) in key-block
+//   order, so that key blocks wait only on lower blockIdx.x (KeyBlock numbers a head's key blocks upwards),
+//   which the GPU starts earlier; under a mask the tiles are walked downwards, so that every key block reaches
+//   a tile at about the same step (upwards, key block n would reach it a step before key block n - 1 does).
 // The consumers never touch a count: on their path the round trips cost 20% (bench/NOTES.md b7).
 // The deterministic split grid (KeyBlock's dq_splits) runs the default's form at head_dim 128 and 256.
 #include "hopper.cuh"
@@ -64,7 +79,8 @@ constexpr int kBwdWgmmaStages = 2;   // Q/dO stages
 // K, V [HEAD_DIM / 64][BLOCK_N][64]; Q, dO stages [2][HEAD_DIM / 64][BLOCK_M][64]; dS^T stages
 // [2][BLOCK_M / 64][BLOCK_N][64] (a 128-byte row per key and 64 queries); up to head_dim 128 (kBulkDq), each
 // consumer warp's dQ share [16][64] float in DqAccum's tile order (at 256 the shares are staged in the Q and dO
-// stages: kStagedDq); lse, delta stages [2][BLOCK_M] float; then the mbarriers: kv_full, q_full[2], q_empty[2].
+// stages: kStagedDq); lse, delta stages [2][BLOCK_M] float; each stage's first query row [2] int
+// (kRowFromStage); then the mbarriers: kv_full, q_full[2], q_empty[2].
 template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct BwdWgmmaSmem {
     // dQ leaves through buffers of its own, added into dq_accum by the TMA unit, where they fit (at 256 two
     // consumers' 32 KB do not fit beside the rest; there the shares are staged in the step's Q and dO)
@@ -76,8 +92,8 @@ template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct BwdWgmmaSmem {
     static constexpr int kDqWarp = 16 * 64 * 4, kDqBytes = kBulkDq ? 8 * kDqWarp : 0;   // 8 consumer warps
     static constexpr int kV = kKV, kQ = kV + kKV, kDo = kQ + kBwdWgmmaStages * kQStage;
     static constexpr int kDs = kDo + kBwdWgmmaStages * kQStage, kDq = kDs + kBwdWgmmaStages * kDsStage;
-    static constexpr int kStats = kDq + kDqBytes;
-    static constexpr int kBarriers = kStats + kBwdWgmmaStages * 2 * BLOCK_M * 4;
+    static constexpr int kStats = kDq + kDqBytes, kRows = kStats + kBwdWgmmaStages * 2 * BLOCK_M * 4;
+    static constexpr int kBarriers = kRows + kBwdWgmmaStages * 4;
     static constexpr int kBytes = kBarriers + 8 * (1 + 2 * kBwdWgmmaStages);
 };
 
@@ -105,6 +121,11 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     using Smem = BwdWgmmaSmem<HEAD_DIM, BLOCK_M, BLOCK_N>;
     constexpr int kConsumers = 2;
     constexpr bool kOrdered = ORDERED_DQ;
+    // the consumers read each step's first query row from the stage (warp 1 of the producer stores it) in the
+    // ordered form at 64-row steps without a mask: there its walk's first tile in their registers spilled 4 bytes
+    // (head_dim 128, every modifier), and elsewhere the read did (4 bytes under a mask at 64 and 256, and at 64
+    // with 128-row steps with the softcap and ALiBi; NVRTC 13.0, sm_90a)
+    constexpr bool kRowFromStage = kOrdered && !Window<MASK>::kMasked && !kTallSteps;
     // at head_dim 256 each consumer's dQ shares of a step (two passes of 4 warps' 16 x 64 floats) are staged in
     // its column blocks of the step's Q and dO, one tensor per pass, and the dQ writer adds them
     constexpr bool kStagedDq = !Smem::kBulkDq;
@@ -115,6 +136,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     const unsigned k_s = smem_addr(smem_raw), v_s = k_s + Smem::kV, q_s = k_s + Smem::kQ, do_s = k_s + Smem::kDo;
     const unsigned ds_s = k_s + Smem::kDs, bars = k_s + Smem::kBarriers;
     float* const stats_s = reinterpret_cast<float*>(smem_raw + Smem::kStats);   // [stage][lse, delta][BLOCK_M]
+    int* const rows_s = reinterpret_cast<int*>(smem_raw + Smem::kRows);          // [stage] (kRowFromStage)
     const unsigned kv_full = bars;
     auto q_full = [&](int stage) { return bars + 8 * (1 + stage); };
     auto q_empty = [&](int stage) { return bars + 8 * (1 + kBwdWgmmaStages + stage); };
@@ -133,9 +155,15 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     const Sequence<VARLEN> seq(cu_seqlens_q, cu_seqlens_k, b, batch, seqlen_q, seqlen_k, diagonal);
     if (n0 >= seq.seqlen_k) return;   // a packed batch's shorter sequence, the split grid's last pass
     const Window<MASK> window{seq.diagonal, window_left, window_right};
-    // the ordered form walks each head's query tiles downwards under a mask, so that every key block reaches a
-    // tile at about the same step (upwards, key block n would reach it a step before key block n - 1 does)
-    const QueryTiles<BLOCK_M, kOrdered && Window<MASK>::kMasked> query_tiles(window, n0, BLOCK_N, seq.seqlen_q, group);
+    // the ordered form's walk of the query tiles (above)
+    QueryTiles<BLOCK_M, kOrdered> query_tiles(window, n0, BLOCK_N, seq.seqlen_q, group);
+    const bool side_by_side = kOrdered && dq_pass != 0;
+    const int key_block = n0 / BLOCK_N, key_blocks = (seq.seqlen_k + BLOCK_N - 1) / BLOCK_N;
+    const int stride = query_tiles.count / key_blocks;
+    if constexpr (kOrdered) {
+        if (!side_by_side) query_tiles.downwards = Window<MASK>::kMasked;
+        else if (!Window<MASK>::kMasked) query_tiles.first = key_block * stride;
+    }
     const int steps = query_tiles.steps;
     // dQ's named barriers in the ordered form: consumer warpgroup i of those whose warps' buffers the dQ writer
     // adds (both, except at 64 with 64-row steps, where consumer 0 hands its part over: consumer 1) arrives on
@@ -195,6 +223,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                     dst[r] = ok ? lse[base + row] : 0.f;
                     dst[BLOCK_M + r] = ok ? delta[base + row] : 0.f;
                 }
+                if (kRowFromStage && lane == 0) rows_s[stage] = query_tiles.row(s);
                 __syncwarp();
                 if (lane == 0) mbarrier_arrive(q_full(stage));   // release: the stores above are visible
             }
@@ -213,7 +242,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                                               : k_s + Smem::kDq + (4 * consumer + writer_warp) * Smem::kDqWarp;
             const int dq_col = HEAD_DIM == 64 ? 0 : kStagedDq ? 128 * consumer + 64 * dq_pass : 64 * consumer;
             // the lane's share of step s: first_share (the group's first head, row 0) plus s's head and rows
-            const int key_block = n0 / BLOCK_N, h0 = h_kv * group;
+            const int h0 = h_kv * group;
             const int dq_row = dq_share_row(consumer) + 16 * writer_warp;   // the share's first row
             const long long first_share = DqAccum::head(blk.split, batch, b, heads, h0, seq, seqlen_q, HEAD_DIM) +
                                           DqAccum::tile(dq_row, dq_col, HEAD_DIM);
@@ -230,8 +259,16 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                     first_share + (s / query_tiles.count) * head_floats + DqAccum::tile(m0, 0, HEAD_DIM);
                 int* const count = kOrdered ? dq_order + share / DqAccum::kShare : nullptr;
                 if (adds) {
-                    if constexpr (kOrdered) {
-                        const int before = key_block - window.key_begin(m0) / BLOCK_N;
+                    if constexpr (kOrdered) {   // the adds before this one (above)
+                        int before;
+                        if (!side_by_side) {
+                            before = key_block - window.key_begin(m0) / BLOCK_N;
+                        } else if (Window<MASK>::kMasked) {
+                            before = (window.key_end(m0 + BLOCK_M, seq.seqlen_k) - 1) / BLOCK_N - key_block;
+                        } else {
+                            const int top = stride > 0 ? min(key_blocks - 1, m0 / BLOCK_M / stride) : key_blocks - 1;
+                            before = top - key_block + (top < key_block ? key_blocks : 0);
+                        }
                         while (load_acquire_gpu(count) < before) {
                         }
                     }
@@ -352,7 +389,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     // step s; look_ahead (a constant at each call, so that each inlined copy is straight code): issue step
     // s + 1's S^T and dP^T inside it
     auto step = [&](int s, bool look_ahead) {
-        const int stage = s % kBwdWgmmaStages, h = query_tiles.head(s, h_kv, group), m0 = query_tiles.row(s);
+        const int stage = s % kBwdWgmmaStages, h = query_tiles.head(s, h_kv, group);
         const unsigned q_tile = q_s + stage * Smem::kQStage, do_tile = do_s + stage * Smem::kQStage;
         const float* lse_tile = stats_s + stage * 2 * BLOCK_M;
         const float* delta_tile = lse_tile + BLOCK_M;
@@ -375,6 +412,8 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                                    smem_descriptor(do_tile + col_block0 + kk * 16 * kSwizzleRowBytes, Smem::kQBlock), 1);
         };
         if constexpr (!kLookahead) issue_scores(s);
+        // the step's first query row (kRowFromStage: from the stage, filled once issue_scores(s) has waited for it)
+        const int m0 = kRowFromStage ? *reinterpret_cast<volatile int*>(rows_s + stage) : query_tiles.row(s);
         if constexpr (kSplitScores) {
             const bool need_mask = m0 + BLOCK_M > seq.seqlen_q || key_wg0 + 64 > seq.seqlen_k ||
                                    !window.covers(m0, m0 + BLOCK_M, key_wg0, key_wg0 + 64);

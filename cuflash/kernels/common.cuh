@@ -132,9 +132,12 @@ struct KeyTiles {
 
 // The query tiles a key block's backward walks: the BLOCK_M-row tiles from `begin` (a multiple of BLOCK_M) to
 // `end` whose rows see some key of [n0, n0 + block_n) under `window`, `count` of them, taken as `steps` steps
-// (head in the kv group, query tile), query tile fastest; DOWNWARDS: each head's tiles from the last to `begin`.
-template <int BLOCK_M, bool DOWNWARDS = false> struct QueryTiles {
-    int begin, end, count, steps;
+// (head in the kv group, query tile), query tile fastest. ORDERED (bwd_dkdv_wgmma's ordered form, set by
+// `walk`): each head's tiles from tile `first` upwards, wrapping from the last to `begin`, or `downwards` from
+// the last to `begin`.
+template <int BLOCK_M, bool ORDERED = false> struct QueryTiles {
+    int begin, end, count, steps, first = 0;
+    bool downwards = false;
     template <int MASK>
     __device__ __forceinline__ QueryTiles(const Window<MASK>& window, int n0, int block_n, int seqlen_q, int group)
         : begin(window.row_begin(n0) / BLOCK_M * BLOCK_M), end(window.row_end(n0 + block_n, seqlen_q)) {
@@ -144,7 +147,11 @@ template <int BLOCK_M, bool DOWNWARDS = false> struct QueryTiles {
     // step s's query head (of kv head h_kv's group) and first row
     __device__ __forceinline__ int head(int s, int h_kv, int group) const { return h_kv * group + s / count; }
     __device__ __forceinline__ int row(int s) const {
-        return begin + (DOWNWARDS ? count - 1 - s % count : s % count) * BLOCK_M;
+        const int u = s % count;
+        if constexpr (!ORDERED) return begin + u * BLOCK_M;
+        int t = downwards ? count - 1 - u : first + u;
+        t -= t >= count ? count : 0;
+        return begin + t * BLOCK_M;
     }
 };
 
@@ -544,8 +551,11 @@ struct CacheBlock {
 //   causal mask) first. The host sizes a band to about one wave of resident blocks (_config.block_band),
 //   so the blocks resident at once stream the Q and dO of a few heads, which stay in L2, instead of
 //   every head's from DRAM (5-24% faster at seqlen 1k-4k than pairs fastest, the same at 16k:
-//   bench/NOTES.md); bwd_dkdv_wgmma's default form takes one pair per band where a pair has few key
-//   blocks (_config.PAIR_MAJOR_MAX_TILES), so that a wave holds whole pairs.
+//   bench/NOTES.md); bwd_dkdv_wgmma takes one pair per band where a pair has few key blocks
+//   (_config.PAIR_MAJOR_MAX_TILES), so that a wave holds whole pairs. dq_pass is 0, but in bwd_dkdv_wgmma's
+//   ordered form, where 1 says that a pair's key blocks run side by side: one pair per band, and no more key
+//   blocks than SMs, so that a pair's key blocks, started in order, are all resident together once the pairs
+//   before theirs have ended (bwd_wgmma.cu).
 // - split (dq_splits > 0; the deterministic backward, bwd_dkdv_mma and bwd_dkdv_wgmma): the
 //   host launches the kernel once per pass, each launch one block per ((batch, kv head) pair, split), splits
 //   fastest; in pass
