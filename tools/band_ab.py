@@ -6,8 +6,8 @@ same backward on the wave-sized bands, or on one (batch, kv head) pair per band.
 Per case (bfloat16, full and causal, FlashAttention's grid: 16k tokens, model width 2048) it builds three
 ``BackwardPlan`` objects, differing only in ``_config.block_band``'s answer: as planned, the wave-sized bands
 (block_band without ``pair_major``, where the tree has it) and one pair per band (a pair's key blocks fastest).
-The gradients of each are checked against the planned one's (with ``--deterministic``: equal to them, the
-ordered form's bits not depending on the grid), then every round times the three in a rotated order, each as
+The gradients of each are checked against the planned one's (within rounding: the order of the dQ adds
+differs), then every round times the three in a rotated order, each as
 ``bench.timing.EventTimer`` does (L2 flushed before each repeat). Prints each variant's grid, median ms and the
 planned median over it. Run from the repository root with ``PYTHONPATH=.`` on a GPU of compute capability 9.0.
 The numbers that count come from ``python -m bench``; this answers "which order is faster" in about half a
@@ -67,8 +67,9 @@ def main():
                     got = plan.run(dout, q, k, v, out, lse)
                     apart = max(float(cp.abs(g.astype(cp.float32) - r).max() / cp.abs(r).max())
                                 for g, r in zip(got, planned))
-                    # the atomic dQ adds' order differs; anything beyond rounding is a fault
-                    if apart > (0 if args.deterministic else 2e-2):
+                    # the dQ adds' order differs (the atomic adds', or the ordered form's where a pair's key blocks
+                    # run side by side in one variant only: _config.ordered_side_by_side); beyond rounding, a fault
+                    if apart > 2e-2:
                         raise SystemExit(f"{name}: gradients {apart:.1e} apart from the planned ones")
                 names = list(plans)
                 times = {name: [] for name in names}
