@@ -662,14 +662,14 @@ def wgmma_spec(dtype, head_dim: int, mask: int, block_m: int, block_n: int, mods
 #: would take 256 registers a thread)
 WGMMA_DKDV_BLOCK_N = {64: 128, 128: 128, 256: 64}
 WGMMA_DKDV_HEAD_DIMS = tuple(WGMMA_DKDV_BLOCK_N)
-#: its query rows per step: 64, or WGMMA_DKDV_TALL_BLOCK_M at head_dim 64 without a mask (the default and the
-#: ordered form) and under the causal mask (the default form) (kTallSteps; wgmma_dkdv_block_m)
+#: its query rows per step: 64, or WGMMA_DKDV_TALL_BLOCK_M at head_dim 64 without a mask and under the causal
+#: mask (kTallSteps; wgmma_dkdv_block_m)
 WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_TALL_BLOCK_M = 64, 128
 
 
-def wgmma_dkdv_block_m(head_dim: int, mask: int, ordered: bool = False) -> int:
-    """bwd_dkdv_wgmma's query rows per step at the padded ``head_dim`` under ``mask``, in the default form or the
-    ``ordered`` (deterministic) one.
+def wgmma_dkdv_block_m(head_dim: int, mask: int) -> int:
+    """bwd_dkdv_wgmma's query rows per step at the padded ``head_dim`` under ``mask``, in the default form and the
+    ordered (deterministic) one.
 
     At head_dim 64 without a mask both forms take 128 rows a step (FlashAttention-3's tile there): each
     consumer's S^T and dP^T are 64 keys by 128 queries and the consumers meet to split dQ by queries. Backward ms
@@ -683,9 +683,10 @@ def wgmma_dkdv_block_m(head_dim: int, mask: int, ordered: bool = False) -> int:
     process (tools/backward_ab.py, 2 rounds, the pair-major bands; bench/NOTES.md session 37): 0.574 / 0.524 at
     512, 0.760 / 0.694 at 1k (another call), 1.164 / 1.051 at 2k, 1.989 / 1.708 at 4k, 3.827 / 3.098 at 8k,
     7.113 / 6.132 at 16k. (On the H200 in b18, before the kernel's later steps, 64 rows had led at 4k: 1.963 /
-    2.102.) The ordered form keeps 64 there: with 128 its causal steps spill 8 bytes. Windows keep 64 (not
-    measured)."""
-    tall = head_dim == 64 and (mask == MASK_NONE or mask == MASK_CAUSAL and not ordered)
+    2.102.) The ordered form's backward ms, 64 / 128 rows (an H100, one process, its key blocks side by side to
+    2k; bench/NOTES.md session 38): 0.831 / 0.790 at 1k, 1.309 / 1.155 at 2k, 2.270 / 1.948 at 4k, 4.292 / 3.617
+    at 8k, 8.087 / 6.769 at 16k. Windows keep 64 (not measured)."""
+    tall = head_dim == 64 and (mask == MASK_NONE or mask == MASK_CAUSAL)
     return WGMMA_DKDV_TALL_BLOCK_M if tall else WGMMA_DKDV_BLOCK_M
 
 
@@ -981,21 +982,18 @@ def wgmma_dq_own_keys(spec: KernelSpec) -> bool:
 
 def ordered_dq_kernel(cfg: AttentionConfig) -> KernelSpec | None:
     """The dK/dV kernel of the deterministic backward where it keeps the default's grid: bwd_dkdv_wgmma's
-    ordered form, which adds each 16 x 64 share of dQ in key-block order, counting the adds in one int32 per
-    share (bwd_wgmma.cu); None where it does not serve (then ``deterministic_dq_splits``).
+    ordered form, which adds each 16 x 64 share of dQ in a fixed order of the key blocks, counting the adds in
+    one int32 per share (bwd_wgmma.cu); None where it does not serve (then ``deterministic_dq_splits``). It
+    takes the default's tiles.
 
     On the H200 its forward plus backward ran at 0.88-0.98x the default's at head_dim 64, 0.92-1.02x at 128
     and 0.85-1.00x at 256, where the split grid ran at 0.80-0.95x, 0.75-0.95x and 0.43-0.79x (FlashAttention's
-    grid, seqlen 512-16k, causal and not, bfloat16 and float16; bench/NOTES.md b10, b16). It takes the default's
-    tiles but for 64-row steps under the causal mask at head_dim 64 (wgmma_dkdv_block_m): at head_dim 64
-    without a mask, 128-row steps, whose backward on an H100 ran at 0.97-1.01x the default's from 1k (timed in
-    another call), where the split grid's ran at 0.57-0.69x (bench/NOTES.md session 31)."""
+    grid, seqlen 512-16k, causal and not, bfloat16 and float16; bench/NOTES.md b10, b16), before the default
+    ran a pair's key blocks side by side; on an H100 with both side by side (ordered_side_by_side) at
+    0.79-1.02x at head_dim 64 (0.79-0.88x causal, on the 64-row steps it took there then), 0.88-1.03x at 128 and
+    0.82-1.01x at 256 (the grid, bench/NOTES.md session 38)."""
     hopper = cfg.bwd_dkdv_wgmma
-    if hopper is None:
-        return None
-    block_m = wgmma_dkdv_block_m(hopper.head_dim, hopper.mask, ordered=True)
-    return dataclasses.replace(hopper, ordered_dq=True, block_m=block_m,
-                               smem_bytes=wgmma_dkdv_smem_bytes(hopper.head_dim, hopper.dtype.itemsize, block_m))
+    return None if hopper is None else dataclasses.replace(hopper, ordered_dq=True)
 
 
 def split_grid_kernel(cfg: AttentionConfig) -> KernelSpec | None:
