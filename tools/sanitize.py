@@ -25,14 +25,17 @@ CASES = {
     "hopper-bwd-64": dict(shape=(1, 150, 260, 4, 2, 64), backward=True),
     "hopper-bwd-128-causal": dict(shape=(1, 77, 300, 2, 2, 128), causal=True, backward=True),
     "hopper-bwd-256-window": dict(shape=(1, 300, 129, 2, 1, 232), window_size=(40, 7), backward=True),
-    # the ordered dQ adds: GQA, the causal mask's downward walk, a window's first key blocks above 0; at 256
-    # from the staged Q and dO
+    # the ordered dQ adds, a pair's key blocks side by side (_config.ordered_side_by_side): GQA, the causal
+    # mask's upward walk, a window's first key blocks above 0, without a mask more key blocks than query tiles
+    # (all start at tile 0) and fewer (each at its own, wrapping); at 256 from the staged Q and dO
     "hopper-bwd-64-ordered-causal": dict(shape=(2, 150, 300, 4, 2, 64), causal=True, backward=True,
                                          deterministic=True),
     "hopper-bwd-128-ordered-window": dict(shape=(1, 300, 400, 4, 2, 128), window_size=(100, 7), backward=True,
                                           deterministic=True),
     "hopper-bwd-256-ordered-causal": dict(shape=(2, 150, 300, 4, 2, 256), causal=True, backward=True,
                                           deterministic=True),
+    "hopper-bwd-128-ordered-full": dict(shape=(2, 150, 700, 4, 2, 128), backward=True, deterministic=True),
+    "hopper-bwd-256-ordered-full": dict(shape=(1, 400, 200, 2, 1, 256), backward=True, deterministic=True),
     # the split grid, forced (the ordered form serves on sm_90, and these shapes are too small to choose it): 2
     # splits, a last pass with one idle
     "hopper-bwd-256-deterministic": dict(shape=(2, 150, 300, 4, 2, 256), backward=True, deterministic=True,
