@@ -913,7 +913,9 @@ MAX_GRID_Y = 65535
 #: runs one pair per band. Measured on an H100, bfloat16, FlashAttention's grid (tools/band_ab.py, bench/NOTES.md),
 #: wave-sized bands' backward time over one pair per band: head_dim 128 1.53 / 1.33 / 1.04 / 0.98 at 4 / 8 / 16 / 32
 #: key blocks without a mask, 1.25 / 1.13 / 0.99 / 0.93 under the causal mask; head_dim 256 1.63 / 1.50 / 1.02 /
-#: 1.11 and 1.20 / 1.11 / 1.01 / 0.95.
+#: 1.11 and 1.20 / 1.11 / 1.01 / 0.95. The ordered form takes the same limit (ordered_side_by_side; past it, at
+#: 32 / 64 / 128 key blocks: head_dim 256 1.10 / 1.04 / 0.92 without a mask, 1.09 / 0.99 / 0.81 causal; 128 and 64
+#: 0.97-1.01 at 32 and 64; bench/NOTES.md session 38).
 PAIR_MAJOR_MAX_TILES = 16
 
 
