@@ -132,9 +132,9 @@ struct KeyTiles {
 
 // The query tiles a key block's backward walks: the BLOCK_M-row tiles from `begin` (a multiple of BLOCK_M) to
 // `end` whose rows see some key of [n0, n0 + block_n) under `window`, `count` of them, taken as `steps` steps
-// (head in the kv group, query tile), query tile fastest. ORDERED (bwd_dkdv_wgmma's ordered form, set by
-// `walk`): each head's tiles from tile `first` upwards, wrapping from the last to `begin`, or `downwards` from
-// the last to `begin`.
+// (head in the kv group, query tile), query tile fastest. ORDERED (bwd_dkdv_wgmma's ordered form, which sets
+// `first` or `downwards`): each head's tiles from tile `first` upwards, wrapping from the last to `begin`, or
+// `downwards` from the last to `begin`.
 template <int BLOCK_M, bool ORDERED = false> struct QueryTiles {
     int begin, end, count, steps, first = 0;
     bool downwards = false;
