@@ -909,18 +909,30 @@ def kvcache_splits(blocks: int, key_tiles: int, resident: int, sm_count: int) ->
 BAND_BLOCKS_PER_SM = 2
 #: CUDA's limit on gridDim.y, which counts the bands
 MAX_GRID_Y = 65535
-#: The most key blocks per (batch, kv head) pair for which the Hopper dK/dV kernel (one resident block per SM)
-#: runs one pair per band. Measured on an H100, bfloat16, FlashAttention's grid (tools/band_ab.py, bench/NOTES.md),
-#: wave-sized bands' backward time over one pair per band: head_dim 128 1.53 / 1.33 / 1.04 / 0.98 at 4 / 8 / 16 / 32
-#: key blocks without a mask, 1.25 / 1.13 / 0.99 / 0.93 under the causal mask; head_dim 256 1.63 / 1.50 / 1.02 /
-#: 1.11 and 1.20 / 1.11 / 1.01 / 0.95. The ordered form takes the same limit (ordered_side_by_side; past it, at
-#: 32 / 64 / 128 key blocks: head_dim 256 1.10 / 1.04 / 0.92 without a mask, 1.09 / 0.99 / 0.81 causal; 128 and 64
-#: 0.97-1.01 at 32 and 64; bench/NOTES.md session 38).
+#: The most key blocks per (batch, kv head) pair for which the Hopper dK/dV kernel's default form (one resident
+#: block per SM) runs one pair per band. Measured on an H100, bfloat16, FlashAttention's grid (tools/band_ab.py,
+#: bench/NOTES.md), wave-sized bands' backward time over one pair per band: head_dim 128 1.53 / 1.33 / 1.04 / 0.98
+#: at 4 / 8 / 16 / 32 key blocks without a mask, 1.25 / 1.13 / 0.99 / 0.93 under the causal mask; head_dim 256
+#: 1.63 / 1.50 / 1.02 / 1.11 and 1.20 / 1.11 / 1.01 / 0.95.
 PAIR_MAJOR_MAX_TILES = 16
+#: The most keys per pair for which its ordered form (deterministic) runs one pair per band, a pair's key blocks
+#: side by side (ordered_side_by_side): 32 key blocks at head_dim 256, 16 at 64 and 128. The same measure for
+#: the ordered form (bench/NOTES.md sessions 38-39) at 32 / 64 / 128 key blocks: head_dim 256 1.10 / 1.04 / 0.92
+#: without a mask, 1.09 / 0.99 / 0.81 causal (at 2k keys, backward_ab: 2.440 -> 2.179 ms and 1.424 -> 1.311);
+#: head_dim 128 and 64 0.97-1.01 at 32 and 64.
+ORDERED_PAIR_MAJOR_MAX_KEYS = 2048
+
+
+def pair_major_tiles(spec: KernelSpec) -> int:
+    """The most key blocks per (batch, kv head) pair for which the dK/dV kernel ``spec`` runs one pair per band
+    (``block_band``): 0 (never) but for the Hopper kernel, bwd_dkdv_wgmma."""
+    if spec.kernel != "bwd_dkdv_wgmma":
+        return 0
+    return ORDERED_PAIR_MAJOR_MAX_KEYS // spec.block_n if spec.ordered_dq else PAIR_MAJOR_MAX_TILES
 
 
 @functools.lru_cache(maxsize=1024)
-def block_band(tiles_per_head: int, pairs: int, sm_count: int, pair_major: bool = False) -> int:
+def block_band(tiles_per_head: int, pairs: int, sm_count: int, pair_major_tiles: int = 0) -> int:
     """(batch, kv head) pairs per band of the dK/dV kernels' banded grid (``KeyBlock``, kernels/common.cuh).
 
     The smallest divisor of ``pairs`` whose band holds at least one wave of resident blocks, so the
@@ -929,11 +941,11 @@ def block_band(tiles_per_head: int, pairs: int, sm_count: int, pair_major: bool 
     H200 against pairs fastest and against one pair per band (bench/NOTES.md): the backward gains 5-24%
     at seqlen 1k-4k, nothing at 16k, and one-pair bands are up to 10% slower under the causal mask.
 
-    ``pair_major`` (the Hopper dK/dV kernel, both forms): one pair per band where a pair has at most
-    ``PAIR_MAJOR_MAX_TILES`` key blocks, so a wave holds the key blocks of a few pairs, whose Q and dO stay in
-    L2, not one key block of each of a wave of pairs.
+    One pair per band where a pair has at most ``pair_major_tiles`` key blocks (the Hopper dK/dV kernel:
+    ``pair_major_tiles``), so a wave holds the key blocks of a few pairs, whose Q and dO stay in L2, not one key
+    block of each of a wave of pairs.
     """
-    if pair_major and tiles_per_head <= PAIR_MAJOR_MAX_TILES and pairs <= MAX_GRID_Y:
+    if tiles_per_head <= pair_major_tiles and pairs <= MAX_GRID_Y:
         return 1
     wave = BAND_BLOCKS_PER_SM * sm_count
     least = max(-(-wave // max(tiles_per_head, 1)), -(-pairs // MAX_GRID_Y), 1)

@@ -61,9 +61,9 @@ def grid(blocks: int) -> tuple[int]:
     return (max(blocks, 1),)
 
 
-def banded_grid(tiles_per_head: int, pairs: int, sm_count: int, pair_major: bool = False) -> tuple[int, int]:
+def banded_grid(tiles_per_head: int, pairs: int, sm_count: int, pair_major_tiles: int = 0) -> tuple[int, int]:
     """(tiles of one band, bands): the grid of the dK/dV kernels that decode KeyBlock (kernels/common.cuh)."""
-    band = _config.block_band(tiles_per_head, pairs, sm_count, pair_major)
+    band = _config.block_band(tiles_per_head, pairs, sm_count, pair_major_tiles)
     return grid(tiles_per_head * band)[0], pairs // band
 
 
@@ -185,10 +185,10 @@ def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
             dkdv += [Launch(spec, grid(pairs * dq_splits), (dq_splits, dq_pass))
                      for dq_pass in range(-(-key_blocks // dq_splits))]
         else:
-            pair_major = spec.kernel == "bwd_dkdv_wgmma"
-            band = _config.block_band(key_blocks, pairs, device.sm_count, pair_major)
+            pair_major_tiles = _config.pair_major_tiles(spec)
+            band = _config.block_band(key_blocks, pairs, device.sm_count, pair_major_tiles)
             side_by_side = ordered is not None and _config.ordered_side_by_side(key_blocks, band, device.sm_count)
-            dkdv.append(Launch(spec, banded_grid(key_blocks, pairs, device.sm_count, pair_major),
+            dkdv.append(Launch(spec, banded_grid(key_blocks, pairs, device.sm_count, pair_major_tiles),
                                (0, int(side_by_side))))
     if adds_dq:
         copies = max(dq_splits, 1)  # one buffer per split of the split grid

@@ -36,6 +36,10 @@ BACKWARD_SHAPES = [
     (1, 60, 700, 2, 1, 128, False),
     (1, 700, 300, 4, 2, 64, False),
     (1, 200, 700, 2, 2, 256, True),
+    # at head_dim 256 up to 32 key blocks side by side (_config.ORDERED_PAIR_MAJOR_MAX_KEYS): 24 of them over 13
+    # query tiles without a mask (stride 0), 30 over 30 tiles under the causal mask
+    (1, 800, 1500, 2, 1, 256, False),
+    (1, 1900, 1900, 2, 2, 256, True),
 ]
 
 

@@ -320,14 +320,26 @@ def test_block_band_examples(tiles_per_head, pairs, expected):
     assert _config.block_band(tiles_per_head, pairs, 132) == expected
 
 
-@given(tiles_per_head=st.integers(1, 4096), pairs=st.integers(1, 100_000), sm_count=st.sampled_from([108, 132]))
-def test_block_band_pair_major(tiles_per_head, pairs, sm_count):
-    # one pair per band up to PAIR_MAJOR_MAX_TILES key blocks (within gridDim.y), the wave-sized bands past it
-    band = _config.block_band(tiles_per_head, pairs, sm_count, pair_major=True)
-    if tiles_per_head <= _config.PAIR_MAJOR_MAX_TILES and pairs <= _config.MAX_GRID_Y:
+@given(tiles_per_head=st.integers(1, 4096), pairs=st.integers(1, 100_000), sm_count=st.sampled_from([108, 132]),
+       pair_major_tiles=st.sampled_from([0, 16, 32]))
+def test_block_band_pair_major(tiles_per_head, pairs, sm_count, pair_major_tiles):
+    # one pair per band up to pair_major_tiles key blocks (within gridDim.y), the wave-sized bands past it
+    band = _config.block_band(tiles_per_head, pairs, sm_count, pair_major_tiles)
+    if tiles_per_head <= pair_major_tiles and pairs <= _config.MAX_GRID_Y:
         assert band == 1
     else:
         assert band == _config.block_band(tiles_per_head, pairs, sm_count)
+
+
+def test_pair_major_tiles_by_form():
+    # the Hopper dK/dV kernel only; its ordered form up to ORDERED_PAIR_MAJOR_MAX_KEYS keys (32 key blocks at
+    # head_dim 256, 16 at 64 and 128), its default form up to PAIR_MAJOR_MAX_TILES key blocks
+    for head_dim, ordered_tiles in [(64, 16), (128, 16), (256, 32)]:
+        cfg = _config.choose_config(head_dim, np.dtype(BFLOAT16), _config.MASK_CAUSAL, _config.H100)
+        assert _config.pair_major_tiles(cfg.bwd_dkdv_wgmma) == _config.PAIR_MAJOR_MAX_TILES
+        assert _config.pair_major_tiles(_config.ordered_dq_kernel(cfg)) == ordered_tiles
+        a100 = _config.choose_config(head_dim, np.dtype(BFLOAT16), _config.MASK_CAUSAL, _config.A100)
+        assert all(_config.pair_major_tiles(spec) == 0 for spec in a100.bwd_dkdv + a100.bwd_dkdv_atomic)
 
 
 @pytest.mark.parametrize("device", DEVICES.values(), ids=DEVICES.keys())

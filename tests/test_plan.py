@@ -255,6 +255,22 @@ def test_the_hopper_backward_runs_a_pairs_key_blocks_side_by_side_up_to_the_limi
     assert launch.tail == (0, 0)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_ordered_backward_runs_2048_keys_side_by_side_at_head_dim_256(causal):
+    # 32 key blocks a pair: the default form on the wave-sized bands, the ordered form one pair per band, its key
+    # blocks side by side (ORDERED_PAIR_MAJOR_MAX_KEYS); at 4096 keys both on the wave-sized bands
+    for seqlen, side_by_side in [(2048, True), (4096, False)]:
+        p = problem(batch=16384 // seqlen, seqlen_q=seqlen, seqlen_k=seqlen, heads=8, heads_kv=8, head_dim=256,
+                    causal=causal)
+        (default,) = _plan.backward(p, H100, deterministic=False).dkdv
+        (ordered,) = _plan.backward(p, H100, deterministic=True).dkdv
+        key_blocks, pairs = -(-seqlen // default.spec.block_n), p.batch * p.heads_kv
+        wave_bands = _plan.banded_grid(key_blocks, pairs, H100.sm_count)
+        assert default.grid == wave_bands and default.tail == (0, 0)
+        assert ordered.spec.ordered_dq and ordered.tail == (0, int(side_by_side))
+        assert ordered.grid == ((key_blocks, pairs) if side_by_side else wave_bands)
+
+
 @pytest.mark.parametrize("seqlen, sm_count", [(32768, H100.sm_count), (2048, 8)])
 def test_the_ordered_backward_adds_in_key_block_order_where_a_pair_outnumbers_the_sms(seqlen, sm_count):
     # one pair: one band whatever its key blocks, but the order in which they reach a tile waits on higher key

@@ -36,6 +36,12 @@ CASES = {
                                           deterministic=True),
     "hopper-bwd-128-ordered-full": dict(shape=(2, 150, 700, 4, 2, 128), backward=True, deterministic=True),
     "hopper-bwd-256-ordered-full": dict(shape=(1, 400, 200, 2, 1, 256), backward=True, deterministic=True),
+    # past the side-by-side limit (_config.pair_major_tiles: 16 key blocks at 128, 32 at 256), on the wave-sized
+    # bands
+    "hopper-bwd-256-ordered-causal-bands": dict(shape=(1, 2100, 2100, 2, 2, 256), causal=True, backward=True,
+                                                deterministic=True),
+    "hopper-bwd-128-ordered-window-bands": dict(shape=(2, 2200, 2200, 4, 2, 128), window_size=(300, 0),
+                                                backward=True, deterministic=True),
     # the split grid, forced (the ordered form serves on sm_90, and these shapes are too small to choose it): 2
     # splits, a last pass with one idle
     "hopper-bwd-256-deterministic": dict(shape=(2, 150, 300, 4, 2, 256), backward=True, deterministic=True,

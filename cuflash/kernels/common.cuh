@@ -552,7 +552,7 @@ struct CacheBlock {
 //   so the blocks resident at once stream the Q and dO of a few heads, which stay in L2, instead of
 //   every head's from DRAM (5-24% faster at seqlen 1k-4k than pairs fastest, the same at 16k:
 //   bench/NOTES.md); bwd_dkdv_wgmma takes one pair per band where a pair has few key blocks
-//   (_config.PAIR_MAJOR_MAX_TILES), so that a wave holds whole pairs. dq_pass is 0, but in bwd_dkdv_wgmma's
+//   (_config.pair_major_tiles), so that a wave holds whole pairs. dq_pass is 0, but in bwd_dkdv_wgmma's
 //   ordered form, where 1 says that a pair's key blocks run side by side: one pair per band, and no more key
 //   blocks than SMs, so that a pair's key blocks, started in order, are all resident together once the pairs
 //   before theirs have ended (bwd_wgmma.cu).
