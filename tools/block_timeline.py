@@ -1,7 +1,7 @@
 """Where the Hopper kernels spend their time: clock64 stamps per block (dK/dV) or per work item (forward), on the GPU.
 
 ``python tools/block_timeline.py [--pass bwd|fwd] [--head-dim 128] [--seqlens 512 1024 4096] [--causal]
-[--window LEFT] [--dtype bfloat16]`` copies the ``cuflash`` package into a temporary folder, stamps the kernels
+[--window LEFT] [--dtype bfloat16] [--deterministic]`` copies the ``cuflash`` package into a temporary folder, stamps the kernels
 there and runs one launch at FlashAttention's grid shape (batch * seqlen = 16384, heads * head_dim = 2048), the
 last of three, L2 flushed before each. Times are in microseconds from the longest block's cycle count over the
 launch's time; figures are medians with the 10th-90th percentiles.
@@ -9,7 +9,10 @@ launch's time; figures are medians with the 10th-90th percentiles.
 - ``--pass bwd`` (default): ``bwd_dkdv_wgmma`` (kernels/bwd_wgmma.cu), the default backward's dK/dV launch,
   stamped at the block's entry, once its K and V have landed, after its last step and after its last dK/dV
   store. Per block: the prologue, the steps, the epilogue and the gap to the next block on the same SM
-  (``%smid``). The stamps travel in ``dq_order``, which the default form leaves null.
+  (``%smid``); where the dQ writer warp runs (the ordered form, head_dim 256) its cycles waiting for the
+  consumers' shares, on the ordered form's counts and for its adds to complete. The stamps travel in
+  ``dq_order``, which the default form leaves null; ``--deterministic`` stamps the ordered form, whose counts
+  come first in that buffer.
 - ``--pass fwd``: ``fwd_wgmma`` (kernels/fwd_wgmma.cu), stamped by consumer warpgroup 0 when it takes an item,
   once the item's Q has landed, after its walk's last softmax (its last P V and epilogue run with the next
   item's first turn, or at the block's end). Per count of key tiles: the items' time from one take to the
@@ -31,17 +34,25 @@ import tempfile
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TOKENS, WIDTH = 16384, 2048  # FlashAttention's grid: batch * seqlen, heads * head_dim
-STAMPS = 8  # int64 per block (bwd): smid, entry, K and V landed, last step done, consumer 0 and 1 done, steps
+# int64 per block (bwd): smid, entry, K and V landed, last step done, consumer 0 and 1 done, steps; then the dQ
+# writer's (lane 0 of producer warp 2) cycles waiting: for the consumers' shares, on the ordered form's counts, for
+# its adds to complete before it counts (the ordered form; the writer serves the ordered form and head_dim 256)
+STAMPS = 10
 # int64 per item (fwd): smid, taken, Q landed, walk done, key tiles, block, the block's end (its last item's)
 ITEM_STAMPS = 8
 CHECK_SPECS = ("cuflash::bwd_dkdv_wgmma<__nv_bfloat16, 128, 0, 0, 64, 128, false, false>",
+               "cuflash::bwd_dkdv_wgmma<__nv_bfloat16, 256, 1, 0, 64, 64, true, false>",   # the ordered form's writer
                "cuflash::fwd_wgmma<__nv_bfloat16, 128, 1, 0, 128, 128, false>")
 
 # per kernel source, (text in the kernel, text that replaces it): each must occur exactly once
 _BWD_STAMPS = [
+    # the default form leaves dq_order null: the stamps take its place; the ordered form's counts come first,
+    # as many as _plan.backward's order_ints, rounded up to a whole int64
     ("    const int warpgroup = threadIdx.x / 128, tid_wg = threadIdx.x % 128;\n",
-     "    unsigned long long* const stamps =\n"
-     "        reinterpret_cast<unsigned long long*>(dq_order) + 8 * (blockIdx.y * gridDim.x + blockIdx.x);\n"
+     "    const long long counts = kOrdered ? static_cast<long long>(batch) * heads * DqAccum::rows(seqlen_q) * HEAD_DIM /\n"
+     "                                            DqAccum::kShare : 0;\n"
+     "    unsigned long long* const stamps = reinterpret_cast<unsigned long long*>(dq_order + (counts + 1) / 2 * 2) +\n"
+     "                                       10 * (blockIdx.y * gridDim.x + blockIdx.x);\n"
      "    if (threadIdx.x == 0) {\n"
      "        unsigned smid;\n"
      "        asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));\n"
@@ -58,6 +69,27 @@ _BWD_STAMPS = [
      "    // Epilogue: dK times the softmax scale"),
     ("\n}\n\n}  // namespace cuflash",
      "\n    if (tid_wg == 0) stamps[4 + cw] = clock64();\n}\n\n}  // namespace cuflash"),
+    ("            const int lane = tid_wg % 32, writer = kStagedDq ? lane / 4 % kConsumers : lane / 4;\n",
+     "            const int lane = tid_wg % 32, writer = kStagedDq ? lane / 4 % kConsumers : lane / 4;\n"
+     "            long long shares_wait = 0, count_wait = 0, complete_wait = 0, t0 = 0;\n"),
+    ("                for (int i = 0; i < kDqWriters; ++i) named_barrier_sync(dq_full(i, s), kDqBarrierThreads);\n",
+     "                t0 = clock64();\n"
+     "                for (int i = 0; i < kDqWriters; ++i) named_barrier_sync(dq_full(i, s), kDqBarrierThreads);\n"
+     "                shares_wait += clock64() - t0;\n"),
+    ("                        while (load_acquire_gpu(count) < before) {\n                        }\n",
+     "                        t0 = clock64();\n"
+     "                        while (load_acquire_gpu(count) < before) {\n                        }\n"
+     "                        count_wait += clock64() - t0;\n"),
+    ("                if (kOrdered && adds) {\n                    bulk_wait<0>();\n",
+     "                if (kOrdered && adds) {\n                    t0 = clock64();\n                    bulk_wait<0>();\n"
+     "                    complete_wait += clock64() - t0;\n"),
+    ("            if (adds) bulk_wait<0>();   // the adds done before the block ends",
+     "            if (lane == 0) {\n"
+     "                stamps[6] = shares_wait;\n"
+     "                stamps[8] = count_wait;\n"
+     "                stamps[9] = complete_wait;\n"
+     "            }\n"
+     "            if (adds) bulk_wait<0>();   // the adds done before the block ends"),
 ]
 _FWD_STAMPS = [
     ("    for (int handed = 0;; ++handed) {\n        const int slot = handed % 2;\n",
@@ -147,42 +179,52 @@ def stamped_launch(launch, stamps, flush, *buffers) -> tuple:
     return cp.cuda.get_elapsed_time(start, stop) * 1000, stamps.get().astype(np.int64)
 
 
-def measure_backward(head_dim: int, seqlens: list[int], causal: bool, dtype: str) -> None:
+def measure_backward(head_dim: int, seqlens: list[int], causal: bool, dtype: str, deterministic: bool) -> None:
     import cupy as cp
     import numpy as np
 
     import cuflash
-    from cuflash import _cupy_path, _validate
+    from cuflash import _config, _cupy_path, _validate
 
     flush = cp.empty(256 << 20, cp.uint8)
-    print(f"head_dim {head_dim}, {'causal' if causal else 'full'}, {dtype}; us per block, median [p10, p90]")
+    form = "the ordered form" if deterministic else "the default form"
+    print(f"head_dim {head_dim}, {'causal' if causal else 'full'}, {dtype}, {form}; us per block, median [p10, p90]")
     for seqlen in seqlens:
         batch, heads = TOKENS // seqlen, WIDTH // head_dim
         q, k, v, dout = (cp.random.standard_normal((batch, seqlen, heads, head_dim), dtype=cp.float32)
                          .astype(cp.dtype(dtype)) for _ in range(4))
         out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
         problem = _validate.check_backward(dout, q, k, v, out, lse, causal, None)
-        plan = _cupy_path.BackwardPlan(problem, q.data.device_id, False, dout, q, k, v, out, lse)
+        plan = _cupy_path.BackwardPlan(problem, q.data.device_id, deterministic, dout, q, k, v, out, lse)
         dkdv, = plan.dkdv
         if dkdv.maps is None:
             raise SystemExit("the plan does not run bwd_dkdv_wgmma here (a GPU of compute capability 9.0 runs it)")
-        stamps = cp.zeros((int(np.prod(dkdv.grid)), STAMPS), cp.uint64)
+        if deterministic and not plan.order_ints:
+            raise SystemExit("the deterministic plan does not run the ordered form here")
+        # the ordered form's counts, then the stamps (the stamped kernel derives the counts' length: check it)
+        blocks = int(np.prod(dkdv.grid))
+        counts = batch * heads * _config.dq_accum_rows(seqlen) * head_dim // _config.DQ_ACCUM_SHARE
+        if plan.order_ints not in (0, counts):
+            raise SystemExit(f"the plan counts {plan.order_ints} shares, the stamped kernel {counts}")
+        offset = (plan.order_ints + 1) // 2 * 2
+        order = cp.zeros(offset + 2 * STAMPS * blocks, cp.int32)
+        stamps = order[offset:].view(cp.uint64).reshape(blocks, STAMPS)
         dq = cp.empty_like(q)
         dk, dv = cp.empty_like(k), cp.empty_like(v)
         delta = cp.empty(plan.delta_shape, cp.float32)
         plan.preprocess((dout, out, delta) + plan.preprocess_head + (_cupy_path._VECTOR_OK[1],))
         dq_accum = cp.zeros(plan.accum_floats, cp.float32)
-        # BACKWARD_PER_CALL, the stamps in dq_order's place
-        args = (q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, stamps, _cupy_path._NULL,
+        # BACKWARD_PER_CALL, the counts and stamps in dq_order's place
+        args = (q, k, v, dout, lse, delta, dq, dk, dv, dq_accum, order, _cupy_path._NULL,
                 *_cupy_path._dropout_args(problem, 0, 0), _cupy_path._VECTOR_OK[1])
-        us, t = stamped_launch(lambda: dkdv(args), stamps, flush, dq_accum)
+        us, t = stamped_launch(lambda: dkdv(args), stamps, flush, dq_accum, order)
         t = t[t[:, 1] > 0]
         sm, entry, landed, stepped, steps = t[:, 0], t[:, 1], t[:, 2], t[:, 3], t[:, 7]
         done = np.maximum(t[:, 4], t[:, 5])
         spans, gaps = [], []
         for s in np.unique(sm):
-            order = np.argsort(entry[sm == s])
-            starts, ends = entry[sm == s][order], done[sm == s][order]
+            by_entry = np.argsort(entry[sm == s])
+            starts, ends = entry[sm == s][by_entry], done[sm == s][by_entry]
             spans.append(ends.max() - starts.min())
             gaps.extend(starts[1:] - ends[:-1])
         cycles = max(spans) / us   # per microsecond
@@ -190,6 +232,9 @@ def measure_backward(head_dim: int, seqlens: list[int], causal: bool, dtype: str
               f"{percentiles((landed - entry) / cycles)}, steps {percentiles((stepped - landed) / cycles)} "
               f"({np.median(steps):.0f} of them), epilogue {percentiles((done - stepped) / cycles)}, "
               f"to the next block {percentiles(np.array(gaps) / cycles)}")
+        if t[:, 6].any():   # the dQ writer ran (the ordered form, head_dim 256)
+            print(f"  dQ writer waits per block: for the shares {percentiles(t[:, 6] / cycles)}, on the counts "
+                  f"{percentiles(t[:, 8] / cycles)}, for its adds to complete {percentiles(t[:, 9] / cycles)}")
 
 
 def measure_forward(head_dim: int, seqlens: list[int], causal: bool, window_left: int, dtype: str) -> None:
@@ -249,6 +294,7 @@ def main(argv=None) -> int:
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--window", type=int, default=-1, help="the window's left side (fwd; -1: none)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--deterministic", action="store_true", help="bwd: the deterministic plan's ordered form")
     parser.add_argument("--check", action="store_true", help="stamp and compile only (no GPU)")
     args = parser.parse_args(argv)
     if args.check:
@@ -259,7 +305,7 @@ def main(argv=None) -> int:
         if args.pass_ == "fwd":
             measure_forward(args.head_dim, args.seqlens, args.causal, args.window, args.dtype)
         else:
-            measure_backward(args.head_dim, args.seqlens, args.causal, args.dtype)
+            measure_backward(args.head_dim, args.seqlens, args.causal, args.dtype, args.deterministic)
     return 0
 
 
