@@ -941,9 +941,9 @@ def block_band(tiles_per_head: int, pairs: int, sm_count: int, pair_major_tiles:
     H200 against pairs fastest and against one pair per band (bench/NOTES.md): the backward gains 5-24%
     at seqlen 1k-4k, nothing at 16k, and one-pair bands are up to 10% slower under the causal mask.
 
-    One pair per band where a pair has at most ``pair_major_tiles`` key blocks (the Hopper dK/dV kernel:
-    ``pair_major_tiles``), so a wave holds the key blocks of a few pairs, whose Q and dO stay in L2, not one key
-    block of each of a wave of pairs.
+    One pair per band where a pair has at most ``pair_major_tiles`` key blocks (the kernel's
+    ``pair_major_tiles(spec)``: nonzero for the Hopper dK/dV kernel only), so a wave holds the key blocks of a few
+    pairs, whose Q and dO stay in L2, not one key block of each of a wave of pairs.
     """
     if tiles_per_head <= pair_major_tiles and pairs <= MAX_GRID_Y:
         return 1
