@@ -32,8 +32,8 @@ PLANNED = _config.block_band
 #: variant name -> block_band in its place while its plan is built
 VARIANTS = {
     "planned": PLANNED,
-    "bands": lambda tiles, pairs, sm_count, *pair_major: PLANNED(tiles, pairs, sm_count),
-    "pair": lambda tiles, pairs, sm_count, *pair_major: 1,
+    "bands": lambda tiles, pairs, sm_count, *pair_major_tiles: PLANNED(tiles, pairs, sm_count),
+    "pair": lambda tiles, pairs, sm_count, *pair_major_tiles: 1,
 }
 
 

@@ -1,10 +1,10 @@
 """Where the Hopper kernels spend their time: clock64 stamps per block (dK/dV) or per work item (forward), on the GPU.
 
 ``python tools/block_timeline.py [--pass bwd|fwd] [--head-dim 128] [--seqlens 512 1024 4096] [--causal]
-[--window LEFT] [--dtype bfloat16] [--deterministic]`` copies the ``cuflash`` package into a temporary folder, stamps the kernels
-there and runs one launch at FlashAttention's grid shape (batch * seqlen = 16384, heads * head_dim = 2048), the
-last of three, L2 flushed before each. Times are in microseconds from the longest block's cycle count over the
-launch's time; figures are medians with the 10th-90th percentiles.
+[--window LEFT] [--dtype bfloat16] [--deterministic]`` copies the ``cuflash`` package into a temporary folder,
+stamps the kernels there and runs one launch at FlashAttention's grid shape (batch * seqlen = 16384, heads *
+head_dim = 2048), the last of three, L2 flushed before each. Times are in microseconds from the longest block's
+cycle count over the launch's time; figures are medians with the 10th-90th percentiles.
 
 - ``--pass bwd`` (default): ``bwd_dkdv_wgmma`` (kernels/bwd_wgmma.cu), the default backward's dK/dV launch,
   stamped at the block's entry, once its K and V have landed, after its last step and after its last dK/dV
@@ -49,10 +49,10 @@ _BWD_STAMPS = [
     # the default form leaves dq_order null: the stamps take its place; the ordered form's counts come first,
     # as many as _plan.backward's order_ints, rounded up to a whole int64
     ("    const int warpgroup = threadIdx.x / 128, tid_wg = threadIdx.x % 128;\n",
-     "    const long long counts = kOrdered ? static_cast<long long>(batch) * heads * DqAccum::rows(seqlen_q) * HEAD_DIM /\n"
-     "                                            DqAccum::kShare : 0;\n"
+     "    const long long counts = kOrdered ? static_cast<long long>(batch) * heads * DqAccum::rows(seqlen_q) *\n"
+     "                                            HEAD_DIM / DqAccum::kShare : 0;\n"
      "    unsigned long long* const stamps = reinterpret_cast<unsigned long long*>(dq_order + (counts + 1) / 2 * 2) +\n"
-     "                                       10 * (blockIdx.y * gridDim.x + blockIdx.x);\n"
+     f"                                       {STAMPS} * (blockIdx.y * gridDim.x + blockIdx.x);\n"
      "    if (threadIdx.x == 0) {\n"
      "        unsigned smid;\n"
      "        asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));\n"
@@ -81,7 +81,9 @@ _BWD_STAMPS = [
      "                        while (load_acquire_gpu(count) < before) {\n                        }\n"
      "                        count_wait += clock64() - t0;\n"),
     ("                if (kOrdered && adds) {\n                    bulk_wait<0>();\n",
-     "                if (kOrdered && adds) {\n                    t0 = clock64();\n                    bulk_wait<0>();\n"
+     "                if (kOrdered && adds) {\n"
+     "                    t0 = clock64();\n"
+     "                    bulk_wait<0>();\n"
      "                    complete_wait += clock64() - t0;\n"),
     ("            if (adds) bulk_wait<0>();   // the adds done before the block ends",
      "            if (lane == 0) {\n"
