@@ -9,8 +9,10 @@ cycle count over the launch's time; figures are medians with the 10th-90th perce
 - ``--pass bwd`` (default): ``bwd_dkdv_wgmma`` (kernels/bwd_wgmma.cu), the default backward's dK/dV launch,
   stamped at the block's entry, once its K and V have landed, after its last step and after its last dK/dV
   store. Per block: the prologue, the steps, the epilogue and the gap to the next block on the same SM
-  (``%smid``); where the dQ writer warp runs (the ordered form, head_dim 256) its cycles waiting for the
-  consumers' shares, on the ordered form's counts and for its adds to complete. The stamps travel in
+  (``%smid``); where the dQ writer runs (the ordered form, head_dim 256) its first warp's cycles waiting for the
+  consumers' shares, on the ordered form's counts and for its adds to complete (the ordered form at 256 has two
+  writer warps, one per stage: the figures are the even steps'; the consumers may run up to two steps ahead of
+  the writer, so its waits are not all time lost to the block). The stamps travel in
   ``dq_order``, which the default form leaves null; ``--deterministic`` stamps the ordered form, whose counts
   come first in that buffer.
 - ``--pass fwd``: ``fwd_wgmma`` (kernels/fwd_wgmma.cu), stamped by consumer warpgroup 0 when it takes an item,
@@ -86,7 +88,7 @@ _BWD_STAMPS = [
      "                    bulk_wait<0>();\n"
      "                    complete_wait += clock64() - t0;\n"),
     ("            if (adds) bulk_wait<0>();   // the adds done before the block ends",
-     "            if (lane == 0) {\n"
+     "            if (tid_wg == 64) {   // lane 0 of warp 2, the first writer warp\n"
      "                stamps[6] = shares_wait;\n"
      "                stamps[8] = count_wait;\n"
      "                stamps[9] = complete_wait;\n"

@@ -49,10 +49,10 @@
 //
 // The ordered form (deterministic; after FlashAttention-3's dQ semaphores) keeps the default's banded grid and
 // its one dq_accum, and adds each share into it in a fixed order of the key blocks: warp 2 of the producer
-// warpgroup, the dQ writer, takes the consumer warps' buffers (named barriers), waits until the share's count
-// in dq_order says that the key blocks before this one have added, adds by the TMA unit, and counts (at
-// head_dim 256 from the stage, as the default's writer does). The order, and the walk of the query tiles that
-// matches it (QueryTiles):
+// warpgroup (with warp 3 at 256: kWriterWarps), the dQ writer, takes the consumer warps' buffers (named
+// barriers), waits until the share's count in dq_order says that the key blocks before this one have added, adds
+// by the TMA unit, and counts (at head_dim 256 from the stage, as the default's writer does). The order, and the
+// walk of the query tiles that matches it (QueryTiles):
 // - where a pair's key blocks run side by side (KeyBlock's dq_pass 1: all resident together), each tile's adds
 //   come in the order in which its key blocks reach it, so that a key block never waits for one still steps
 //   behind: under a mask, key block j walks its tiles upwards from its first, and a tile's adds come from its
@@ -129,6 +129,10 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     // at head_dim 256 each consumer's dQ shares of a step (two passes of 4 warps' 16 x 64 floats) are staged in
     // its column blocks of the step's Q and dO, one tensor per pass, and the dQ writer adds them
     constexpr bool kStagedDq = !Smem::kBulkDq;
+    // the dQ writer's warps (2, and 3 where two): two in the ordered form at 256, one per stage (warp 2 + s % 2
+    // takes step s), so that one step's wait for its adds to complete, before it counts them, runs beside the
+    // next step's wait and add (bench/NOTES.md session 40)
+    constexpr int kWriterWarps = ORDERED_DQ && kStagedDq ? kBwdWgmmaStages : 1;
     constexpr int kConsumerColBlocks = Smem::kColBlocks / kConsumers;
     static_assert(!kStagedDq || (!kKeySplit && 4 * Smem::kDqWarp == kConsumerColBlocks * Smem::kQBlock),
                   "a consumer's 4 warps' shares of one pass fill its column blocks of a Q or dO stage");
@@ -227,7 +231,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                 __syncwarp();
                 if (lane == 0) mbarrier_arrive(q_full(stage));   // release: the stores above are visible
             }
-        } else if ((kOrdered || kStagedDq) && tid_wg / 32 == 2) {   // warp 2: the dQ writer
+        } else if ((kOrdered || kStagedDq) && tid_wg / 32 >= 2 && tid_wg / 32 < 2 + kWriterWarps) {   // dQ writer
             // Lane l < 4 kDqWriters adds the share of warp l % 4 of writing consumer l / 4 (16 rows by 64
             // columns, in that warp's buffer) into dq_accum; in the ordered form once the key blocks before this
             // one that add into the share have (its count in dq_order reaches them: the lowest of them holds the
@@ -251,7 +255,8 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
             if constexpr (!kStagedDq)
                 for (int i = 0; i < kDqWriters && steps > 0; ++i)
                     named_barrier_arrive(kDqEmptyBarrier + i, kDqBarrierThreads);   // the buffers start free
-            for (int s = 0; s < steps; ++s) {
+            // (the first step a constant where one warp writes: a runtime one spilled at 64, packed batches)
+            for (int s = kWriterWarps > 1 ? tid_wg / 32 - 2 : 0; s < steps; s += kWriterWarps) {
                 const int stage = s % kBwdWgmmaStages;
                 for (int i = 0; i < kDqWriters; ++i) named_barrier_sync(dq_full(i, s), kDqBarrierThreads);
                 const int m0 = query_tiles.row(s);
