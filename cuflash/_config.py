@@ -921,6 +921,16 @@ PAIR_MAJOR_MAX_TILES = 16
 #: without a mask, 1.09 / 0.99 / 0.81 causal (at 2k keys, backward_ab: 2.440 -> 2.179 ms and 1.424 -> 1.311);
 #: head_dim 128 and 64 0.97-1.01 at 32 and 64.
 ORDERED_PAIR_MAJOR_MAX_KEYS = 2048
+#: The ordered form under a mask, on the wave-sized bands: about the most key blocks of one pair that a wave of
+#: its blocks (one per SM) holds (ordered_band_least_pairs). Each tile's adds wait on one another in key-block
+#: order, and all of a pair's key blocks in a wave reach the top tile together, so the last of them waits for
+#: the adds of all the others. Measured on an H100 (bfloat16, FlashAttention's grid, deterministic backward ms,
+#: bands of the wave-sized rule's pairs / twice / four times / all pairs; bench/NOTES.md session 40): head_dim 256
+#: causal 4k (8 pairs a band, 16 key blocks of a pair in a wave) 2.433 / 2.448 / 3.056 / 3.071, 8k (4 pairs, 33)
+#: 4.716 / 4.412 / 4.594 / 4.768, 16k (2 pairs, 66) 9.069 / 8.453 / 8.496 / 8.581; head_dim 128 causal 8k (8,
+#: 16) 2.941 / 2.987 / 3.206; head_dim 64 causal 8k (8, 16) 3.563 / 3.471 / 3.482 / 3.933. Without a mask wider
+#: bands lose (head_dim 256 4k 4.272 / 5.080 / 7.821), so the rule takes the masks only.
+ORDERED_WAVE_KEY_BLOCKS = 16
 
 
 def pair_major_tiles(spec: KernelSpec) -> int:
@@ -931,8 +941,18 @@ def pair_major_tiles(spec: KernelSpec) -> int:
     return ORDERED_PAIR_MAJOR_MAX_KEYS // spec.block_n if spec.ordered_dq else PAIR_MAJOR_MAX_TILES
 
 
+def ordered_band_least_pairs(spec: KernelSpec, sm_count: int) -> int:
+    """The fewest pairs per band of the dK/dV kernel ``spec``'s wave-sized bands (``block_band``): for the
+    Hopper kernel's ordered form under a mask, sm_count // ORDERED_WAVE_KEY_BLOCKS, so that a wave holds about
+    ORDERED_WAVE_KEY_BLOCKS key blocks of each pair; else 1 (no bound beyond the wave's)."""
+    if spec.kernel != "bwd_dkdv_wgmma" or not spec.ordered_dq or spec.mask == MASK_NONE:
+        return 1
+    return max(1, sm_count // ORDERED_WAVE_KEY_BLOCKS)
+
+
 @functools.lru_cache(maxsize=1024)
-def block_band(tiles_per_head: int, pairs: int, sm_count: int, pair_major_tiles: int = 0) -> int:
+def block_band(tiles_per_head: int, pairs: int, sm_count: int, pair_major_tiles: int = 0,
+               least_pairs: int = 1) -> int:
     """(batch, kv head) pairs per band of the dK/dV kernels' banded grid (``KeyBlock``, kernels/common.cuh).
 
     The smallest divisor of ``pairs`` whose band holds at least one wave of resident blocks, so the
@@ -943,12 +963,13 @@ def block_band(tiles_per_head: int, pairs: int, sm_count: int, pair_major_tiles:
 
     One pair per band where a pair has at most ``pair_major_tiles`` key blocks (the kernel's
     ``pair_major_tiles(spec)``: nonzero for the Hopper dK/dV kernel only), so a wave holds the key blocks of a few
-    pairs, whose Q and dO stay in L2, not one key block of each of a wave of pairs.
+    pairs, whose Q and dO stay in L2, not one key block of each of a wave of pairs. Otherwise at least
+    ``least_pairs`` pairs (where a divisor reaches it; the kernel's ``ordered_band_least_pairs``).
     """
     if tiles_per_head <= pair_major_tiles and pairs <= MAX_GRID_Y:
         return 1
     wave = BAND_BLOCKS_PER_SM * sm_count
-    least = max(-(-wave // max(tiles_per_head, 1)), -(-pairs // MAX_GRID_Y), 1)
+    least = max(-(-wave // max(tiles_per_head, 1)), -(-pairs // MAX_GRID_Y), least_pairs, 1)
     divisors = set()
     for i in range(1, math.isqrt(pairs) + 1):
         if pairs % i == 0:

@@ -61,9 +61,10 @@ def grid(blocks: int) -> tuple[int]:
     return (max(blocks, 1),)
 
 
-def banded_grid(tiles_per_head: int, pairs: int, sm_count: int, pair_major_tiles: int = 0) -> tuple[int, int]:
+def banded_grid(tiles_per_head: int, pairs: int, sm_count: int, pair_major_tiles: int = 0,
+                least_pairs: int = 1) -> tuple[int, int]:
     """(tiles of one band, bands): the grid of the dK/dV kernels that decode KeyBlock (kernels/common.cuh)."""
-    band = _config.block_band(tiles_per_head, pairs, sm_count, pair_major_tiles)
+    band = _config.block_band(tiles_per_head, pairs, sm_count, pair_major_tiles, least_pairs)
     return grid(tiles_per_head * band)[0], pairs // band
 
 
@@ -185,10 +186,10 @@ def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
             dkdv += [Launch(spec, grid(pairs * dq_splits), (dq_splits, dq_pass))
                      for dq_pass in range(-(-key_blocks // dq_splits))]
         else:
-            pair_major_tiles = _config.pair_major_tiles(spec)
-            band = _config.block_band(key_blocks, pairs, device.sm_count, pair_major_tiles)
+            band_rule = (_config.pair_major_tiles(spec), _config.ordered_band_least_pairs(spec, device.sm_count))
+            band = _config.block_band(key_blocks, pairs, device.sm_count, *band_rule)
             side_by_side = ordered is not None and _config.ordered_side_by_side(key_blocks, band, device.sm_count)
-            dkdv.append(Launch(spec, banded_grid(key_blocks, pairs, device.sm_count, pair_major_tiles),
+            dkdv.append(Launch(spec, banded_grid(key_blocks, pairs, device.sm_count, *band_rule),
                                (0, int(side_by_side))))
     if adds_dq:
         copies = max(dq_splits, 1)  # one buffer per split of the split grid

@@ -299,15 +299,16 @@ def test_all_specs_are_distinct_and_cover_the_table():
                                        no_dropout & ~_config.MOD_SINKS, fitting}
 
 
-@given(tiles_per_head=st.integers(1, 4096), pairs=st.integers(1, 20_000), sm_count=st.sampled_from([108, 128, 132]))
-def test_block_band_is_the_smallest_divisor_holding_a_wave(tiles_per_head, pairs, sm_count):
-    band = _config.block_band(tiles_per_head, pairs, sm_count)
+@given(tiles_per_head=st.integers(1, 4096), pairs=st.integers(1, 20_000), sm_count=st.sampled_from([108, 128, 132]),
+       least_pairs=st.sampled_from([1, 6, 8, 9]))
+def test_block_band_is_the_smallest_divisor_holding_a_wave(tiles_per_head, pairs, sm_count, least_pairs):
+    band = _config.block_band(tiles_per_head, pairs, sm_count, least_pairs=least_pairs)
     wave = _config.BAND_BLOCKS_PER_SM * sm_count
     assert pairs % band == 0, "a band is never partial"
     assert pairs // band <= _config.MAX_GRID_Y
-    assert band * tiles_per_head >= wave or band == pairs
+    assert (band * tiles_per_head >= wave and band >= least_pairs) or band == pairs
     smaller = [d for d in range(1, band) if pairs % d == 0]
-    assert all(d * tiles_per_head < wave or pairs // d > _config.MAX_GRID_Y for d in smaller)
+    assert all(d * tiles_per_head < wave or d < least_pairs or pairs // d > _config.MAX_GRID_Y for d in smaller)
 
 
 @pytest.mark.parametrize("tiles_per_head, pairs, expected", [
@@ -340,6 +341,23 @@ def test_pair_major_tiles_by_form():
         assert _config.pair_major_tiles(_config.ordered_dq_kernel(cfg)) == ordered_tiles
         a100 = _config.choose_config(head_dim, np.dtype(BFLOAT16), _config.MASK_CAUSAL, _config.A100)
         assert all(_config.pair_major_tiles(spec) == 0 for spec in a100.bwd_dkdv + a100.bwd_dkdv_atomic)
+
+
+def test_ordered_band_least_pairs_by_form():
+    # the Hopper kernel's ordered form under a mask (causal or a window): bands of at least sm_count //
+    # ORDERED_WAVE_KEY_BLOCKS pairs (8 on an H100); every other form and kernel: no bound beyond the wave's
+    sm_count = _config.H100.sm_count
+    for head_dim in _config.ORDERED_DQ_HEAD_DIMS:
+        for mask in _config.MASK_KINDS:
+            cfg = _config.choose_config(head_dim, np.dtype(BFLOAT16), mask, _config.H100)
+            ordered = _config.ordered_dq_kernel(cfg)
+            expected = 1 if mask == _config.MASK_NONE else sm_count // _config.ORDERED_WAVE_KEY_BLOCKS
+            assert _config.ordered_band_least_pairs(ordered, sm_count) == expected
+            assert _config.ordered_band_least_pairs(cfg.bwd_dkdv_wgmma, sm_count) == 1
+            a100 = _config.choose_config(head_dim, np.dtype(BFLOAT16), mask, _config.A100)
+            assert all(_config.ordered_band_least_pairs(spec, _config.A100.sm_count) == 1
+                       for spec in a100.bwd_dkdv + a100.bwd_dkdv_atomic)
+    assert _config.ordered_band_least_pairs(ordered, 8) == 1   # a GPU of few SMs: no bound
 
 
 @pytest.mark.parametrize("device", DEVICES.values(), ids=DEVICES.keys())

@@ -249,17 +249,23 @@ def test_the_hopper_backward_runs_a_pairs_key_blocks_side_by_side_up_to_the_limi
     assert all(launch.grid == _plan.banded_grid(-(-seqlen // launch.spec.block_n), pairs, H100.sm_count)
                for launch in portable.dkdv)
     # the ordered form on the same grid, adding dQ in the order in which the key blocks reach a tile where a
-    # pair's run side by side, else in key-block order
+    # pair's run side by side, else in key-block order; under the mask on bands of at least 8 pairs
     (ordered,) = _plan.backward(p, H100, deterministic=True).dkdv
-    assert ordered.spec.ordered_dq and ordered.grid == launch.grid and ordered.tail == (0, int(pair_major))
+    assert ordered.spec.ordered_dq and ordered.tail == (0, int(pair_major))
+    least = H100.sm_count // _config.ORDERED_WAVE_KEY_BLOCKS
+    ordered_bands = pairs if pair_major else pairs // _config.block_band(key_blocks, pairs, H100.sm_count, 0, least)
+    assert ordered.grid == (key_blocks * pairs // ordered_bands, ordered_bands)
+    assert (ordered.grid == launch.grid) == (seqlen < 16384)   # at 16k the wave-sized bands hold 4 of 16 pairs
     assert launch.tail == (0, 0)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_ordered_backward_runs_2048_keys_side_by_side_at_head_dim_256(causal):
     # 32 key blocks a pair: the default form on the wave-sized bands, the ordered form one pair per band, its key
-    # blocks side by side (ORDERED_PAIR_MAJOR_MAX_KEYS); at 4096 keys both on the wave-sized bands
-    for seqlen, side_by_side in [(2048, True), (4096, False)]:
+    # blocks side by side (ORDERED_PAIR_MAJOR_MAX_KEYS); from 4096 keys both on the wave-sized bands, under the
+    # mask the ordered form's of at least 8 pairs: at 8192 keys 8 of 16 pairs a band (the wave's 4 would put 33
+    # of a pair's key blocks in one wave)
+    for seqlen, side_by_side in [(2048, True), (4096, False), (8192, False)]:
         p = problem(batch=16384 // seqlen, seqlen_q=seqlen, seqlen_k=seqlen, heads=8, heads_kv=8, head_dim=256,
                     causal=causal)
         (default,) = _plan.backward(p, H100, deterministic=False).dkdv
@@ -268,7 +274,9 @@ def test_the_ordered_backward_runs_2048_keys_side_by_side_at_head_dim_256(causal
         wave_bands = _plan.banded_grid(key_blocks, pairs, H100.sm_count)
         assert default.grid == wave_bands and default.tail == (0, 0)
         assert ordered.spec.ordered_dq and ordered.tail == (0, int(side_by_side))
-        assert ordered.grid == ((key_blocks, pairs) if side_by_side else wave_bands)
+        ordered_bands = wave_bands if not causal or seqlen == 4096 else (key_blocks * 8, pairs // 8)
+        assert ordered.grid == ((key_blocks, pairs) if side_by_side else ordered_bands)
+        assert (ordered.grid == default.grid) == (not side_by_side and (not causal or seqlen == 4096))
 
 
 @pytest.mark.parametrize("seqlen, sm_count", [(32768, H100.sm_count), (2048, 8)])
