@@ -924,12 +924,12 @@ ORDERED_PAIR_MAJOR_MAX_KEYS = 2048
 #: The ordered form under a mask, on the wave-sized bands: about the most key blocks of one pair that a wave of
 #: its blocks (one per SM) holds (ordered_band_least_pairs). Each tile's adds wait on one another in key-block
 #: order, and all of a pair's key blocks in a wave reach the top tile together, so the last of them waits for
-#: the adds of all the others. Measured on an H100 (bfloat16, FlashAttention's grid, deterministic backward ms,
-#: bands of the wave-sized rule's pairs / twice / four times / all pairs; bench/NOTES.md session 40): head_dim 256
-#: causal 4k (8 pairs a band, 16 key blocks of a pair in a wave) 2.433 / 2.448 / 3.056 / 3.071, 8k (4 pairs, 33)
-#: 4.716 / 4.412 / 4.594 / 4.768, 16k (2 pairs, 66) 9.069 / 8.453 / 8.496 / 8.581; head_dim 128 causal 8k (8,
-#: 16) 2.941 / 2.987 / 3.206; head_dim 64 causal 8k (8, 16) 3.563 / 3.471 / 3.482 / 3.933. Without a mask wider
-#: bands lose (head_dim 256 4k 4.272 / 5.080 / 7.821), so the rule takes the masks only.
+#: the adds of all the others. Measured on an H100 (bfloat16, FlashAttention's grid, deterministic backward ms by
+#: pairs per band, the wave-sized rule's first; bench/NOTES.md session 40): head_dim 256 causal 4k 8 / 16 / 32
+#: pairs 2.433 / 2.448 / 3.056, 8k 4 / 8 / 16 pairs 4.716 / 4.412 / 4.594, 16k 2 / 4 / 8 pairs 9.069 / 8.453 /
+#: 8.496; head_dim 128 causal 8k 8 / 16 / 32 pairs 2.941 / 2.987 / 3.206; head_dim 64 causal 8k 8 / 16 / 32 / 64
+#: pairs 3.563 / 3.471 / 3.482 / 3.933. Without a mask wider bands lose (head_dim 256 4k 8 / 16 / 32 pairs 4.272 /
+#: 5.080 / 7.821), so the rule takes the masks only.
 ORDERED_WAVE_KEY_BLOCKS = 16
 
 
