@@ -441,6 +441,33 @@ def test_the_float8_kernel_matches_the_reference_of_its_values(rng, shape, optio
 
 
 @requires_gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_the_float8_transpose_writes_v_t_in_the_order_of_p(rng, head_dim):
+    # transpose_v_float8 alone: V^T (batch, heads_kv, head_dim, keys rounded up to 128) with each 16 keys in the
+    # order in which P's A fragments hold them (column 4 t + i: key 2 t + i for i < 2, 8 + 2 t + i - 2 else), zeros
+    # past seqlen_k, and every byte of a poisoned buffer written; 300 keys end inside a tile, 3 kv heads
+    import cupy as cp
+
+    if not _hopper_gpu():
+        pytest.skip("the float8 kernel runs on compute capability 9.0 with tensor maps")
+    batch, seqlen_k, heads_kv = 2, 300, 3
+    v = rng.integers(0, 256, (batch, seqlen_k, heads_kv, head_dim), dtype=np.uint8)
+    q = rng.integers(0, 120, (batch, 5, heads_kv, head_dim), dtype=np.uint8)
+    q8, k8, v8 = cp.asarray(q), cp.asarray(v[:, ::-1].copy()), cp.asarray(v)
+    run = cuflash._plan_forward(q8, k8, v8, False, None, (-1, -1), 0.0, None, None, 0.0, "bottom_right")
+    plan = run.__self__
+    keys = 384
+    assert plan.transpose_shape == (batch, heads_kv, head_dim, keys)
+    vt = cp.full(plan.transpose_shape, 0xA5, np.uint8)
+    plan.transpose((v8, vt))
+    column = np.arange(keys)
+    t, i = column % 16 // 4, column % 4
+    key = column // 16 * 16 + np.where(i < 2, 2 * t + i, 8 + 2 * t + i - 2)
+    padded = np.concatenate([v, np.zeros((batch, keys - seqlen_k, heads_kv, head_dim), np.uint8)], axis=1)
+    np.testing.assert_array_equal(vt.get(), padded[:, key].transpose(0, 2, 3, 1))
+
+
+@requires_gpu
 @pytest.mark.parametrize("granularity", _fp8.GRANULARITIES)
 @pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32])
 def test_quantization_on_the_gpu_gives_the_hosts_bits(rng, granularity, dtype):

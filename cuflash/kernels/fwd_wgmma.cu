@@ -617,40 +617,61 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
 // 16 h + 4 t + i holds the key that P's A fragment has there (pack_p): 16 h + 2 t + i for i < 2, 16 h + 8 + 2 t +
 // i - 2 for i >= 2. Keys past seqlen_k are zeros (keys_padded, a multiple of kTransposeKeys and so of the key
 // tiles, is what the TMA boxes read). A block per (kTransposeKeys keys, kv head, batch) turns the tile through
-// shared memory: coalesced 16-byte reads of key rows, 16-byte writes of head_dim rows.
+// shared memory: 16-byte reads of key rows, stored as words in rows of HEAD_DIM + 4 bytes (an odd count of words:
+// rows 16 apart fall 16 banks apart), the word index XORed with 4 (key / 32 % 4) (so the 8 rows 16 keys apart that
+// a warp reads fall in 8 distinct groups of 4 banks); then per unit of 4 head_dim rows by 16 keys, 16 word reads, a
+// 4 x 4 byte transpose of each 4 keys in registers (byte_perm) and four 16-byte writes of V^T, one per head_dim
+// row: a warp's 8 consecutive units of one head_dim row write 128 contiguous bytes of it. bench/NOTES.md session 40.
 constexpr int kTransposeKeys = 128;   // _config.FLOAT8_TRANSPOSE_KEYS
 template <int HEAD_DIM>
 __global__ void __launch_bounds__(256)
 transpose_v_float8(const unsigned char* __restrict__ v, unsigned char* __restrict__ vt, long long v_sb, long long v_ss,
                    long long v_sh, int seqlen_k, int keys_padded, int heads_kv) {
-    constexpr int kKeys = kTransposeKeys, kChunks = HEAD_DIM / 16, kRowBytes = HEAD_DIM + 16;   // 16 bytes of padding
-    __shared__ __align__(16) unsigned char tile[kKeys * kRowBytes];
+    constexpr int kKeys = kTransposeKeys, kChunks = HEAD_DIM / 16, kRowWords = HEAD_DIM / 4 + 1;
+    constexpr int kUnits = HEAD_DIM / 4 * (kKeys / 16);   // (4 head_dim rows, 16 keys), the keys fastest
+    static_assert(kRowWords % 2 == 1 && kKeys == 128 && HEAD_DIM >= 64, "odd words a row; 8 units of 16 keys a "
+                  "row of V^T; the word index's XOR (up to 12) within a row");
+    auto swizzle = [](int key) { return 4 * (key / 32 % 4); };
+    __shared__ unsigned tile[kKeys * kRowWords];
     const int key0 = blockIdx.x * kKeys, h = blockIdx.y, b = blockIdx.z;
     for (int i = threadIdx.x; i < kKeys * kChunks; i += blockDim.x) {
         const int key = i / kChunks, chunk = i % kChunks;
         uint4 bytes = make_uint4(0u, 0u, 0u, 0u);
         if (key0 + key < seqlen_k)
             bytes = *reinterpret_cast<const uint4*>(v + b * v_sb + (key0 + key) * v_ss + h * v_sh + 16 * chunk);
-        *reinterpret_cast<uint4*>(tile + key * kRowBytes + 16 * chunk) = bytes;
+        unsigned* const row = tile + key * kRowWords;
+        const int word0 = 4 * chunk ^ swizzle(key);
+        row[word0] = bytes.x;
+        row[word0 + 1] = bytes.y;
+        row[word0 + 2] = bytes.z;
+        row[word0 + 3] = bytes.w;
     }
     __syncthreads();
-    auto key_at = [](int column) {   // the key of V^T's column within the tile
-        const int group = column & ~31, half = (column >> 4) & 1, t = (column >> 2) & 3, i = column & 3;
-        return group + 16 * half + (i < 2 ? 2 * t + i : 8 + 2 * t + i - 2);
-    };
     unsigned char* const head = vt + (static_cast<long long>(b) * heads_kv + h) * HEAD_DIM * keys_padded + key0;
-    for (int i = threadIdx.x; i < HEAD_DIM * (kKeys / 16); i += blockDim.x) {
-        const int d = i / (kKeys / 16), column0 = 16 * (i % (kKeys / 16));
-        unsigned words[4];
+    for (int unit = threadIdx.x; unit < kUnits; unit += blockDim.x) {
+        const int keys16 = unit % (kKeys / 16), word = unit / (kKeys / 16);
+        const int stored = word ^ swizzle(16 * keys16);   // where phase one put the word (16 keys share a swizzle)
+        unsigned w[16];   // head_dim bytes 4 word.. of keys 16 keys16 + r
 #pragma unroll
-        for (int w = 0; w < 4; ++w) {
-            words[w] = 0;
+        for (int r = 0; r < 16; ++r) w[r] = tile[(16 * keys16 + r) * kRowWords + stored];
+        // V^T column 4 t + i of the 16 (t = 0..3) holds key 2 t + i (i < 2), 8 + 2 t + i - 2 (i >= 2): per t the
+        // bytes j of keys 2 t, 2 t + 1, 8 + 2 t, 9 + 2 t form row 4 word + j's word t
+        unsigned out[4][4];   // [j][t]
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
-                words[w] |= static_cast<unsigned>(tile[key_at(column0 + 4 * w + j) * kRowBytes + d]) << (8 * j);
+        for (int t = 0; t < 4; ++t) {
+            const unsigned lo01 = __byte_perm(w[2 * t], w[2 * t + 1], 0x5140);   // b0 b0' b1 b1'
+            const unsigned hi01 = __byte_perm(w[2 * t], w[2 * t + 1], 0x7362);   // b2 b2' b3 b3'
+            const unsigned lo89 = __byte_perm(w[8 + 2 * t], w[9 + 2 * t], 0x5140);
+            const unsigned hi89 = __byte_perm(w[8 + 2 * t], w[9 + 2 * t], 0x7362);
+            out[0][t] = __byte_perm(lo01, lo89, 0x5410);
+            out[1][t] = __byte_perm(lo01, lo89, 0x7632);
+            out[2][t] = __byte_perm(hi01, hi89, 0x5410);
+            out[3][t] = __byte_perm(hi01, hi89, 0x7632);
         }
-        *reinterpret_cast<uint4*>(head + static_cast<long long>(d) * keys_padded + column0) =
-            make_uint4(words[0], words[1], words[2], words[3]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            *reinterpret_cast<uint4*>(head + static_cast<long long>(4 * word + j) * keys_padded + 16 * keys16) =
+                make_uint4(out[j][0], out[j][1], out[j][2], out[j][3]);
     }
 }
 
