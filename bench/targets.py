@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 
 from .records import Shape, read_json, record_key
 from .report import SUBJECT, cache_read_rate, fmt_count, packing_efficiency
+from .timing import DISTURBED_RATIO
 
 DEFAULT_RESULTS = "bench/results/nvidia-h200"
 #: SDPA's flash and cuDNN backends: the decode suite's peers, and the varlen suite's padded ones
@@ -68,13 +69,21 @@ def _ok(records: Iterable[dict]) -> list[dict]:
     return [r for r in records if r.get("status") == "ok" and r.get("ms_median")]
 
 
-def _where(r: dict) -> str:
-    """A cell in words: pass, dtype, head dim, mask and feature (a suite's column or panel name), sizes."""
+def _disturbed(record: dict) -> bool:
+    """Did the record keep a median over DISTURBED_RATIO times its fastest repeat, after the re-measures of
+    ``bench.timing.least_disturbed``? Then its median says less of the code than of the machine's moment."""
+    return bool(record.get("ms_min")) and record["ms_median"] > DISTURBED_RATIO * record["ms_min"]
+
+
+def _where(r: dict, *others: dict) -> str:
+    """A cell in words: pass, dtype, head dim, mask and feature (a suite's column or panel name), sizes; marked
+    "disturbed" where ``r`` or one of the ``others`` its value came from stayed disturbed (``_disturbed``)."""
     mask = " ".join(dict.fromkeys(filter(None, ("causal" if r["causal"] else "full", r.get("feature")))))
     sizes = (f"seqlen {fmt_count(r['seqlen_q'])}" if r["seqlen_q"] == r["seqlen_k"] else
              f"seqlen_q {r['seqlen_q']}, keys {fmt_count(r['seqlen_k'])}")
+    mark = " (disturbed)" if any(map(_disturbed, (r, *others))) else ""
     return (f"{r['pass']} {r['dtype']} d{r['head_dim']} {mask}, batch {r['batch']}, {sizes}, "
-            f"heads {r['heads']}/{r['heads_kv']}")
+            f"heads {r['heads']}/{r['heads_kv']}{mark}")
 
 
 def _speed(record: dict) -> float:
@@ -99,7 +108,7 @@ def ratio_points(subject: str, peers: tuple[str, ...], select: Callable[[dict], 
             if r["impl"] == subject and select(r):
                 peer = by_cell.get(peer_cell(r))
                 if peer is not None:
-                    found.append(Point(_speed(r) / _speed(peer), _where(r)))
+                    found.append(Point(_speed(r) / _speed(peer), _where(r, peer)))
         return found
     return points
 
@@ -131,7 +140,7 @@ def _read_rate_share(records: list[dict]) -> list[Point]:
     records = [r for r in _ok(records) if not r.get("feature")]
     copies = {_cell(r): r for r in records if r["impl"] == "copy"}
     large = [r for r in records if r["impl"] == SUBJECT and cache_bytes(Shape.of(r)) >= 256 * MIB]
-    return [Point(cache_read_rate(r) / cache_read_rate(copies[_cell(r)]), _where(r))
+    return [Point(cache_read_rate(r) / cache_read_rate(copies[_cell(r)]), _where(r, copies[_cell(r)]))
             for r in large if _cell(r) in copies]
 
 

@@ -589,6 +589,24 @@ def test_a_target_is_judged_on_its_worst_point(tmp_path):
     assert "| 16 | decoding | 1 | 0 | | no decode.json | not measured |" in table
 
 
+def test_a_point_from_a_disturbed_measurement_says_so(tmp_path):
+    """A point whose subject or peer kept a median over DISTURBED_RATIO times its fastest repeat is marked in its
+    place; steady repeats are not."""
+    other = Shape.square(batch=2, seqlen=4096, heads=16, head_dim=128)
+    shaky = make_record("cuflash", "fwd", "bfloat16", SHAPE, False, times_ms=[1.0, 1.6, 1.7])
+    peer_shaky = make_record("torch-cudnn", "fwd", "bfloat16", other, False, times_ms=[1.0, 1.5, 1.5])
+    write_json(tmp_path / "grid.json", make_header("grid", False), [
+        shaky, _timed("torch-cudnn", SHAPE, 1.0), _timed("cuflash", other, 1.0), peer_shaky,
+        make_record("cuflash", "fwd", "bfloat16", SHAPE, True, times_ms=[1.0, 1.05, 1.08]),
+        make_record("torch-cudnn", "fwd", "bfloat16", SHAPE, True, times_ms=[1.0, 1.0, 1.0])])
+    (verdict,) = targets.judge(tmp_path, (targets.Target(17, "fast", "grid", 1.0,
+                                                         targets.ratio_points("cuflash", ("torch-cudnn",))),))
+    marked = {p.where.endswith("(disturbed)") for p in verdict.points if "causal" not in p.where}
+    assert marked == {True} and len(verdict.points) == 3
+    (steady,) = [p for p in verdict.points if "causal" in p.where]
+    assert not steady.where.endswith("(disturbed)")
+
+
 def test_feature_targets_compare_with_plain_causal_on_visible_entries(tmp_path):
     """A feature's ratio is its TFLOP/s (visible entries) over plain causal's at the same shape and pass."""
     causal = make_record("cuflash", "fwd", "bfloat16", SHAPE, True, times_ms=[1.0], feature="causal")
