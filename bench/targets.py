@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 from .records import Shape, read_json, record_key
 from .report import SUBJECT, cache_read_rate, fmt_count, packing_efficiency
-from .timing import DISTURBED_RATIO
+from .timing import disturbed
 
 DEFAULT_RESULTS = "bench/results/nvidia-h200"
 #: SDPA's flash and cuDNN backends: the decode suite's peers, and the varlen suite's padded ones
@@ -70,9 +70,9 @@ def _ok(records: Iterable[dict]) -> list[dict]:
 
 
 def _disturbed(record: dict) -> bool:
-    """Did the record keep a median over DISTURBED_RATIO times its fastest repeat, after the re-measures of
+    """Did the record stay disturbed (``bench.timing.disturbed``) after the re-measures of
     ``bench.timing.least_disturbed``? Then its median says less of the code than of the machine's moment."""
-    return bool(record.get("ms_min")) and record["ms_median"] > DISTURBED_RATIO * record["ms_min"]
+    return bool(record.get("ms_min")) and disturbed(record["ms_median"], record["ms_min"])
 
 
 def _where(r: dict, *others: dict) -> str:

@@ -23,11 +23,16 @@ DISTURBED_RATIO = 1.10
 DISTURBED_RETRIES = 2
 
 
+def disturbed(median_ms: float, fastest_ms: float) -> bool:
+    """Was a measurement of this median and fastest repeat disturbed (DISTURBED_RATIO)?"""
+    return median_ms > DISTURBED_RATIO * fastest_ms
+
+
 def least_disturbed(timer, fn) -> tuple[list[float], str | None]:
     """``timer(fn)``'s times (ms), measured again while disturbed (DISTURBED_RATIO), the run with the lowest
     median kept; and a note saying so where it took more than one run (None otherwise)."""
     times, runs = timer(fn), 1
-    while statistics.median(times) > DISTURBED_RATIO * min(times) and runs <= DISTURBED_RETRIES:
+    while disturbed(statistics.median(times), min(times)) and runs <= DISTURBED_RETRIES:
         again, runs = timer(fn), runs + 1
         times = min(times, again, key=statistics.median)
     if runs == 1:

@@ -5,7 +5,8 @@ same backward on the wave-sized bands, or on one (batch, kv head) pair per band.
 
 Per case (bfloat16, full and causal, FlashAttention's grid: 16k tokens, model width 2048) it builds three
 ``BackwardPlan`` objects, differing only in ``_config.block_band``'s answer: as planned, the wave-sized bands
-(block_band without ``pair_major_tiles``, where the tree has it) and one pair per band (a pair's key blocks fastest).
+(block_band without the kernel's own rules, ``pair_major_tiles`` and ``least_pairs``, where the tree has them) and
+one pair per band (a pair's key blocks fastest).
 The gradients of each are checked against the planned one's (within rounding: the order of the dQ adds
 differs), then every round times the three in a rotated order, each as
 ``bench.timing.EventTimer`` does (L2 flushed before each repeat). Prints each variant's grid, median ms and the
@@ -32,8 +33,8 @@ PLANNED = _config.block_band
 #: variant name -> block_band in its place while its plan is built
 VARIANTS = {
     "planned": PLANNED,
-    "bands": lambda tiles, pairs, sm_count, *pair_major_tiles: PLANNED(tiles, pairs, sm_count),
-    "pair": lambda tiles, pairs, sm_count, *pair_major_tiles: 1,
+    "bands": lambda tiles, pairs, sm_count, *band_rule: PLANNED(tiles, pairs, sm_count),
+    "pair": lambda tiles, pairs, sm_count, *band_rule: 1,
 }
 
 

@@ -19,11 +19,10 @@ import cupy as cp
 import numpy as np
 
 import cuflash
+from ab_probe import TOKENS, WIDTH
 from bench.impls import make_inputs
 from bench.records import Shape
 from bench.timing import EventTimer
-
-TOKENS, WIDTH = 16384, 2048  # FlashAttention's grid: batch * seqlen, heads * head_dim
 
 
 def main():
@@ -42,7 +41,8 @@ def main():
                 x = make_inputs(Shape.square(TOKENS // seqlen, seqlen, WIDTH // head_dim, head_dim), "bfloat16")
                 q8, k8, v8, *descales = cuflash.quantize_qkv(x.q, x.k, x.v, "head")
                 descales = tuple(descales)
-                # the planned call (cuflash's own plan cache holds the same object): its launches by name
+                # a plan of the call, as cuflash.attention makes it (a fresh one, outside its cache): its launches
+                # by name
                 plan = cuflash._plan_forward(q8, k8, v8, causal, None, (-1, -1), 0.0, None, None, 0.0,
                                              "bottom_right", descales).__self__
                 vt = cp.ndarray(plan.transpose_shape, np.uint8)
