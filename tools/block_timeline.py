@@ -12,9 +12,8 @@ cycle count over the launch's time; figures are medians with the 10th-90th perce
   (``%smid``); where the dQ writer runs (the ordered form, head_dim 256) its first warp's cycles waiting for the
   consumers' shares, on the ordered form's counts and for its adds to complete (the ordered form at 256 has two
   writer warps, one per stage: the figures are the even steps'; the consumers may run up to two steps ahead of
-  the writer, so its waits are not all time lost to the block). The stamps travel in
-  ``dq_order``, which the default form leaves null; ``--deterministic`` stamps the ordered form, whose counts
-  come first in that buffer.
+  the writer, so its waits are not all time lost to the block). The stamps travel in ``dq_order``, which the
+  default form leaves null; ``--deterministic`` stamps the ordered form, whose counts come first in that buffer.
 - ``--pass fwd``: ``fwd_wgmma`` (kernels/fwd_wgmma.cu), stamped by consumer warpgroup 0 when it takes an item,
   once the item's Q has landed, after its walk's last softmax (its last P V and epilogue run with the next
   item's first turn, or at the block's end). Per count of key tiles: the items' time from one take to the
