@@ -182,7 +182,8 @@ def stamped_launch(launch, stamps, flush, *buffers) -> tuple:
     return cp.cuda.get_elapsed_time(start, stop) * 1000, stamps.get().astype(np.int64)
 
 
-def measure_backward(head_dim: int, seqlens: list[int], causal: bool, dtype: str, deterministic: bool) -> None:
+def measure_backward(head_dim: int, seqlens: list[int], causal: bool, window_left: int, dtype: str,
+                     deterministic: bool) -> None:
     import cupy as cp
     import numpy as np
 
@@ -191,13 +192,15 @@ def measure_backward(head_dim: int, seqlens: list[int], causal: bool, dtype: str
 
     flush = cp.empty(256 << 20, cp.uint8)
     form = "the ordered form" if deterministic else "the default form"
-    print(f"head_dim {head_dim}, {'causal' if causal else 'full'}, {dtype}, {form}; us per block, median [p10, p90]")
+    window = (window_left, 0 if causal else -1)
+    print(f"head_dim {head_dim}, {'causal' if causal else 'full'}, window {window}, {dtype}, {form}; us per block, "
+          "median [p10, p90]")
     for seqlen in seqlens:
         batch, heads = TOKENS // seqlen, WIDTH // head_dim
         q, k, v, dout = (cp.random.standard_normal((batch, seqlen, heads, head_dim), dtype=cp.float32)
                          .astype(cp.dtype(dtype)) for _ in range(4))
-        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
-        problem = _validate.check_backward(dout, q, k, v, out, lse, causal, None)
+        out, lse = cuflash.attention(q, k, v, causal=causal, window_size=window, return_lse=True)
+        problem = _validate.check_backward(dout, q, k, v, out, lse, causal, None, window)
         plan = _cupy_path.BackwardPlan(problem, q.data.device_id, deterministic, dout, q, k, v, out, lse)
         dkdv, = plan.dkdv
         if dkdv.maps is None:
@@ -268,13 +271,16 @@ def measure_forward(head_dim: int, seqlens: list[int], causal: bool, window_left
         us, t = stamped_launch(lambda: plan.run(q, k, v, with_lse=False), stamps, flush)
         t = t[t[:, 1] > 0]
         taken, q_landed, walked, tiles, block = t[:, 1], t[:, 2], t[:, 3], t[:, 4], t[:, 5]
-        spans, duration, tail = [], np.zeros(len(t)), np.zeros(len(t))
+        duration, tail = np.zeros(len(t)), np.zeros(len(t))
         for b in np.unique(block):
             rows = np.flatnonzero(block == b)
             rows = rows[np.argsort(taken[rows])]
             ends = np.append(taken[rows[1:]], t[rows[-1], 6])   # the next take, or the block's end
             duration[rows], tail[rows] = ends - taken[rows], ends - walked[rows]
-            spans.append(ends[-1] - taken[rows[0]])
+        # an SM's clock from its first take to its last block's end (a grid of one item per block has many
+        # blocks per SM; clock64 is the SM's own, so spans are taken per SM)
+        sm = t[:, 0]
+        spans = [t[sm == s, 6].max() - taken[sm == s].min() for s in np.unique(sm)]
         cycles = max(spans) / us   # per microsecond
         walking = walked > 0   # items that walked keys (the rest saw none)
         print(f"seqlen {seqlen}: {len(t)} items in {len(np.unique(block))} blocks, launch {us:.0f} us, "
@@ -295,7 +301,7 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256))
     parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 4096])
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--window", type=int, default=-1, help="the window's left side (fwd; -1: none)")
+    parser.add_argument("--window", type=int, default=-1, help="the window's left side (-1: none)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--deterministic", action="store_true", help="bwd: the deterministic plan's ordered form")
     parser.add_argument("--check", action="store_true", help="stamp and compile only (no GPU)")
@@ -308,7 +314,7 @@ def main(argv=None) -> int:
         if args.pass_ == "fwd":
             measure_forward(args.head_dim, args.seqlens, args.causal, args.window, args.dtype)
         else:
-            measure_backward(args.head_dim, args.seqlens, args.causal, args.dtype, args.deterministic)
+            measure_backward(args.head_dim, args.seqlens, args.causal, args.window, args.dtype, args.deterministic)
     return 0
 
 

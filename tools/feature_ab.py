@@ -10,8 +10,8 @@ A100 runs). Every round runs the variants in a rotated order, each as ``bench.ti
 flushed before each repeat). Prints the medians, in ms and in TFLOP/s on the visible score entries, and writes
 them with every round's time as JSON. A tree is a directory holding a ``cuflash`` package (``git archive REV
 cuflash | tar -x -C DIR``). Options are keyword arguments of ``attention`` and ``attention_backward`` with
-number values (``window_size=1024:0`` for a pair); array options (ALiBi slopes, sinks) are not taken. Run from
-the repository root with ``PYTHONPATH=.`` on a GPU machine. The numbers that count come from ``python -m
+number values (``window_size=1024:0`` for a pair); ``alibi_slopes=1`` and ``sinks=1`` take the features suite's
+arrays for the case's head count (``bench.features``). Run from the repository root with ``PYTHONPATH=.`` on a GPU machine. The numbers that count come from ``python -m
 bench``; this answers "which tree is faster" with the least drift between them.
 """
 
@@ -28,13 +28,15 @@ import ml_dtypes
 import numpy as np
 
 from ab_probe import TOKENS, WIDTH, load_tree
-from bench.features import Feature
+from bench.features import Feature, alibi_slopes, sink_logits
 from bench.flops import attention_flops, tflops
 from bench.timing import EventTimer
 
 
 #: the keywords that take integers (the others take floats, or ``a:b`` pairs of integers)
 INTEGER_OPTIONS = ("seed", "offset")
+#: the array keywords, given as 1: the features suite's array for a head count
+ARRAY_OPTIONS = {"alibi_slopes": alibi_slopes, "sinks": sink_logits}
 
 
 def parse_options(text: str) -> dict:
@@ -84,7 +86,7 @@ def main():
         for name, path in (("base", args.base), ("new", args.new)):
             trees[f"{name}-portable"] = load_tree(f"ab_{name}_portable", path)
             without_hopper_kernels(f"ab_{name}_portable")
-    variants = [("new", "plain", {})] + [(tree, "feature", options) for tree in trees]
+    variants = [("new", "plain", False)] + [(tree, "feature", True) for tree in trees]
     bf16 = np.dtype(ml_dtypes.bfloat16)
     timer = EventTimer(2, 10)
     rows = {}
@@ -94,6 +96,8 @@ def main():
         rng = np.random.default_rng(0)
         q, k, v, dout = (cp.asarray(rng.standard_normal((batch, seqlen, heads, head_dim), np.float32).astype(bf16))
                          for _ in range(4))
+        case_options = {key: cp.asarray(ARRAY_OPTIONS[key](heads)) if key in ARRAY_OPTIONS else value
+                        for key, value in options.items()}
 
         def forward(cf, opts):
             return lambda: cf.attention(q, k, v, causal=True, **opts)
@@ -105,10 +109,10 @@ def main():
             return run
 
         fns = {}
-        for tree, variant, opts in variants:
+        for tree, variant, featured in variants:
             for pass_, make in (("fwd", forward), ("fwd+bwd", forward_backward)):
                 if pass_ in passes:
-                    fns[(tree, variant, pass_)] = make(trees[tree], opts)
+                    fns[(tree, variant, pass_)] = make(trees[tree], case_options if featured else {})
         times = {key: [] for key in fns}
         keys = list(fns)
         for round_ in range(args.rounds):
