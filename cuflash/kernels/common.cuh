@@ -188,12 +188,22 @@ template <int MODS, bool EXACT = false> struct ScoreMod {
         if constexpr (kAlibi) slope_log2 = -alibi_slopes[b * alibi_batch_stride + h] * kLog2e;
     }
     __device__ __forceinline__ float alibi(int row, int key, int diagonal) const {
-        return kAlibi ? slope_log2 * fabsf(static_cast<float>(row + diagonal - key)) : 0.f;
+        return alibi_at(static_cast<float>(row + diagonal - key));
+    }
+    // ALiBi's bias of a pair `distance` = row + diagonal - key apart, as a float (exact below 2^24)
+    __device__ __forceinline__ float alibi_at(float distance) const {
+        return kAlibi ? slope_log2 * fabsf(distance) : 0.f;
     }
     __device__ __forceinline__ float tanh(float x) const { return EXACT ? tanhf(x) : tanh_approx(x); }
     __device__ __forceinline__ float score(float s, int row, int key, int diagonal) const {
         const float x = kSoftcap ? softcap_out * tanh(s * softcap_in) : s * scale_log2;
         return kAlibi ? x + alibi(row, key, diagonal) : x;
+    }
+    // score() of a pair `distance` apart (alibi_at): a kernel that takes a row's distance to its first key once
+    // per tile and each element's key offset as a constant pays no integer conversion per element (fwd_wgmma)
+    __device__ __forceinline__ float score_at(float s, float distance) const {
+        const float x = kSoftcap ? softcap_out * tanh(s * softcap_in) : s * scale_log2;
+        return kAlibi ? x + alibi_at(distance) : x;
     }
     // The score, and in `grad` d score / d (scale q.k): 1 - tanh^2 under the softcap, else 1.
     __device__ __forceinline__ float score(float s, int row, int key, int diagonal, float& grad) const {
