@@ -1170,8 +1170,9 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
     forwards: the Hopper kernel and its mma.sync fallback, and the Hopper forward's three-consumer head_dim 64
     tile with dropout (WGMMA_SPILLING_MODS; the covering set's modifiers without dropout take it already) and
     its tile for short query blocks (wgmma_forward_for_keys), and beside each backward the deterministic
-    backward's own form where it has one (bwd_dkdv_wgmma's ordered form). Not the cross product of the
-    modifiers: 16 combinations per kernel. The KV-cache forward likewise (contiguous and on the smallest pages,
+    backward's own form where it has one (bwd_dkdv_wgmma's ordered form), and the Hopper backward with every
+    modifier but the softcap under each mask (without the softcap it takes another path). Not the cross product of
+    the modifiers: 16 combinations per kernel. The KV-cache forward likewise (contiguous and on the smallest pages,
     plain and under a window with every modifier), the packed-batch kernels (below) with the Hopper forward's
     varlen_order per mask kind, merge_parts and merge_into for each dtype and append_rotary for each dtype of
     the KV-cache forward."""
@@ -1218,6 +1219,18 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
             if spec is not None:
                 spec = dataclasses.replace(spec, varlen=varlen)
                 specs[spec.cache_key] = spec
+    # the Hopper backward with every modifier but the softcap, with and without dropout, under each mask: without
+    # the softcap its steps take S^T and dP^T as two groups of products (kSplitScores, kernels/bwd_wgmma.cu), a
+    # path that the covering set's all-modifier kernels do not take (at head_dim 64 with 128-row steps it spilled
+    # 128-136 bytes under ALiBi unseen: bench/NOTES.md session 41)
+    if device.tensor_maps:
+        for d in HEAD_DIMS:
+            for mask in MASK_KINDS:
+                for mods in (ALL_MODS & ~MOD_SOFTCAP, ALL_MODS & ~MOD_SOFTCAP & ~MOD_DROPOUT):
+                    cfg = choose_config(d, BFLOAT16, mask, device, mods)
+                    for spec in (cfg.bwd_dkdv_wgmma, ordered_dq_kernel(cfg)):
+                        if spec is not None:
+                            specs[spec.cache_key] = spec
     if device.tensor_maps:   # the packed Hopper forward's tile for short causal query blocks (bfloat16)
         spec = wgmma_forward_spec(SWIZZLE_ELEMS, BFLOAT16, MASK_CAUSAL, device)
         if spec is not None:

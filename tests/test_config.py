@@ -281,12 +281,13 @@ def test_all_specs_are_distinct_and_cover_the_table():
     assert (tiles_64[fitting], tiles_64[_config.ALL_MODS & ~_config.MOD_DROPOUT], tiles_64[_config.ALL_MODS]) == (
         192, 192, 128)
     # and the Hopper dK/dV kernel at head dims 64, 128 and 256: each dtype and mask, the covering set's modifiers
-    # with and without dropout (bfloat16, 2 masks); packed: bfloat16, as the forward
+    # with and without dropout (bfloat16, 2 masks), every modifier but the softcap (whose steps take one group of
+    # products) with and without dropout (bfloat16, each mask); packed: bfloat16, as the forward
     hopper_dkdv = [s for s in specs if s.kernel == "bwd_dkdv_wgmma"]
     assert {s.head_dim for s in hopper_dkdv} == {64, 128, 256}
     # each also in the deterministic backward's ordered form
     forms = 2 * len(_config.WGMMA_DKDV_HEAD_DIMS)
-    assert sum(not s.varlen for s in hopper_dkdv) == forms * (2 * masks + 2 * 2)
+    assert sum(not s.varlen for s in hopper_dkdv) == forms * (2 * masks + 2 * 2 + 2 * masks)
     assert sum(s.varlen for s in hopper_dkdv) == forms * 3
     assert {s.head_dim for s in hopper_dkdv if s.ordered_dq} == set(_config.ORDERED_DQ_HEAD_DIMS)
     # the Hopper forward's item order of packed batches (varlen_order), one per mask kind
@@ -295,8 +296,11 @@ def test_all_specs_are_distinct_and_cover_the_table():
                           + len(_config.KVCACHE_DTYPES) + sum(not s.varlen for s in hopper)
                           + sum(not s.varlen for s in hopper_dkdv) + len(_config.MASK_KINDS) + len(float8))
     no_dropout = _config.ALL_MODS & ~_config.MOD_DROPOUT
+    # (the backward's specs drop the sinks, which only the forward takes)
+    no_softcap = fitting & ~_config.MOD_SINKS
     assert {s.mods for s in specs} == {0, _config.ALL_MODS, _config.ALL_MODS & ~_config.MOD_SINKS, no_dropout,
-                                       no_dropout & ~_config.MOD_SINKS, fitting}
+                                       no_dropout & ~_config.MOD_SINKS, fitting, no_softcap,
+                                       no_softcap & ~_config.MOD_DROPOUT}
 
 
 @given(tiles_per_head=st.integers(1, 4096), pairs=st.integers(1, 20_000), sm_count=st.sampled_from([108, 128, 132]),

@@ -357,11 +357,12 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     // FlashAttention-3's order where dQ is one pass and there is no look-ahead (head_dim 128): dK is issued after
     // dQ, and dQ is stored and added while dK runs. There and at head_dim 256, S^T and dP^T are two groups,
     // P^T = exp2(score - lse) computed while dP^T is in flight (not under the softcap, whose d score / d (scale
-    // q.k) per element would have to be held from the first pass to the second, nor in the ordered form with
-    // 128-row steps, which spills 20-36 bytes with the two groups: ptxas of NVRTC 13.0, sm_90a)
+    // q.k) per element would have to be held from the first pass to the second, nor with 128-row steps in the
+    // ordered form, which spills 20-36 bytes with the two groups, or under ALiBi, which spilled 128-136 bytes
+    // with them: ptxas of NVRTC 13.0, sm_90a; bench/NOTES.md session 41)
     constexpr bool kDkAfterDq = !kLookahead && kDqPasses == 1;
     constexpr bool kSplitScores = (kDkAfterDq || HEAD_DIM == 256) && (MODS & kModSoftcap) == 0 &&
-                                  !(kOrdered && kTallSteps);
+                                  !(kTallSteps && (kOrdered || (MODS & kModAlibi) != 0));
     // With the scores split, 64-row steps and no dropout (whose kept P would need its bits in the first pass),
     // dV += P^T dO is issued as soon as P^T is packed, before the wait for dP^T: the wait then follows an issue
     // that needs P^T, so ptxas computes P^T while dP^T is in flight (otherwise it moves the wait above that
