@@ -11,8 +11,9 @@ flushed before each repeat). Prints the medians, in ms and in TFLOP/s on the vis
 them with every round's time as JSON. A tree is a directory holding a ``cuflash`` package (``git archive REV
 cuflash | tar -x -C DIR``). Options are keyword arguments of ``attention`` and ``attention_backward`` with
 number values (``window_size=1024:0`` for a pair); ``alibi_slopes=1`` and ``sinks=1`` take the features suite's
-arrays for the case's head count (``bench.features``). Run from the repository root with ``PYTHONPATH=.`` on a GPU machine. The numbers that count come from ``python -m
-bench``; this answers "which tree is faster" with the least drift between them.
+arrays for the case's head count (``bench.features``). Run from the repository root with ``PYTHONPATH=.`` on a
+GPU machine. The numbers that count come from ``python -m bench``; this answers "which tree is faster" with the
+least drift between them.
 """
 
 from __future__ import annotations
