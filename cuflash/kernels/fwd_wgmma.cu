@@ -495,27 +495,24 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             const bool need_mask =
                 n0 + BLOCK_N > w.seq.seqlen_k || !w.window.covers(wg_row0, wg_row0 + 64, n0, n0 + BLOCK_N);
             const int key0 = n0 + 2 * t;   // the key of element 0 of n8 tile 0
-            if constexpr (Mod::kAlibi && !Mod::kSoftcap && HEAD_DIM == 64) {
-                // ALiBi's distance of element e of n8 tile nb as a float: row0's to key0 plus a constant, so that
-                // the elements of equal row - key share a bias (as ptxas shares the integer form's) and none takes
-                // an integer conversion. At head_dim 64 (three consumers) this was 3.4% faster in the forward
-                // (causal, 8k; 1.298 -> 1.255 ms); at 128 it was 2-3% slower (its integer adds become float adds,
-                // presumably on a pipe that head_dim 128's softmax already fills), and 256 gained 1%
+            if constexpr (Mod::kAlibi) {
+                // At head_dim 64 without the softcap (kFloatDistance) ALiBi's distance of element e of n8 tile nb is
+                // a float: row0's to key0 plus a constant, so that the elements of equal row - key share a bias (as
+                // ptxas shares the integer form's) and none takes an integer conversion. There this was 3.4% faster
+                // in the forward (causal, 8k; 1.298 -> 1.255 ms); at 128 it was 2-3% slower (its integer adds become
+                // float adds, presumably on a pipe that head_dim 128's softmax already fills), and 256 gained 1%
                 // (bench/NOTES.md session 41). Beside the softcap the shared biases spilled 4-20 bytes (NVRTC 13.0,
                 // sm_90a).
-                const float distance0 = static_cast<float>(row0 + w.seq.diagonal - key0);
+                constexpr bool kFloatDistance = !Mod::kSoftcap && HEAD_DIM == 64;
+                const float distance0 = kFloatDistance ? static_cast<float>(row0 + w.seq.diagonal - key0) : 0.f;
 #pragma unroll
                 for (int nb = 0; nb < kS / 4; ++nb)
 #pragma unroll
                     for (int e = 0; e < 4; ++e)
-                        s[4 * nb + e] = mod.score_at(s[4 * nb + e], distance0 + (8 * (e / 2) - 8 * nb - (e & 1)));
-            } else if constexpr (Mod::kAlibi) {
-#pragma unroll
-                for (int nb = 0; nb < kS / 4; ++nb)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        s[4 * nb + e] = mod.score(s[4 * nb + e], row0 + 8 * (e / 2), key0 + 8 * nb + (e & 1),
-                                                  w.seq.diagonal);
+                        s[4 * nb + e] =
+                            kFloatDistance
+                                ? mod.score_at(s[4 * nb + e], distance0 + (8 * (e / 2) - 8 * nb - (e & 1)))
+                                : mod.score(s[4 * nb + e], row0 + 8 * (e / 2), key0 + 8 * nb + (e & 1), w.seq.diagonal);
             } else if constexpr (Mod::kSoftcap) {
 #pragma unroll
                 for (int i = 0; i < kS; ++i) s[i] = mod.tanh(s[i] * item_softcap_in);   // score_factor: softcap_out
