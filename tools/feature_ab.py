@@ -10,10 +10,10 @@ A100 runs). Every round runs the variants in a rotated order, each as ``bench.ti
 flushed before each repeat). Prints the medians, in ms and in TFLOP/s on the visible score entries, and writes
 them with every round's time as JSON. A tree is a directory holding a ``cuflash`` package (``git archive REV
 cuflash | tar -x -C DIR``). Options are keyword arguments of ``attention`` and ``attention_backward`` with
-number values (``window_size=1024:0`` for a pair); ``alibi_slopes=1`` and ``sinks=1`` take the features suite's
-arrays for the case's head count (``bench.features``). Run from the repository root with ``PYTHONPATH=.`` on a
-GPU machine. The numbers that count come from ``python -m bench``; this answers "which tree is faster" with the
-least drift between them.
+number values (``window_size=1024:0`` for a pair; ``deterministic=1`` goes to the backward alone);
+``alibi_slopes=1`` and ``sinks=1`` take the features suite's arrays for the case's head count
+(``bench.features``). Run from the repository root with ``PYTHONPATH=.`` on a GPU machine. The numbers that
+count come from ``python -m bench``; this answers "which tree is faster" with the least drift between them.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ from bench.timing import EventTimer
 
 #: the keywords that take integers (the others take floats, or ``a:b`` pairs of integers)
 INTEGER_OPTIONS = ("seed", "offset")
+#: the keywords that take booleans, as 0 or 1
+BOOLEAN_OPTIONS = ("deterministic",)
+#: the keywords of attention_backward alone (the forward runs without them)
+BACKWARD_OPTIONS = ("deterministic",)
 #: the array keywords, given as 1: the features suite's array for a head count
 ARRAY_OPTIONS = {"alibi_slopes": alibi_slopes, "sinks": sink_logits}
 
@@ -47,6 +51,8 @@ def parse_options(text: str) -> dict:
         key, value = item.split("=")
         if ":" in value:
             options[key] = tuple(int(x) for x in value.split(":"))
+        elif key in BOOLEAN_OPTIONS:
+            options[key] = bool(int(value))
         else:
             options[key] = int(value) if key in INTEGER_OPTIONS else float(value)
     return options
@@ -101,11 +107,14 @@ def main():
                         for key, value in options.items()}
 
         def forward(cf, opts):
-            return lambda: cf.attention(q, k, v, causal=True, **opts)
+            fwd_opts = {key: value for key, value in opts.items() if key not in BACKWARD_OPTIONS}
+            return lambda: cf.attention(q, k, v, causal=True, **fwd_opts)
 
         def forward_backward(cf, opts):
+            fwd_opts = {key: value for key, value in opts.items() if key not in BACKWARD_OPTIONS}
+
             def run():
-                out, lse = cf.attention(q, k, v, causal=True, return_lse=True, **opts)
+                out, lse = cf.attention(q, k, v, causal=True, return_lse=True, **fwd_opts)
                 return cf.attention_backward(dout, q, k, v, out, lse, causal=True, **opts)
             return run
 
