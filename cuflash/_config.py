@@ -662,14 +662,13 @@ def wgmma_spec(dtype, head_dim: int, mask: int, block_m: int, block_n: int, mods
 #: would take 256 registers a thread)
 WGMMA_DKDV_BLOCK_N = {64: 128, 128: 128, 256: 64}
 WGMMA_DKDV_HEAD_DIMS = tuple(WGMMA_DKDV_BLOCK_N)
-#: its query rows per step: 64, or WGMMA_DKDV_TALL_BLOCK_M at head_dim 64 without a mask and under the causal
-#: mask (kTallSteps; wgmma_dkdv_block_m)
+#: its query rows per step: 64, or WGMMA_DKDV_TALL_BLOCK_M at head_dim 64 (kTallSteps; wgmma_dkdv_block_m)
 WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_TALL_BLOCK_M = 64, 128
 
 
-def wgmma_dkdv_block_m(head_dim: int, mask: int) -> int:
-    """bwd_dkdv_wgmma's query rows per step at the padded ``head_dim`` under ``mask``, in the default form and the
-    ordered (deterministic) one.
+def wgmma_dkdv_block_m(head_dim: int) -> int:
+    """bwd_dkdv_wgmma's query rows per step at the padded ``head_dim``, under every mask, in the default form and
+    the ordered (deterministic) one.
 
     At head_dim 64 without a mask both forms take 128 rows a step (FlashAttention-3's tile there): each
     consumer's S^T and dP^T are 64 keys by 128 queries and the consumers meet to split dQ by queries. Backward ms
@@ -685,9 +684,15 @@ def wgmma_dkdv_block_m(head_dim: int, mask: int) -> int:
     7.113 / 6.132 at 16k. (On the H200 in b18, before the kernel's later steps, 64 rows had led at 4k: 1.963 /
     2.102.) The ordered form's backward ms, 64 / 128 rows (an H100, one process, its key blocks side by side to
     2k; bench/NOTES.md session 38): 0.831 / 0.790 at 1k, 1.309 / 1.155 at 2k, 2.270 / 1.948 at 4k, 4.292 / 3.617
-    at 8k, 8.087 / 6.769 at 16k. Windows keep 64 (not measured)."""
-    tall = head_dim == 64 and (mask == MASK_NONE or mask == MASK_CAUSAL)
-    return WGMMA_DKDV_TALL_BLOCK_M if tall else WGMMA_DKDV_BLOCK_M
+    at 8k, 8.087 / 6.769 at 16k.
+
+    Under a window too: forward+backward ms of a causal 1024-key window on an H100, 64 / 128 rows in one process
+    (tools/feature_ab.py, 2 rounds; bench/NOTES.md session 42): 1.329 / 1.229 at 2k, 1.592 / 1.469 at 8k, 1.663 /
+    1.494 at 16k; the deterministic backward's ordered form 1.422 / 1.321 at 2k, 1.677 / 1.579 at 8k. With dropout
+    the 128-row steps spill 4-20 bytes (NVRTC 13.0, sm_90a) and still lead (same tool and session, dropout 0.1, 64 /
+    128 rows): causal 2.091 / 1.841 at 2k, 6.786 / 5.946 at 8k; under the window 1.783 / 1.591 at 2k, 2.128 / 1.896
+    at 8k."""
+    return WGMMA_DKDV_TALL_BLOCK_M if head_dim == 64 else WGMMA_DKDV_BLOCK_M
 
 
 def wgmma_dkdv_smem_bytes(head_dim: int, itemsize: int = 2, block_m: int = WGMMA_DKDV_BLOCK_M) -> int:
@@ -708,7 +713,7 @@ def wgmma_dkdv_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: 
     if (device.compute_capability != 90 or not device.tensor_maps or dtype == np.float32
             or d not in WGMMA_DKDV_HEAD_DIMS or head_dim % 8):
         return None
-    block_m = wgmma_dkdv_block_m(d, mask)
+    block_m = wgmma_dkdv_block_m(d)
     smem = wgmma_dkdv_smem_bytes(d, dtype.itemsize, block_m)
     if smem > device.max_smem_per_block:
         return None

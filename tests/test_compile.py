@@ -93,10 +93,10 @@ def allowed_spill_bytes(report) -> int:
     measured faster than the narrower tiles that fit (_config._mma_forward_tiles), and the Hopper dropout
     forward at head_dim 256 under a mask, whose consumers spill 8-24 bytes at their 232 registers (O alone
     takes 128; giving them 240 leaves the producer 24, where it spilled 20-32 bytes: WgmmaRoles in
-    kernels/fwd_wgmma.cu). And, not yet measured against the 64-row steps that would avoid it, the Hopper
-    backward's 128-row steps at head_dim 64 with ALiBi and dropout: 8-20 bytes stored, up to 52 loaded (NVRTC
-    13.0), found when the covering set took in the backward without the softcap (before it, 128-136 bytes
-    spilled there unseen: bench/NOTES.md session 41)."""
+    kernels/fwd_wgmma.cu). And the Hopper backward's 128-row steps at head_dim 64 with dropout: 4-20 bytes
+    stored, up to 52 loaded (NVRTC 13.0; found when the covering set took in the backward without the softcap,
+    before which 128-136 bytes spilled there unseen: bench/NOTES.md session 41), which measured faster than the
+    64-row steps that would not spill (causal and under a window: _config.wgmma_dkdv_block_m)."""
     spec = report.spec
     if report.arch != "sm_90" or not spec.mods & _config.MOD_DROPOUT:
         return 0

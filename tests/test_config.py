@@ -220,7 +220,7 @@ def test_spec_names_are_template_instances():
     assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 15, 128, 64, 4, 1, false, false>"
     hopper = choose_config(64, np.float16, _config.MASK_WINDOW, _config.H100, _config.ALL_MODS)
     assert hopper.forward.name == "cuflash::fwd_wgmma<__half, 64, 2, 15, 128, 128, false>"
-    assert hopper.bwd_dkdv_wgmma.name == "cuflash::bwd_dkdv_wgmma<__half, 64, 2, 11, 64, 128, false, false>"
+    assert hopper.bwd_dkdv_wgmma.name == "cuflash::bwd_dkdv_wgmma<__half, 64, 2, 11, 128, 128, false, false>"
     assert mods.bwd_dq.name == "cuflash::bwd_dq_mma<__half, 64, 2, 11, 128, 32, 4, false>"
     mods = choose_config(64, np.float16, _config.MASK_WINDOW, _config.A100, _config.ALL_MODS)
     assert mods.forward.name == "cuflash::fwd_mma<__half, 64, 2, 15, 128, 32, 4, 1, false, false>"

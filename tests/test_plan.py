@@ -184,19 +184,17 @@ def test_deterministic_backward_on_the_split_grid_launches_each_pass_in_order(mo
     assert [launch.tail for launch in plan.dkdv] == [(3, dq_pass) for dq_pass in range(-(-key_blocks // 3))]
     assert all(launch.grid == (2 * 4 * 3,) for launch in plan.dkdv)
     assert plan.adds_dq and plan.accum_shape[0] == 3
-    # on the Hopper kernel (the default's form) where one thread adds each dQ element of a launch, else on
-    # bwd_dkdv_mma's: at head_dim 64 with 64-row steps (under a window) both Hopper consumers add into each element
+    # on the Hopper kernel (the default's form) where one thread adds each dQ element of a launch: at head_dim 64
+    # its 128-row steps (under every mask) split dQ by queries, so one consumer adds each element there too
     hopper = _config.choose_config(128, BFLOAT16, True, H100).bwd_dkdv_wgmma
     assert [launch.spec for launch in plan.dkdv] == [hopper] * 3
     full = problem(seqlen_k=1000, heads=4, heads_kv=4, head_dim=64, causal=False)
-    tall = _plan.backward(full, H100, deterministic=True)
-    assert {(launch.spec.kernel, launch.spec.block_m) for launch in tall.dkdv} == {("bwd_dkdv_wgmma", 128)}
-    causal = _plan.backward(dataclasses.replace(full, causal=True, window_right=0), H100, deterministic=True)
-    assert {(launch.spec.kernel, launch.spec.block_m) for launch in causal.dkdv} == {("bwd_dkdv_wgmma", 128)}
+    causal = dataclasses.replace(full, causal=True, window_right=0)
     windowed = dataclasses.replace(full, window_left=256, window_right=0)
-    narrow = _plan.backward(windowed, H100, deterministic=True)
-    assert narrow.dkdv[0].spec.mask != _config.MASK_CAUSAL
-    assert {launch.spec.kernel for launch in narrow.dkdv} == {"bwd_dkdv_mma"}
+    for p64 in (full, causal, windowed):
+        plan = _plan.backward(p64, H100, deterministic=True)
+        assert {(launch.spec.kernel, launch.spec.block_m) for launch in plan.dkdv} == {("bwd_dkdv_wgmma", 128)}
+    assert _plan.backward(windowed, H100, deterministic=True).dkdv[0].spec.mask == _config.MASK_WINDOW
 
 
 def test_deterministic_backward_with_the_dq_kernel():

@@ -6,8 +6,8 @@
 //
 // One thread block owns BLOCK_N keys of one (batch, kv head) (KeyBlock's banded grid) and walks the query tiles
 // of every head of its kv group that see them, BLOCK_M rows at a time (steps: head in group, query tile
-// fastest): 64, or 128 at head_dim 64 (kTallSteps, below; the plan takes it without a mask and under the causal
-// mask: _config.wgmma_dkdv_block_m). Warpgroups:
+// fastest): 64, or 128 at head_dim 64 (kTallSteps, below; the plan takes it there under every mask:
+// _config.wgmma_dkdv_block_m). Warpgroups:
 // - 0, the producer: thread 0 loads K and V once, then each step's Q and dO tiles by TMA into two stages;
 //   warp 1 copies the step's lse and delta (BLOCK_M floats each) into the stage (and, kRowFromStage, the step's
 //   first query row); the stage's "full" mbarrier
