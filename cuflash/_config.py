@@ -721,7 +721,7 @@ def wgmma_dkdv_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mods: 
                       wgmma_threads(2 * WGMMA_ROWS_PER_CONSUMER), smem, mods=mods, atomic_dq=True)
 
 
-#: The share of the L2 cache that the K and V of one section of the causal Hopper forward's walk may take
+#: The share of the L2 cache that the K and V of one section of the masked Hopper forward's walk may take
 #: (forward_section_heads): of the budgets tried (2, 4, 8 and 16 MiB of an H100's 50; bench/NOTES.md session 32),
 #: 16 MiB measured best or within the spread at head_dim 64, 128 and 256, seqlen 512-16k
 FORWARD_SECTION_L2_SHARE = 1 / 3
@@ -743,16 +743,20 @@ def forward_section_heads(spec: KernelSpec, pairs: int, item_keys: int, group: i
     ``item_keys`` where not given. A packed batch walked in varlen_order's order has a pair per head (``pairs``
     = heads), each section walking every sequence's query blocks: its ``pair_keys`` are total_k.
 
-    fwd_wgmma under the causal mask, up to FORWARD_SECTION_MAX_KEYS keys: as many pairs as fit their K and V
-    (``pair_keys`` keys of each kv head, shared by ``group`` pairs) in FORWARD_SECTION_L2_SHARE of the L2, at
-    least one. The blocks resident at once then read the K and V of one section, which stay in L2
+    fwd_wgmma under a mask (causal or a window), its query blocks visiting up to FORWARD_SECTION_MAX_KEYS keys: as
+    many pairs as fit their K and V (``pair_keys`` keys of each kv head, shared by ``group`` pairs) in
+    FORWARD_SECTION_L2_SHARE of the L2, at least one. The blocks resident at once then read the K and V of one
+    section, which stay in L2
     from a section's longest query blocks to its shortest; in one section of every pair (the longest blocks of
     all heads first) each lower query block read its head's K and V from DRAM again. Causal TFLOP/s on an H100,
     bfloat16, FlashAttention's grid, one section / sections (tools/ab_probe.py, 3 rounds; bench/NOTES.md session
     32): head_dim 64 at 512 / 1k / 2k / 4k 198 / 224, 256 / 316, 375 / 403, 412 / 440; head_dim 128 at 512 / 1k /
     2k / 4k / 8k 207 / 276, 272 / 426, 335 / 556, 524 / 606, 634 / 672; head_dim 256 at 512 / 1k / 2k / 4k 198 /
-    277, 274 / 429, 465 / 549, 640 / 694; float8 at 128, 1k / 4k 337 / 373, 602 / 627. Under a window of 1024
-    keys 0-2% slower (one section kept). Packed, the varlen suite's causal batches on an H100 (16384 tokens,
+    277, 274 / 429, 465 / 549, 640 / 694; float8 at 128, 1k / 4k 337 / 373, 602 / 627. Under a causal window of
+    1024 keys (a query block's 1152 keys at 128 rows), forward ms on an H100, one section / sections
+    (tools/feature_ab.py, 3 rounds; bench/NOTES.md session 42): head_dim 128 at 2k / 4k / 8k 0.333 / 0.214, 0.258
+    / 0.236, 0.246 / 0.249; head_dim 64 at 2k / 4k 0.319 / 0.298, 0.350 / 0.342 (session 32 had measured 8k-16k
+    alone: 0-2% slower, within the spread). Packed, the varlen suite's causal batches on an H100 (16384 tokens,
     forward ms, one section / sections, two runs; bench/NOTES.md session 33): head_dim 128 equal (16 x 1k) 0.254
     / 0.169 twice, mixed 0.342 / 0.320 and 0.337 / 0.312, long-tail and random within the spread; head_dim 64
     (sections of heads) 1-5% faster in most runs, within the spread.
@@ -764,9 +768,9 @@ def forward_section_heads(spec: KernelSpec, pairs: int, item_keys: int, group: i
     without a mask up to PAIR_ORDER_64_MAX_KEYS keys (an H100, bfloat16, one section / 1, tools/ab_probe.py, 3
     rounds, session 37: 332 / 355 at 512, 386 / 423 at 1k, 459 / 497 at 2k, 457 / 500 at 4k, 531 / 545 at 8k,
     550 / 511 at 16k; v7 had lost 5% at 4k with 1); one section at head_dim 64 past it and on the mma.sync
-    kernels, under a mask on the other kernels and under a window.
+    kernels, and under a mask on the other kernels.
     """
-    if (spec.kernel == "fwd_wgmma" and spec.mask == MASK_CAUSAL and item_keys <= FORWARD_SECTION_MAX_KEYS
+    if (spec.kernel == "fwd_wgmma" and spec.mask != MASK_NONE and item_keys <= FORWARD_SECTION_MAX_KEYS
             and device.l2_bytes):
         keys = item_keys if pair_keys is None else pair_keys
         pair_bytes = 2 * keys * spec.head_dim * spec.dtype.itemsize / group   # its share of K and V

@@ -449,7 +449,7 @@ def test_the_hopper_forward_at_head_dim_64_walks_a_pairs_blocks_together_up_to_t
     assert _config.forward_section_heads(window, 96, 512, 1, _config.H100) == 96
 
 
-def test_the_causal_hopper_forward_walks_sections_whose_keys_fit_a_share_of_l2():
+def test_the_masked_hopper_forward_walks_sections_whose_keys_fit_a_share_of_l2():
     # K and V of a section's pairs fill at most FORWARD_SECTION_L2_SHARE of the L2: 2 * keys * head_dim * itemsize
     # bytes a kv head, shared by the group's query heads; at least one pair, at most all of them
     device = _config.H100
@@ -469,10 +469,14 @@ def test_the_causal_hopper_forward_walks_sections_whose_keys_fit_a_share_of_l2()
     # a pair whose K and V alone outgrow the share still makes a section
     spec = _config.wgmma_spec(BFLOAT16, 256, _config.MASK_CAUSAL, 128, 64)
     assert _config.forward_section_heads(spec, 96, 8192, 1, dataclasses.replace(device, l2_bytes=1 << 20)) == 1
-    # past FORWARD_SECTION_MAX_KEYS, and under a window (measured within the spread: 0-2% slower), one section
+    # past FORWARD_SECTION_MAX_KEYS one section
     assert _config.forward_section_heads(spec, 96, _config.FORWARD_SECTION_MAX_KEYS + 1, 1, device) == 96
+    # under a window the keys of a query block's span: a 1024-key window's 1152 at 128 rows
     window = _config.wgmma_spec(BFLOAT16, 128, _config.MASK_WINDOW, 128, 128)
-    assert _config.forward_section_heads(window, 96, 1152, 1, device) == 96
+    assert _config.forward_section_heads(window, 96, 1152, 1, device) == int(budget // (2 * 1152 * 128 * 2))
+    # without a mask (fwd_wgmma at head_dim 128 and 256) a head's query blocks together
+    full = _config.wgmma_spec(BFLOAT16, 128, _config.MASK_NONE, 128, 128)
+    assert _config.forward_section_heads(full, 96, 1024, 1, device) == 1
     # float8: a byte an element
     spec = _config.float8_forward_spec(128, _config.MASK_CAUSAL, device)
     assert _config.forward_section_heads(spec, 100_000, 4096, 1, device) == int(budget // (2 * 4096 * 128))
