@@ -662,7 +662,7 @@ def wgmma_spec(dtype, head_dim: int, mask: int, block_m: int, block_n: int, mods
 #: would take 256 registers a thread)
 WGMMA_DKDV_BLOCK_N = {64: 128, 128: 128, 256: 64}
 WGMMA_DKDV_HEAD_DIMS = tuple(WGMMA_DKDV_BLOCK_N)
-#: its query rows per step: 64, or WGMMA_DKDV_TALL_BLOCK_M at head_dim 64 (kTallSteps; wgmma_dkdv_block_m)
+#: its query rows per step: WGMMA_DKDV_TALL_BLOCK_M at head_dim 64 (kTallSteps; wgmma_dkdv_block_m), else 64
 WGMMA_DKDV_BLOCK_M, WGMMA_DKDV_TALL_BLOCK_M = 64, 128
 
 
@@ -1018,12 +1018,6 @@ DQ_ACCUM_SHARE = 16 * 64
 ORDERED_DQ_HEAD_DIMS = WGMMA_DKDV_HEAD_DIMS
 
 
-def wgmma_dq_own_keys(spec: KernelSpec) -> bool:
-    """Do bwd_dkdv_wgmma's consumers each add dQ of their own keys (kDqOwnKeys in bwd_wgmma.cu: head_dim 64
-    with 64-row steps)? Then two adds reach each element of a launch, so the split grid cannot take the kernel."""
-    return spec.head_dim == 64 and spec.block_m == WGMMA_DKDV_BLOCK_M
-
-
 def ordered_dq_kernel(cfg: AttentionConfig) -> KernelSpec | None:
     """The dK/dV kernel of the deterministic backward where it keeps the default's grid: bwd_dkdv_wgmma's
     ordered form, which adds each 16 x 64 share of dQ in a fixed order of the key blocks, counting the adds in
@@ -1042,11 +1036,11 @@ def ordered_dq_kernel(cfg: AttentionConfig) -> KernelSpec | None:
 
 def split_grid_kernel(cfg: AttentionConfig) -> KernelSpec | None:
     """The dK/dV kernel of the deterministic backward's split grid (``deterministic_dq_splits``), where the
-    ordered form does not serve: the Hopper kernel where one thread adds each element of a dQ copy in a launch
-    (not where each consumer adds dQ of its own keys: wgmma_dq_own_keys), else the tiled mma.sync kernel's
-    atomic-dQ form (the rows kernel walks one key block per thread block); None where neither serves."""
+    ordered form does not serve: the Hopper kernel (one thread adds each element of a dQ copy in a launch), else
+    the tiled mma.sync kernel's atomic-dQ form (the rows kernel walks one key block per thread block); None where
+    neither serves."""
     hopper = cfg.bwd_dkdv_wgmma
-    if hopper is not None and not wgmma_dq_own_keys(hopper):
+    if hopper is not None:
         return hopper
     if cfg.bwd_dkdv_atomic and cfg.bwd_dkdv_atomic[0].kernel == "bwd_dkdv_mma":
         return cfg.bwd_dkdv_atomic[0]

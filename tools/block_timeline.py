@@ -70,12 +70,12 @@ _BWD_STAMPS = [
      "    // Epilogue: dK times the softmax scale"),
     ("\n}\n\n}  // namespace cuflash",
      "\n    if (tid_wg == 0) stamps[4 + cw] = clock64();\n}\n\n}  // namespace cuflash"),
-    ("            const int lane = tid_wg % 32, writer = kStagedDq ? lane / 4 % kConsumers : lane / 4;\n",
-     "            const int lane = tid_wg % 32, writer = kStagedDq ? lane / 4 % kConsumers : lane / 4;\n"
+    ("            const int lane = tid_wg % 32, consumer = kStagedDq ? lane / 4 % kConsumers : lane / 4;\n",
+     "            const int lane = tid_wg % 32, consumer = kStagedDq ? lane / 4 % kConsumers : lane / 4;\n"
      "            long long shares_wait = 0, count_wait = 0, complete_wait = 0, t0 = 0;\n"),
-    ("                for (int i = 0; i < kDqWriters; ++i) named_barrier_sync(dq_full(i, s), kDqBarrierThreads);\n",
+    ("                for (int i = 0; i < kConsumers; ++i) named_barrier_sync(dq_full(i, s), kDqBarrierThreads);\n",
      "                t0 = clock64();\n"
-     "                for (int i = 0; i < kDqWriters; ++i) named_barrier_sync(dq_full(i, s), kDqBarrierThreads);\n"
+     "                for (int i = 0; i < kConsumers; ++i) named_barrier_sync(dq_full(i, s), kDqBarrierThreads);\n"
      "                shares_wait += clock64() - t0;\n"),
     ("                        while (load_acquire_gpu(count) < before) {\n                        }\n",
      "                        t0 = clock64();\n"

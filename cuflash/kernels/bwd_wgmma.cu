@@ -6,8 +6,7 @@
 //
 // One thread block owns BLOCK_N keys of one (batch, kv head) (KeyBlock's banded grid) and walks the query tiles
 // of every head of its kv group that see them, BLOCK_M rows at a time (steps: head in group, query tile
-// fastest): 64, or 128 at head_dim 64 (kTallSteps, below; the plan takes it there under every mask:
-// _config.wgmma_dkdv_block_m). Warpgroups:
+// fastest): 128 at head_dim 64 (kTallSteps, below; _config.wgmma_dkdv_block_m), else 64. Warpgroups:
 // - 0, the producer: thread 0 loads K and V once, then each step's Q and dO tiles by TMA into two stages;
 //   warp 1 copies the step's lse and delta (BLOCK_M floats each) into the stage (and, kRowFromStage, the step's
 //   first query row); the stage's "full" mbarrier
@@ -33,17 +32,13 @@
 //     dK and dV products have read by then (the other consumer's read only its own blocks, and both S^T and
 //     dP^T are done before the consumers meet for dQ), and warp 2 of the producer warpgroup (the dQ writer)
 //     adds them and frees the stage once the adds have read it.
-//     At head_dim 128 the consumers meet (named barrier) and each takes 64 of the columns over all 128 keys;
-//     at 64 with 128-row steps they meet and each takes 64 of the queries over all 128 keys; at 64 with 64-row
-//     steps each takes its own 64 keys over all columns, and meets only its own warps; at 256 they meet and
-//     each takes its 128 columns over the 64 keys, 64 columns per pass.
+//     The consumers meet (named barrier), and at head_dim 128 each takes 64 of the columns over all 128 keys;
+//     at 64 (128-row steps) each takes 64 of the queries over all 128 keys; at 256 each takes its 128 columns
+//     over the 64 keys, 64 columns per pass.
 //   dS^T is double-buffered: the step s + 1 barrier orders step s's dQ reads before step s + 2's writes.
-//   At head_dim 64 with 64-row steps, where the consumers never meet and registers allow, step s + 1's S^T and
-//   dP^T are issued right after step s's dQ product, and the consumers take turns to issue (ping-pong): one's
-//   element-wise phase runs under the other's products. At 128, and at 64 with 128-row steps
-//   (FlashAttention-3's order within a step): S^T and dP^T are two groups, P^T computed while dP^T runs (not
-//   under the softcap, nor in the ordered form with 128-row steps); dV is issued before the consumers meet, dK
-//   after dQ, and dQ is stored and added while dK runs.
+//   At head_dim 64 and 128 (FlashAttention-3's order within a step): S^T and dP^T are two groups, P^T computed
+//   while dP^T runs (not under the softcap, nor at 64 under ALiBi or in the ordered form); dV is issued before
+//   the consumers meet, dK after dQ, and dQ is stored and added while dK runs.
 // Epilogue: dK times the softmax scale, and dV, staged in shared memory where K and V were and stored in whole
 // 16-byte chunks of key rows.
 //
@@ -99,8 +94,7 @@ template <int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct BwdWgmmaSmem {
 
 // ORDERED_DQ: the ordered form (deterministic, below), its own specialization: the default's code has no
 // branch for it (a runtime branch for a deterministic form cost the default 5-15%: bench/NOTES.md b9). The
-// deterministic split grid (dq_splits > 0) runs the default's form where one thread adds each dQ element of a
-// launch: not at head_dim 64 with 64-row steps, where both consumers add into each element.
+// deterministic split grid (dq_splits > 0) runs the default's form: one thread adds each dQ element of a launch.
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, bool ORDERED_DQ, bool VARLEN>
 __global__ void __launch_bounds__(384, 1)
 bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k_map,
@@ -112,19 +106,17 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     // (consumer cw takes rows 64 cw.. of the step)
     constexpr bool kTallSteps = BLOCK_M == 128;
     static_assert(sizeof(T) == 2 && (HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256) &&
-                      (BLOCK_M == 64 || (HEAD_DIM == 64 && BLOCK_M == 128)) && BLOCK_N == (kKeySplit ? 128 : 64),
-                  "head_dim 64 or 128 with two consumers of 64 keys, 256 with two of 128 columns; 64-row query tiles, "
-                  "or 128 at head_dim 64");
-    // at head_dim 64 with 64-row steps each consumer computes dQ of its own keys (both add into each element)
-    constexpr bool kDqOwnKeys = HEAD_DIM == 64 && !kTallSteps;
+                      BLOCK_M == (HEAD_DIM == 64 ? 128 : 64) && BLOCK_N == (kKeySplit ? 128 : 64),
+                  "head_dim 64 or 128 with two consumers of 64 keys, 256 with two of 128 columns; 128-row query tiles "
+                  "at head_dim 64, else 64");
     constexpr bool kDropout = (MODS & kModDropout) != 0;
     using Smem = BwdWgmmaSmem<HEAD_DIM, BLOCK_M, BLOCK_N>;
     constexpr int kConsumers = 2;
     constexpr bool kOrdered = ORDERED_DQ;
     // the consumers read each step's first query row from the stage (warp 1 of the producer stores it) in the
     // ordered form at 64-row steps without a mask: there its walk's first tile in their registers spilled 4 bytes
-    // (head_dim 128, every modifier), and elsewhere the read did (4 bytes under a mask at 64 and 256, and at 64
-    // with 128-row steps with the softcap and ALiBi; NVRTC 13.0, sm_90a)
+    // (head_dim 128, every modifier), and elsewhere the read did (4 bytes under a mask at 256, and at 64 with the
+    // softcap and ALiBi; NVRTC 13.0, sm_90a)
     constexpr bool kRowFromStage = kOrdered && !Window<MASK>::kMasked && !kTallSteps;
     // at head_dim 256 each consumer's dQ shares of a step (two passes of 4 warps' 16 x 64 floats) are staged in
     // its column blocks of the step's Q and dO, one tensor per pass, and the dQ writer adds them
@@ -169,15 +161,14 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         else if (!Window<MASK>::kMasked) query_tiles.first = key_block * stride;
     }
     const int steps = query_tiles.steps;
-    // dQ's named barriers in the ordered form: consumer warpgroup i of those whose warps' buffers the dQ writer
-    // adds (both, except at 64 with 64-row steps, where consumer 0 hands its part over: consumer 1) arrives on
-    // dq_full(i, s) once its buffers hold step s's shares, the writer on kDqEmptyBarrier + i once it has read
-    // them. Staged (256), the stage is the buffer and the writer frees it (q_empty): with nothing to hold a
-    // consumer until the writer has taken step s, it may arrive for step s + 1 first, so dq_full alternates
+    // dQ's named barriers in the ordered form: consumer warpgroup i, whose warps' buffers the dQ writer adds,
+    // arrives on dq_full(i, s) once its buffers hold step s's shares, the writer on kDqEmptyBarrier + i once it
+    // has read them. Staged (256), the stage is the buffer and the writer frees it (q_empty): with nothing to hold
+    // a consumer until the writer has taken step s, it may arrive for step s + 1 first, so dq_full alternates
     // between two barriers by step (step s + 2 needs the stage that the writer frees after taking step s).
-    constexpr int kDqWriters = kDqOwnKeys ? 1 : kConsumers, kDqFullBarrier = 4;
+    constexpr int kDqFullBarrier = 4;
     constexpr int kDqFullPerWriter = kStagedDq ? kBwdWgmmaStages : 1;
-    constexpr int kDqEmptyBarrier = kDqFullBarrier + kDqWriters * kDqFullPerWriter, kDqBarrierThreads = 128 + 32;
+    constexpr int kDqEmptyBarrier = kDqFullBarrier + kConsumers * kDqFullPerWriter, kDqBarrierThreads = 128 + 32;
     auto dq_full = [&](int writer, int s) { return kDqFullBarrier + writer * kDqFullPerWriter + s % kDqFullPerWriter; };
 
     const int warpgroup = threadIdx.x / 128, tid_wg = threadIdx.x % 128;
@@ -232,15 +223,14 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                 if (lane == 0) mbarrier_arrive(q_full(stage));   // release: the stores above are visible
             }
         } else if ((kOrdered || kStagedDq) && tid_wg / 32 >= 2 && tid_wg / 32 < 2 + kWriterWarps) {   // dQ writer
-            // Lane l < 4 kDqWriters adds the share of warp l % 4 of writing consumer l / 4 (16 rows by 64
-            // columns, in that warp's buffer) into dq_accum; in the ordered form once the key blocks before this
-            // one that add into the share have (its count in dq_order reaches them: the lowest of them holds the
-            // first key that the tile's first row sees), counting this block's add once it is performed. Staged
-            // (256), lane l < 16 adds pass l / 8 of warp l % 4 of consumer l / 4 % 2 from the stage.
-            const int lane = tid_wg % 32, writer = kStagedDq ? lane / 4 % kConsumers : lane / 4;
+            // Lane l < 4 kConsumers adds the share of warp l % 4 of consumer l / 4 (16 rows by 64 columns, in
+            // that warp's buffer) into dq_accum; in the ordered form once the key blocks before this one that add
+            // into the share have (its count in dq_order reaches them: the lowest of them holds the first key that
+            // the tile's first row sees), counting this block's add once it is performed. Staged (256), lane
+            // l < 16 adds pass l / 8 of warp l % 4 of consumer l / 4 % 2 from the stage.
+            const int lane = tid_wg % 32, consumer = kStagedDq ? lane / 4 % kConsumers : lane / 4;
             const int writer_warp = lane % 4, dq_pass = kStagedDq ? lane / 8 : 0;
-            const bool adds = lane < 4 * kDqWriters * (kStagedDq ? 2 : 1);
-            const int consumer = kDqOwnKeys ? 1 : writer;
+            const bool adds = lane < 4 * kConsumers * (kStagedDq ? 2 : 1);
             // the lane's buffer: its warp's (stage 0's where staged: the step's stage adds kQStage times it)
             const unsigned buffer = kStagedDq ? staged_dq(0, consumer, dq_pass, writer_warp)
                                               : k_s + Smem::kDq + (4 * consumer + writer_warp) * Smem::kDqWarp;
@@ -253,12 +243,12 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
             const long long head_floats = DqAccum::head(blk.split, batch, b, heads, h0 + 1, seq, seqlen_q, HEAD_DIM) -
                                           DqAccum::head(blk.split, batch, b, heads, h0, seq, seqlen_q, HEAD_DIM);
             if constexpr (!kStagedDq)
-                for (int i = 0; i < kDqWriters && steps > 0; ++i)
+                for (int i = 0; i < kConsumers && steps > 0; ++i)
                     named_barrier_arrive(kDqEmptyBarrier + i, kDqBarrierThreads);   // the buffers start free
             // (the first step a constant where one warp writes: a runtime one spilled at 64, packed batches)
             for (int s = kWriterWarps > 1 ? tid_wg / 32 - 2 : 0; s < steps; s += kWriterWarps) {
                 const int stage = s % kBwdWgmmaStages;
-                for (int i = 0; i < kDqWriters; ++i) named_barrier_sync(dq_full(i, s), kDqBarrierThreads);
+                for (int i = 0; i < kConsumers; ++i) named_barrier_sync(dq_full(i, s), kDqBarrierThreads);
                 const int m0 = query_tiles.row(s);
                 const long long share =
                     first_share + (s / query_tiles.count) * head_floats + DqAccum::tile(m0, 0, HEAD_DIM);
@@ -287,7 +277,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                     if (lane < kConsumers) mbarrier_arrive(q_empty(stage));
                 } else if (s + 1 < steps) {
                     // the buffers are free for the next step's shares (not after the last: no one waits then)
-                    for (int i = 0; i < kDqWriters; ++i) named_barrier_arrive(kDqEmptyBarrier + i, kDqBarrierThreads);
+                    for (int i = 0; i < kConsumers; ++i) named_barrier_arrive(kDqEmptyBarrier + i, kDqBarrierThreads);
                 }
                 if (kOrdered && adds) {
                     bulk_wait<0>();
@@ -330,37 +320,25 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                                  smem_descriptor(b_tile + block * Smem::kQBlock + col, 0), ks > 0);
         }
     };
-    // dQ's share of this consumer: queries dq_row0.. (64 of them) by keys dq_key0.. (kDqKeys of them) times
-    // columns dq_col0.. (64 per pass)
-    constexpr int kDqKeys = kDqOwnKeys ? 64 : BLOCK_N, kDqPasses = kKeySplit ? 1 : kCols / 64;
-    const int dq_key0 = kDqOwnKeys ? 64 * cw : 0, dq_row0 = dq_share_row(cw);
-    const int dq_col0 = kDqOwnKeys || kTallSteps ? 0 : kKeySplit ? 64 * cw : col0;
+    // dQ's share of this consumer: queries dq_row0.. (64 of them) by all BLOCK_N keys times columns dq_col0.. (64
+    // per pass)
+    constexpr int kDqPasses = kKeySplit ? 1 : kCols / 64;
+    const int dq_row0 = dq_share_row(cw);
+    const int dq_col0 = kTallSteps ? 0 : kKeySplit ? 64 * cw : col0;
     // the consumers that store dS^T: both (their own keys), or at head_dim 256 consumer 0 (both hold all of it)
     const bool stores_ds = kKeySplit || cw == 0;
-    // this consumer's own named barrier (its 128 threads); the barrier before dQ reads dS^T: both consumers' (id 1),
-    // or this consumer's own
-    const int own_barrier = 2 + cw, ds_barrier = kDqOwnKeys ? own_barrier : 1;
-    // In the ordered form at head_dim 64 with 64-row steps, where both consumers hold a part of each dQ element,
-    // consumer 0's warp w hands its part to consumer 1's warp w through its dQ buffer, and consumer 1 adds the
-    // sum: one add per element and block (named barrier kHandedBarrier + w: handed over, kTakenBarrier + w:
-    // read, the buffer free again; consumer 1 gives the first Taken)
-    constexpr bool hands_over = kOrdered && kDqOwnKeys;
-    constexpr int kHandedBarrier = 8, kTakenBarrier = 12, kPairThreads = 64;
-    constexpr int kDsThreads = kDqOwnKeys ? 128 : 128 * kConsumers;
+    // this consumer's own named barrier (its 128 threads); the barrier before dQ reads dS^T: both consumers' (id 1)
+    const int own_barrier = 2 + cw, ds_barrier = 1;
+    constexpr int kDsThreads = 128 * kConsumers;
 
-    // S^T = K Q^T and dP^T = V dO^T of step s for this consumer's 64 keys, one committed group. Where the
-    // registers allow it (kLookahead: head_dim 64, whose dK and dV take 64 registers a thread), step s + 1's
-    // group is issued right after step s's dQ product, to run under step s's dQ wait and atomics; elsewhere at
-    // the start of step s. Each step is one whole sequence for ptxas (the last one a second copy without the
-    // look-ahead): products in flight across a join of branches make it serialize every wgmma (C7514/C7518).
-    constexpr bool kLookahead = HEAD_DIM == 64 && !kTallSteps;
-    // FlashAttention-3's order where dQ is one pass and there is no look-ahead (head_dim 128): dK is issued after
-    // dQ, and dQ is stored and added while dK runs. There and at head_dim 256, S^T and dP^T are two groups,
+    // S^T = K Q^T and dP^T = V dO^T of step s for this consumer's 64 keys, issued at the start of step s.
+    // FlashAttention-3's order where dQ is one pass (head_dim 64 and 128): dK is issued after dQ, and dQ is stored
+    // and added while dK runs. There and at head_dim 256, S^T and dP^T are two groups,
     // P^T = exp2(score - lse) computed while dP^T is in flight (not under the softcap, whose d score / d (scale
     // q.k) per element would have to be held from the first pass to the second, nor with 128-row steps in the
     // ordered form, which spills 20-36 bytes with the two groups, or under ALiBi, which spilled 128-136 bytes
     // with them: ptxas of NVRTC 13.0, sm_90a; bench/NOTES.md session 41)
-    constexpr bool kDkAfterDq = !kLookahead && kDqPasses == 1;
+    constexpr bool kDkAfterDq = kDqPasses == 1;
     constexpr bool kSplitScores = (kDkAfterDq || HEAD_DIM == 256) && (MODS & kModSoftcap) == 0 &&
                                   !(kTallSteps && (kOrdered || (MODS & kModAlibi) != 0));
     // With the scores split, 64-row steps and no dropout (whose kept P would need its bits in the first pass),
@@ -382,19 +360,8 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         wgmma_commit();
     };
 
-    // ping-pong (kLookahead): one turn per step (dV, dK, dQ and the next step's S^T, dP^T), named barrier
-    // kTurnBarrier + cw; consumer 1 gives consumer 0 the first turn, consumer 0 takes one more at the end
-    constexpr int kTurnBarrier = 6, kTurnThreads = 2 * 128;
-    auto take_turn = [&] {
-        if constexpr (kLookahead) named_barrier_sync(kTurnBarrier + cw, kTurnThreads);
-    };
-    auto pass_turn = [&] {
-        if constexpr (kLookahead) named_barrier_arrive(kTurnBarrier + (cw + 1) % kConsumers, kTurnThreads);
-    };
-
-    // step s; look_ahead (a constant at each call, so that each inlined copy is straight code): issue step
-    // s + 1's S^T and dP^T inside it
-    auto step = [&](int s, bool look_ahead) {
+    // step s
+    auto step = [&](int s) {
         const int stage = s % kBwdWgmmaStages, h = query_tiles.head(s, h_kv, group);
         const unsigned q_tile = q_s + stage * Smem::kQStage, do_tile = do_s + stage * Smem::kQStage;
         const float* lse_tile = stats_s + stage * 2 * BLOCK_M;
@@ -417,7 +384,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                 wgmma_rs<T, kCols>(dv_acc, frag[kk],
                                    smem_descriptor(do_tile + col_block0 + kk * 16 * kSwizzleRowBytes, Smem::kQBlock), 1);
         };
-        if constexpr (!kLookahead) issue_scores(s);
+        issue_scores(s);
         // the step's first query row (kRowFromStage: from the stage, filled once issue_scores(s) has waited for it)
         const int m0 = kRowFromStage ? *reinterpret_cast<volatile int*>(rows_s + stage) : query_tiles.row(s);
         if constexpr (kSplitScores) {
@@ -514,10 +481,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         pin_registers(dk_acc);
         pin_registers(p_frag);
         pin_registers(ds_frag);
-        if constexpr (!kEarlyDv) {
-            take_turn();
-            issue_dv(p_frag);
-        }
+        if constexpr (!kEarlyDv) issue_dv(p_frag);
         auto issue_dk = [&] {
 #pragma unroll
             for (int kk = 0; kk < kPSteps; ++kk)
@@ -537,8 +501,8 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
             pin_registers(dq);
             wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < kDqKeys / 16; ++kk) {
-                const unsigned key_rows = (dq_key0 + kk * 16) * kSwizzleRowBytes;
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+                const unsigned key_rows = kk * 16 * kSwizzleRowBytes;
                 wgmma_ss_mn<T, 64>(dq, smem_descriptor(ds_stage + dq_row0 / 64 * Smem::kDsBlock + key_rows, 0),
                                    smem_descriptor(k_s + dq_col / kSwizzleElems * Smem::kKVBlock + key_rows, 0),
                                    kk > 0);
@@ -550,10 +514,8 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                 wgmma_commit();
             }
             const bool last_pass = pass == kDqPasses - 1;
-            if (look_ahead && last_pass) issue_scores(s + 1);
-            if (last_pass) pass_turn();
-            if (kDkAfterDq || (look_ahead && last_pass)) {
-                wgmma_wait<1>();   // all but dK, or all but step s + 1's S^T and dP^T
+            if constexpr (kDkAfterDq) {
+                wgmma_wait<1>();   // all but dK
             } else {
                 wgmma_wait<0>();
             }
@@ -583,46 +545,25 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                 };
                 if constexpr (Smem::kBulkDq) {
                     auto dq_buffer = [&](int warp_buffer) { return k_s + Smem::kDq + warp_buffer * Smem::kDqWarp; };
-                    if (hands_over && cw == 0) {   // into its buffer, once consumer 1 has read the last part
-                        named_barrier_sync(kTakenBarrier + warp, kPairThreads);
-                        store_dq(dq_buffer(warp));
-                        named_barrier_arrive(kHandedBarrier + warp, kPairThreads);
+                    const int own = 4 * cw + warp;
+                    if constexpr (kOrdered) {   // into the warp's buffer once free, for the dQ writer
+                        named_barrier_sync(kDqEmptyBarrier + cw, kDqBarrierThreads);
+                        store_dq(dq_buffer(own));
+                        fence_proxy_async_shared();
+                        named_barrier_arrive(dq_full(cw, s), kDqBarrierThreads);
                     } else {
-                        if (hands_over) {   // consumer 1: consumer 0's part added to its own
-                            named_barrier_sync(kHandedBarrier + warp, kPairThreads);
-#pragma unroll
-                            for (int nb = 0; nb < kDq / 4; ++nb) {
-                                float part[4];
-                                asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                                             : "=f"(part[0]), "=f"(part[1]), "=f"(part[2]), "=f"(part[3])
-                                             : "r"(dq_buffer(warp) + lane_bytes(nb)) : "memory");
-#pragma unroll
-                                for (int i = 0; i < 4; ++i) dq[4 * nb + i] += part[i];
-                            }
-                            // read: consumer 0 may write its next part (every step's but the last: look_ahead)
-                            if (look_ahead) named_barrier_arrive(kTakenBarrier + warp, kPairThreads);
+                        // into the warp's buffer in the same order, then one bulk add of it by lane 0; the buffer
+                        // is free again once the previous step's add has read it
+                        if (lane == 0) bulk_wait_read<0>();
+                        __syncwarp();
+                        store_dq(dq_buffer(own));
+                        fence_proxy_async_shared();
+                        __syncwarp();
+                        if (lane == 0) {
+                            bulk_reduce_add(share, dq_buffer(own), Smem::kDqWarp);
+                            bulk_commit();
                         }
-                        const int own = 4 * cw + warp;
-                        if constexpr (kOrdered) {   // into the warp's buffer once free, for the dQ writer
-                            const int writer = kDqWriters == 1 ? 0 : cw;
-                            named_barrier_sync(kDqEmptyBarrier + writer, kDqBarrierThreads);
-                            store_dq(dq_buffer(own));
-                            fence_proxy_async_shared();
-                            named_barrier_arrive(dq_full(writer, s), kDqBarrierThreads);
-                        } else {
-                            // into the warp's buffer in the same order, then one bulk add of it by lane 0; the
-                            // buffer is free again once the previous step's add has read it
-                            if (lane == 0) bulk_wait_read<0>();
-                            __syncwarp();
-                            store_dq(dq_buffer(own));
-                            fence_proxy_async_shared();
-                            __syncwarp();
-                            if (lane == 0) {
-                                bulk_reduce_add(share, dq_buffer(own), Smem::kDqWarp);
-                                bulk_commit();
-                            }
-                            __syncwarp();
-                        }
+                        __syncwarp();
                     }
                 } else {
                     // staged: into this warp's share of the stage, for the dQ writer (both passes, then one
@@ -643,22 +584,9 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         }
     };
 
-    static_assert(!kDqOwnKeys || kLookahead, "the hand-over counts on look_ahead's last step");
     if (steps > 0) mbarrier_wait(kv_full, 0);
-    if constexpr (kLookahead) {
-        if (steps > 0) {
-            if (cw == 1) named_barrier_arrive(kTurnBarrier, kTurnThreads);
-            if (hands_over && cw == 1) named_barrier_arrive(kTakenBarrier + warp, kPairThreads);
-            issue_scores(0);
 #pragma unroll 1
-            for (int s = 0; s < steps - 1; ++s) step(s, true);
-            step(steps - 1, false);
-            if (cw == 0) take_turn();   // consumer 1's last pass
-        }
-    } else {
-#pragma unroll 1
-        for (int s = 0; s < steps; ++s) step(s, false);
-    }
+    for (int s = 0; s < steps; ++s) step(s);
 
     // the bulk adds of dQ done before the block ends (their source is this block's shared memory)
     if (Smem::kBulkDq && lane == 0) bulk_wait<0>();
@@ -674,10 +602,10 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     // dK and dV leave through shared memory, so that each store to global memory is a whole 16-byte chunk of a key
     // row and a warp's cover 256-512 contiguous bytes (each thread's 4-byte stores of its fragments took 3-8 us of
     // a block's end: bench/NOTES.md, session 24). The staging tiles sit where K and V were, once the products of
-    // every consumer that reads this consumer's rows of them are done (ds_barrier: at 64 only its own, at 128 and
-    // 256 both): the tile of K's or V's place is this consumer's 64 keys by kCols columns, as regions of 64 rows
-    // of 128 bytes (this consumer's rows of a column block at 64 and 128, its column blocks at 256); its 16-byte
-    // chunk c of row r sits in region c / 8 at chunk c % 8 ^ r % 8 (conflict-free both ways).
+    // both consumers, which read this consumer's rows of them, are done (ds_barrier): the tile of K's or V's place
+    // is this consumer's 64 keys by kCols columns, as regions of 64 rows of 128 bytes (this consumer's rows of a
+    // column block at 64 and 128, its column blocks at 256); its 16-byte chunk c of row r sits in region c / 8 at
+    // chunk c % 8 ^ r % 8 (conflict-free both ways).
     constexpr int kChunks = kCols / 8;   // of a tile row: 8 at head_dim 64, 16 at 128 and 256
     constexpr int kOwnThreads = 128;
     auto chunk_at = [&](unsigned place, int r, int c) {
@@ -714,7 +642,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     named_barrier_sync(ds_barrier, kDsThreads);
     stage_tile(dk_acc, scale, k_s);
     stage_tile(dv_acc, dv_scale, v_s);
-    named_barrier_sync(own_barrier, kOwnThreads);   // this consumer's warps (at 64 also its ds_barrier)
+    named_barrier_sync(own_barrier, kOwnThreads);   // this consumer's warps
     store_tile(dk, k_s);
     store_tile(dv, v_s);
 }
