@@ -58,6 +58,11 @@ def parse_options(text: str) -> dict:
     return options
 
 
+def forward_options(options: dict) -> dict:
+    """The keyword arguments of ``options`` that ``attention`` takes (all but BACKWARD_OPTIONS)."""
+    return {key: value for key, value in options.items() if key not in BACKWARD_OPTIONS}
+
+
 def without_hopper_kernels(module_name: str, max_smem_per_block: int | None = None) -> None:
     """Make the tree imported as ``module_name`` plan as on a GPU without tensor maps (the mma.sync kernels),
     and with ``max_smem_per_block`` bytes of shared memory a block where given (an A100's: 166912)."""
@@ -107,11 +112,11 @@ def main():
                         for key, value in options.items()}
 
         def forward(cf, opts):
-            fwd_opts = {key: value for key, value in opts.items() if key not in BACKWARD_OPTIONS}
+            fwd_opts = forward_options(opts)
             return lambda: cf.attention(q, k, v, causal=True, **fwd_opts)
 
         def forward_backward(cf, opts):
-            fwd_opts = {key: value for key, value in opts.items() if key not in BACKWARD_OPTIONS}
+            fwd_opts = forward_options(opts)
 
             def run():
                 out, lse = cf.attention(q, k, v, causal=True, return_lse=True, **fwd_opts)
