@@ -167,9 +167,11 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     // a consumer until the writer has taken step s, it may arrive for step s + 1 first, so dq_full alternates
     // between two barriers by step (step s + 2 needs the stage that the writer frees after taking step s).
     constexpr int kDqFullBarrier = 4;
-    constexpr int kDqFullPerWriter = kStagedDq ? kBwdWgmmaStages : 1;
-    constexpr int kDqEmptyBarrier = kDqFullBarrier + kConsumers * kDqFullPerWriter, kDqBarrierThreads = 128 + 32;
-    auto dq_full = [&](int writer, int s) { return kDqFullBarrier + writer * kDqFullPerWriter + s % kDqFullPerWriter; };
+    constexpr int kDqFullPerConsumer = kStagedDq ? kBwdWgmmaStages : 1;
+    constexpr int kDqEmptyBarrier = kDqFullBarrier + kConsumers * kDqFullPerConsumer, kDqBarrierThreads = 128 + 32;
+    auto dq_full = [&](int consumer, int s) {
+        return kDqFullBarrier + consumer * kDqFullPerConsumer + s % kDqFullPerConsumer;
+    };
 
     const int warpgroup = threadIdx.x / 128, tid_wg = threadIdx.x % 128;
     if (threadIdx.x == 0) {
