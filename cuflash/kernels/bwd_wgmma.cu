@@ -63,7 +63,8 @@
 //   which the GPU starts earlier; under a mask the tiles are walked downwards, so that every key block reaches
 //   a tile at about the same step (upwards, key block n would reach it a step before key block n - 1 does).
 // The consumers never touch a count: on their path the round trips cost 20% (bench/NOTES.md b7).
-// The deterministic split grid (KeyBlock's dq_splits) runs the default's form at head_dim 128 and 256.
+// The deterministic split grid (KeyBlock's dq_splits) runs the default's form at every head dim (at 64 the 128-row
+// steps split dQ by queries, so one consumer adds each element there too).
 #include "hopper.cuh"
 
 namespace cuflash {
