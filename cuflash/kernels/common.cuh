@@ -195,15 +195,17 @@ template <int MODS, bool EXACT = false> struct ScoreMod {
         return kAlibi ? slope_log2 * fabsf(distance) : 0.f;
     }
     __device__ __forceinline__ float tanh(float x) const { return EXACT ? tanhf(x) : tanh_approx(x); }
+    // the score before ALiBi: scale * s through the softcap, times log2(e)
+    __device__ __forceinline__ float capped(float s) const {
+        return kSoftcap ? softcap_out * tanh(s * softcap_in) : s * scale_log2;
+    }
     __device__ __forceinline__ float score(float s, int row, int key, int diagonal) const {
-        const float x = kSoftcap ? softcap_out * tanh(s * softcap_in) : s * scale_log2;
-        return kAlibi ? x + alibi(row, key, diagonal) : x;
+        return kAlibi ? capped(s) + alibi(row, key, diagonal) : capped(s);
     }
     // score() of a pair `distance` apart (alibi_at): a kernel that takes a row's distance to its first key once
     // per tile and each element's key offset as a constant pays no integer conversion per element (fwd_wgmma)
     __device__ __forceinline__ float score_at(float s, float distance) const {
-        const float x = kSoftcap ? softcap_out * tanh(s * softcap_in) : s * scale_log2;
-        return kAlibi ? x + alibi_at(distance) : x;
+        return kAlibi ? capped(s) + alibi_at(distance) : capped(s);
     }
     // The score, and in `grad` d score / d (scale q.k): 1 - tanh^2 under the softcap, else 1.
     __device__ __forceinline__ float score(float s, int row, int key, int diagonal, float& grad) const {
