@@ -19,7 +19,6 @@ import argparse
 import importlib.util
 import os
 import sys
-
 import time
 
 import cupy as cp
