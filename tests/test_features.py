@@ -108,6 +108,25 @@ def test_features(xp, rng, shape, dtype, spec):
     check_features(xp, rng, shape, dtype, spec)
 
 
+# The Hopper forward's consumers each walk only the key tiles their own 64 rows see (fwd_wgmma kSkipTiles): at
+# head_dim 64 (192-row blocks of 128-key tiles) a warpgroup skips the tiles above its rows' diagonal and below a
+# window's left side, and one whose rows are past the sequence or see no key (seqlen_q > seqlen_k, causal) walks
+# the block's lowest tile alone; at 128 (128-row blocks) only rows past the sequence skip.
+SKIPPING = {
+    "window": dict(window_size=(100, 0)),
+    "causal": dict(causal=True),
+    "window_both_sides_sinks": dict(window_size=(150, 20), sinks=True),
+    "causal_alibi": dict(causal=True, alibi="heads"),
+}
+
+
+@pytest.mark.parametrize("spec", SKIPPING.values(), ids=SKIPPING.keys())
+@pytest.mark.parametrize("shape", [(1, 700, 700, 2, 2, 64), (1, 500, 300, 2, 1, 64), (1, 450, 800, 2, 2, 128)],
+                         ids=str)
+def test_warpgroups_skip_the_tiles_their_rows_do_not_see(xp, rng, shape, spec):
+    check_features(xp, rng, shape, BF16, spec, backward=False)
+
+
 @pytest.mark.parametrize("spec", [FEATURES["everything"], FEATURES["causal_window"]], ids=["everything", "causal_window"])
 @pytest.mark.parametrize("shape", [(2, 113, 203, 2, 2, 64), (1, 130, 130, 2, 2, 256)], ids=str)
 def test_features_deterministic_backward(xp, rng, shape, spec):

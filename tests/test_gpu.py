@@ -317,6 +317,26 @@ def test_the_persistent_grid_leaves_its_counters_zeroed(cp, rng):
             assert not counters[:_config.WGMMA_WORK_COUNTER_INTS].any(), (shape, counters)
 
 
+def test_the_persistent_forward_with_warpgroups_past_the_sequence_is_repeatable(cp, rng):
+    # 1024 rows in fwd_wgmma's 192-row blocks at head_dim 64: the last block's upper two warpgroups hold no row of
+    # the sequence and skip every key tile but one, freeing its stages as soon as they are loaded. Where one warp
+    # of such a warpgroup had not yet seen a load when the stage was freed, the producer could load the stage
+    # twice more and that warp waited for the old parity again: the grid hung, on this shape, within a few
+    # calls of 512 (batch, head) pairs on a persistent grid. Every call must finish and give the one-block-per-item
+    # grid's output, bit for bit.
+    from cuflash import _validate
+
+    _hopper_devices()
+    q, k, v, _, _ = _hopper_inputs(cp, rng, (16, 1024, 1024, 32, 32, 64), False, False)
+    p = _validate.check_forward(q, k, v, False, None)
+    want, want_lse = _cupy_path.ForwardPlan(p, 0, q, k, v, persistent=False).run(q, k, v)
+    persistent = _cupy_path.ForwardPlan(p, 0, q, k, v, persistent=True)
+    assert persistent.work_counter
+    for _ in range(50):
+        out, lse = persistent.run(q, k, v)
+        assert cp.array_equal(out, want) and cp.array_equal(lse, want_lse)
+
+
 def test_the_sections_of_the_causal_hopper_forward_walk_every_item(cp, rng, monkeypatch):
     # Under the causal mask the Hopper forward walks its (batch, head) pairs in sections sized to the L2
     # (_config.forward_section_heads). An item's result does not depend on the order, so an L2 that makes sections

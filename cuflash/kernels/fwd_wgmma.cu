@@ -40,6 +40,11 @@ template <int HEAD_DIM> constexpr bool kPingPong = HEAD_DIM <= 128;
 // runs off the other consumers' turns. It gained 3% under a 1024-key window at head_dim 128; without ping-pong
 // it cost 4% at 256 and 1% at 192 (bench/NOTES.md, session 16).
 template <int HEAD_DIM> constexpr bool kMergeItems = kPingPong<HEAD_DIM>;
+// Where the consumers take turns, each walks only the key tiles that its own 64 rows see (below), except three
+// consumers (192-row blocks) beside the softcap: there the walk's own bounds spilled 8-460 bytes at their 160
+// registers (NVRTC 13.0, sm_90a: causal, and windows with the sinks)
+template <int HEAD_DIM, int CONSUMERS, int MODS> constexpr bool kSkipTiles =
+    kPingPong<HEAD_DIM> && !(CONSUMERS == 3 && (MODS & kModSoftcap) != 0);
 
 // The warpgroups of a block of BLOCK_M rows: a producer and BLOCK_M / 64 consumers, and their setmaxnreg budgets.
 // setmaxnreg moves registers within what the block was given at launch: one block per SM of kThreads threads gets
@@ -340,6 +345,8 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         if constexpr (kPingPong<HEAD_DIM>) named_barrier_arrive(1 + (cw + 1) % Roles::kConsumers, kTurnThreads);
     };
     if (kPingPong<HEAD_DIM> && cw == Roles::kConsumers - 1) named_barrier_arrive(1, kTurnThreads);
+    // each consumer's own barrier (its 128 threads), after the turns' (1 .. kConsumers)
+    constexpr int kSkipBarrier = 1 + Roles::kConsumers;
 
     // The epilogue of an item, in two steps. `finish`, once the walk's statistics are final (m_i, l_i: this
     // thread's two rows, row0 and row0 + 8): normalize (the sink joins the denominator, as fwd_mma; kept
@@ -445,18 +452,23 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     auto kv_stage = [](int count) { return count % kWgmmaStages; };
     auto kv_phase = [](int count) { return (count / kWgmmaStages) & 1; };
 
-    // An item's last P V is left pending (of the last key tile consumed: kv_uses - 1). Where kMergeItems it is
-    // issued with the next item's first S, in one ping-pong turn, and its epilogue runs beside that item's first
-    // softmax, off the other consumers' turns; elsewhere, and for the last item, `flush` issues it alone once the
-    // next item is known (issuing it at the walk's end made ptxas spill the item loop's counters at head_dim 256
-    // under a window). The merged first turn and the plain one are two whole sequences, each waiting on its own
-    // products: O's products in flight across a join of branches make ptxas serialize every wgmma of the kernel
-    // (warning C7514, which tests/test_compile.py rejects).
+    // An item's last P V is left pending (of the last key tile consumed, kv_uses - 1, or where a tile skipped
+    // below the walk may follow it, kSkipBelow, of pending_use). Where kMergeItems it is issued with the next
+    // item's first S, in one ping-pong turn, and its epilogue runs beside that item's first softmax, off the other
+    // consumers' turns; elsewhere, and for the last item, `flush` issues it alone once the next item is known
+    // (issuing it at the walk's end made ptxas spill the item loop's counters at head_dim 256 under a window). The
+    // merged first turn and the plain one are two whole sequences, each waiting on its own products: O's products
+    // in flight across a join of branches make ptxas serialize every wgmma of the kernel (warning C7514, which
+    // tests/test_compile.py rejects).
     int q_uses = 0, kv_uses = 0;   // Q tiles and key tiles consumed so far: the barriers' phases
     bool pending = false;
+    // (its own count only where needed: elsewhere it cost a register, and the window spec with the softcap and
+    // the sinks at 192 rows spilled 8 bytes)
+    constexpr bool kSkipBelow = kSkipTiles<HEAD_DIM, Roles::kConsumers, MODS> && Window<MASK>::kLeft;
+    int pending_use = 0;
     Rows pending_rows;
-    auto pending_stage = [&] { return kv_stage(kv_uses - 1); };
-    auto pending_phase = [&] { return kv_phase(kv_uses - 1); };
+    auto pending_stage = [&] { return kv_stage(kSkipBelow ? pending_use : kv_uses - 1); };
+    auto pending_phase = [&] { return kv_phase(kSkipBelow ? pending_use : kv_uses - 1); };
     auto flush = [&] {   // the pending item's last P V in a turn of its own, then its epilogue
         mbarrier_wait(v_full(pending_stage()), pending_phase());
         take_turn();
@@ -558,6 +570,52 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             store(finish(w));
             continue;
         }
+        // This warpgroup's walk: walk_tiles key tiles from key walk_first, the highest first. With kSkipTiles,
+        // the block's tiles that hold a key its rows see (those of KeyTiles for its 64 rows, on the same grid of
+        // BLOCK_N keys; rows past the sequence, or that see no key: the block's lowest tile alone, its elements
+        // masked). Each consumer still takes one turn per tile of the block: a tile it skips (above its walk: a
+        // 192-row block's diagonal, a window's right end, rows past the sequence; below it: a window's left end)
+        // takes a turn with no products, and its stages are freed once loaded (waiting for the load keeps the
+        // empty barriers' phases: an arrival before it could complete the stage's previous use).
+        int walk_first = w.key_first, walk_tiles = w.n_tiles;
+        auto walk_key = [&](int j) { return walk_first + (walk_tiles - 1 - j) * BLOCK_N; };
+        // The block's next key tile, skipped: its stages freed once loaded and seen loaded by all four warps (a
+        // warp that had not yet seen the load when thread 0 freed the stage could miss its phase: the producer may
+        // refill the stage twice, and the parity it waits for would be the old one again; in the walk the
+        // products between the wait and the release order them)
+        auto skip_tile = [&] {
+            mbarrier_wait(k_full(kv_stage(kv_uses)), kv_phase(kv_uses));
+            mbarrier_wait(v_full(kv_stage(kv_uses)), kv_phase(kv_uses));
+            named_barrier_sync(kSkipBarrier + cw, 128);
+            release(k_empty(kv_stage(kv_uses)));
+            release(v_empty(kv_stage(kv_uses)));
+            ++kv_uses;
+        };
+        auto skip_turns = [&](int tiles) {   // the block's next `tiles` key tiles, skipped in turns of their own
+            for (int j = 0; j < tiles; ++j) {
+                take_turn();
+                pass_turn();
+                skip_tile();
+            }
+        };
+        if constexpr (kSkipTiles<HEAD_DIM, Roles::kConsumers, MODS>) {
+            // (the rows' first through a shuffle, which ptxas knows is the same in every lane: the walk's bounds
+            // then sit in uniform registers, as the block's do; from wg_row0 they spilled 20-630 bytes at head_dim
+            // 64, NVRTC 13.0)
+            const int rows_begin = w.blk.m0 + 64 * __shfl_sync(0xffffffffu, cw, 0);
+            const KeyTiles mine(w.window, rows_begin, 64, BLOCK_N, w.seq.seqlen_k);
+            const bool none = rows_begin >= w.seq.seqlen_q || mine.count <= 0;
+            walk_first = none ? w.key_first : mine.first;
+            walk_tiles = none ? 1 : mine.count;
+            const int above = (w.key_first - walk_first) / BLOCK_N + w.n_tiles - walk_tiles;
+            if (pending && above > 0) {   // the pending P V in the first of their turns
+                flush();
+                skip_tile();
+                skip_turns(above - 1);
+            } else {
+                skip_turns(above);
+            }
+        }
         // key tile j of this item: stage and phase from the count of key tiles consumed before it
         auto stage_of = [&](int j) { return kv_stage(kv_uses + j); };
         auto phase_of = [&](int j) { return kv_phase(kv_uses + j); };
@@ -566,7 +624,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         auto s_done = [&](int j) {
             pin_registers(s);
             release(k_empty(stage_of(j)));
-            if (j == w.n_tiles - 1) release(q_empty);
+            if (j == walk_tiles - 1) release(q_empty);
         };
         if (!kMergeItems<HEAD_DIM> && pending) flush();
         mbarrier_wait(q_full, q_uses & 1);
@@ -580,7 +638,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             wgmma_wait<1>();   // S done; the pending P V in flight
             s_done(0);
             clear_statistics();
-            softmax(w.tile_key(0));   // O is the pending item's: nothing to rescale
+            softmax(walk_key(0));   // O is the pending item's: nothing to rescale
             wgmma_wait<0>();
             pin_registers(o);
             release(v_empty(pending_stage()));
@@ -594,11 +652,11 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             pass_turn();
             wgmma_wait<0>();
             s_done(0);
-            softmax(w.tile_key(0));   // O is zero: nothing to rescale
+            softmax(walk_key(0));   // O is zero: nothing to rescale
         }
-        pack_p(w.blk.bh, row0, w.tile_key(0));
+        pack_p(w.blk.bh, row0, walk_key(0));
 #pragma unroll 1
-        for (int j = 1; j < w.n_tiles; ++j) {
+        for (int j = 1; j < walk_tiles; ++j) {
             mbarrier_wait(k_full(stage_of(j)), phase_of(j));
             take_turn();
             issue_s(stage_of(j));
@@ -607,17 +665,26 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             pass_turn();
             wgmma_wait<1>();   // S done; P V of the previous tile in flight
             s_done(j);
-            const bool rescale = softmax(w.tile_key(j));
+            const bool rescale = softmax(walk_key(j));
             wgmma_wait<0>();
             pin_registers(o);
             release(v_empty(stage_of(j - 1)));
             if (rescale) rescale_o();
-            pack_p(w.blk.bh, row0, w.tile_key(j));
+            pack_p(w.blk.bh, row0, walk_key(j));
         }
-        pending = true;
-        pending_rows = finish(w);
         ++q_uses;
-        kv_uses += w.n_tiles;
+        kv_uses += walk_tiles;
+        // The item's last P V pending (every consumer's: `pending` is the same in all). Under a window the block
+        // may hold a tile below this warpgroup's walk: one at most (its rows' first key is at most 64 (kConsumers -
+        // 1) <= BLOCK_N past the block's first row's), whose stage is not the pending P V's (kWgmmaStages >= 2):
+        // the producer can load it while that P V waits for the next turn. That skip advances kv_uses past the
+        // P V's tile: pending_use keeps it.
+        static_assert(64 * (Roles::kConsumers - 1) <= BLOCK_N && kWgmmaStages >= 2, "one tile below a walk at most");
+        pending = true;
+        if constexpr (kSkipBelow) pending_use = kv_uses - 1;
+        pending_rows = finish(w);
+        if constexpr (kSkipBelow)
+            skip_turns(walk_first > w.key_first ? 1 : 0);
     }
     if (pending) flush();
     if (kPingPong<HEAD_DIM> && cw == 0) take_turn();   // the last consumer's final pass
