@@ -113,8 +113,8 @@ _FWD_STAMPS = [
     ("        mbarrier_wait(q_full, q_uses & 1);\n",
      "        mbarrier_wait(q_full, q_uses & 1);\n"
      "        if (cw == 0 && tid_wg == 0) stamps[2] = clock64();\n"),
-    ("        pending = true;\n        pending_rows = finish(w);\n",
-     "        pending = true;\n        pending_rows = finish(w);\n"
+    ("        pending_rows = finish(w);\n",
+     "        pending_rows = finish(w);\n"
      "        if (cw == 0 && tid_wg == 0) stamps[3] = clock64();\n"),
     ("    if (pending) flush();\n    if (kPingPong",
      "    if (pending) flush();\n"
