@@ -629,6 +629,21 @@ def wgmma_forward_persistent(item_keys: int, mean_keys: int | None = None) -> bo
 WGMMA_SHORT_CAUSAL_MAX_KEYS = 1024
 
 
+#: The smallest softmax_scale at which fwd_wgmma takes ALiBi without other modifiers but the mask
+#: (wgmma_forward_takes_scale). There it keeps the bias in S's units, slope / scale, clamped to float's range
+#: (kernels/fwd_wgmma.cu, kAlibiInS): from 2^-60 up, a clamped unit still gives every pair 1 or more apart a bias
+#: past 2^68, beyond any score (MAX_BASE2_SCORE), so the clamp changes no probability.
+WGMMA_ALIBI_MIN_SCALE = 2.0**-60
+
+
+def wgmma_forward_takes_scale(mods: int, softmax_scale: float) -> bool:
+    """Does fwd_wgmma serve a 16-bit problem of ``mods`` at ``softmax_scale``? ALiBi alone (beside the mask) only
+    from WGMMA_ALIBI_MIN_SCALE up; below it the portable forward does (it adds the bias to finished scores, as
+    fwd_wgmma does beside the softcap, the sinks or dropout)."""
+    bias_in_s = mods == MOD_ALIBI
+    return not bias_in_s or softmax_scale >= WGMMA_ALIBI_MIN_SCALE
+
+
 def wgmma_forward_for_keys(spec: KernelSpec, item_keys: int, device: DeviceProps) -> KernelSpec:
     """The tile table's fwd_wgmma ``spec`` for query blocks that visit at most ``item_keys`` keys
     (``_plan.keys_per_query_block``; a packed batch's longest sequence's): at head_dim 64 under the causal mask

@@ -97,6 +97,8 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
             device = dataclasses.replace(device, tensor_maps=False)
         if p.dtype == _config.FLOAT8_E4M3:
             return float8_forward(p, device, packed)
+        if not _config.wgmma_forward_takes_scale(p.mods, p.softmax_scale):
+            device = dataclasses.replace(device, tensor_maps=False)   # the portable forward
         spec = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device, p.mods, packed).forward
         spec = _config.wgmma_forward_for_keys(spec, keys_per_query_block(p, spec.block_m), device)
     item_keys = keys_per_query_block(p, spec.block_m)

@@ -292,6 +292,31 @@ def test_the_hopper_forward_matches_its_fallback(cp, rng):
                   .astype(cp.float32)).max() <= 2e-2
 
 
+def test_the_hopper_forward_keeps_steep_alibi_slopes_exact(cp, rng):
+    # fwd_wgmma starts S at ALiBi's bias in units of the scale, less each row's least bias (kAlibiInS), so that a
+    # row's nearest key scores as in plain attention whatever the slope. Rows before the diagonal's start
+    # (seqlen_q > seqlen_k) have no key at distance 0: at slope 1e8 their biases reach -4e10, and without that
+    # shift the exponent's FMA (an exact product less a rounded max) was off by thousands. Against the mma.sync
+    # forward, which adds the bias to finished scores; the lse carries the shifted-out bias back.
+    from cuflash import _validate
+
+    _, fallback_device = _hopper_devices()
+    slopes = cp.asarray([1e8, 3.0], cp.float32)   # a one-hot row per head, and a steep one
+    cases = [((1, 700, 300, 2, 1, 64), False, (-1, -1)), ((1, 500, 200, 2, 2, 128), False, (-1, 40)),
+             ((2, 300, 300, 2, 1, 64), True, (-1, -1))]
+    for shape, causal, window in cases:
+        q, k, v, _, _ = _hopper_inputs(cp, rng, shape, False, False)
+        p = _validate.check_forward(q, k, v, causal, None, window, 0.0, slopes)
+        hopper = _cupy_path.ForwardPlan(p, 0, q, k, v)
+        assert hopper.maps is not None, shape
+        fallback = _config.choose_config(p.head_dim, q.dtype, p.mask_kind, fallback_device, p.mods).forward
+        out, lse = hopper.run(q, k, v, slopes)
+        want, want_lse = _cupy_path.ForwardPlan(p, 0, q, k, v, spec=fallback).run(q, k, v, slopes)
+        out, want = to_numpy(out).astype(np.float32), to_numpy(want).astype(np.float32)
+        assert np.abs(out - want).max() <= 2e-2 * np.abs(want).max(), shape
+        assert np.allclose(to_numpy(lse), to_numpy(want_lse), rtol=1e-6, atol=1e-3), shape
+
+
 def test_the_persistent_grid_leaves_its_counters_zeroed(cp, rng):
     # fwd_wgmma's persistent grid takes its items from the stream's counters and leaves them zero: calls of
     # other grid sizes after it, on that stream and another, take every item again (a counter left past zero

@@ -17,6 +17,7 @@ namespace cuflash {
 
 constexpr float kLog2e = 1.4426950408889634f;  // log2(e): scores are kept in base 2 inside kernels
 constexpr float kLn2 = 0.6931471805599453f;    // ln(2): converts a base-2 logsumexp back to natural log
+constexpr float kFloatMax = 3.40282347e38f;   // the largest finite float
 
 template <typename T> __device__ __forceinline__ float to_float(T x);
 template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
@@ -185,7 +186,12 @@ template <int MODS, bool EXACT = false> struct ScoreMod {
     __device__ __forceinline__ ScoreMod(float scale_log2_, float softcap_in_, float softcap_out_,
                                         const float* alibi_slopes, int alibi_batch_stride, int b, int h)
         : scale_log2(scale_log2_), softcap_in(softcap_in_), softcap_out(softcap_out_), slope_log2(0.f) {
-        if constexpr (kAlibi) slope_log2 = -alibi_slopes[b * alibi_batch_stride + h] * kLog2e;
+        if constexpr (kAlibi) slope_log2 = slope_log2_of(alibi_slopes, alibi_batch_stride, b, h);
+    }
+    // ALiBi's -slope * log2(e) of (batch b, head h)
+    static __device__ __forceinline__ float slope_log2_of(const float* alibi_slopes, int alibi_batch_stride, int b,
+                                                          int h) {
+        return -alibi_slopes[b * alibi_batch_stride + h] * kLog2e;
     }
     __device__ __forceinline__ float alibi(int row, int key, int diagonal) const {
         return alibi_at(static_cast<float>(row + diagonal - key));

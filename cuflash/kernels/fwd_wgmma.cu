@@ -249,11 +249,20 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
     // each thread's column pairs.
     constexpr bool kChunkedStore = Roles::kConsumers == 2;
     using Mod = ScoreMod<MODS>;
+    // ALiBi alone (beside the mask), 16-bit inputs (kAlibiInS): S starts at each pair's bias in S's units
+    // (init_s: slope_log2 |distance| / score_factor), the products accumulate onto it, and the softmax is plain
+    // attention's: one instruction per element, where adding the bias to the finished scores took two. The softcap
+    // applies before ALiBi, to the product alone; float8's unit (its descale factors) is known only per item; beside
+    // dropout or the sinks it spilled 4-40 bytes (NVRTC 13.0, sm_90a: head_dim 64, and 256 under a window).
+    constexpr bool kAlibiInS = Mod::kAlibi && (MODS & (kModSoftcap | kModSinks | kModDropout)) == 0 && !kFloat8<T>;
+    // A row's least |distance| to a key (kAlibiInS): 0 where its diagonal key exists, else (a row before the
+    // diagonal's start: seqlen_q > seqlen_k) its distance to key 0
+    auto least_distance = [](int row, int diagonal) { return max(0, -(row + diagonal)); };
     // The factor the exponent's FMA applies to a score as softmax leaves it, of an item whose scores are q.k times
     // item_scale (float8: its q_descale * k_descale, below; 1 otherwise): the plain product's scale and the
     // softcap's output factor are positive, so the row max may be taken before them
     auto score_factor_of = [&](float item_scale) {
-        return Mod::kAlibi ? 1.f : Mod::kSoftcap ? softcap_out : scale_log2 * item_scale;
+        return Mod::kAlibi && !kAlibiInS ? 1.f : Mod::kSoftcap ? softcap_out : scale_log2 * item_scale;
     };
     float score_factor = score_factor_of(1.f);
 
@@ -274,7 +283,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             wgmma_ss<T, BLOCK_N>(
                 s, smem_descriptor<Smem::kRowBytes>(q_rows + block * Smem::kQBlock + col, 0),
                 smem_descriptor<Smem::kRowBytes>(k_s + stage * Smem::kKVStage + block * Smem::kKVBlock + col, 0),
-                ks > 0);
+                ks > 0 || kAlibiInS);
         }
         wgmma_commit();
         pin_registers(s);
@@ -371,6 +380,10 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         for (int r = 0; r < 2; ++r) {
             const int row = row0 + 8 * r;
             float l = quad_sum(l_i[r]) * kPUnscale, m = m_i[r], o_factor = 1.f;
+            if constexpr (kAlibiInS)   // the row's least bias, which S left out (init_s); none where it saw no key
+                if (m != -CUFLASH_INF)
+                    m += Mod::slope_log2_of(alibi_slopes, alibi_batch_stride, w.blk.b, w.blk.h) *
+                         static_cast<float>(least_distance(row, w.seq.diagonal));
             if constexpr ((MODS & kModSinks) != 0) {
                 const float sink2 = sinks[w.blk.h] * kLog2e;
                 const float m_new = safe_max(fmaxf(m, sink2));
@@ -500,6 +513,65 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         }
         const float item_softcap_in = softcap_in * item_scale;
         const Mod mod(scale_log2 * item_scale, item_softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
+        // kAlibiInS: S of the keys n0.. starts at each pair's bias in units of score_factor (alibi_unit; the plan
+        // takes ALiBi here only at scales of 2^-60 and more, where the clamp to float's range leaves every pair 1 or
+        // more apart a bias past any score: exactly 0 after the softmax), less its row's least bias (alibi_unit *
+        // least_distance(row), where the row's keys all lie past its diagonal; the epilogue adds it back). So each
+        // row's nearest key has bias exactly 0 and a row's scores stay as small as plain attention's, whatever the
+        // slope: the exponent's FMA subtracts a rounded max from an exact product, which holds its precision only
+        // there. Where the warp's 16 rows lie on one side of the diagonal across the whole tile, |distance| less
+        // that least distance is a row's count plus a column's, both >= 0 (no cancellation: each bias within 1.5
+        // ulp): one FMA an element, the column's count its constant. Across the diagonal it is taken per element.
+        // A tile far from a row's nearest key still holds scores of any size (a steep slope's bias), and a row
+        // walks such tiles before the max it ends with: there the reference max (tile_max) is rounded up, so that
+        // no exponent exceeds the slack (rounded to nearest, the max's own could reach half an ulp of the scaled
+        // max, 2^12 at 2^36: an infinite exponential, then inf * 0 in the rescale). Any reference serves: O, l,
+        // the rescale and the lse all count from it.
+        const float alibi_unit = kAlibiInS && mod.slope_log2 != 0.f
+                                     ? fminf(fmaxf(mod.slope_log2 / score_factor, -kFloatMax), kFloatMax)
+                                     : 0.f;
+        auto init_s = [&](int n0) {
+            if constexpr (kAlibiInS) {
+                const int diagonal = w.seq.diagonal, warp_row0 = wg_row0 + 16 * warp;
+                const int rows[2] = {row0, row0 + 8};
+                const int last_key = n0 + BLOCK_N - 1;
+                if (warp_row0 + diagonal >= last_key) {   // every distance >= 0: counted from the tile's last key
+                    float row_bias[2];
+#pragma unroll
+                    for (int r = 0; r < 2; ++r)
+                        row_bias[r] = alibi_unit * static_cast<float>(rows[r] + diagonal - last_key + 6 - 2 * t);
+#pragma unroll
+                    for (int nb = 0; nb < kS / 4; ++nb)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {   // (BLOCK_N - 7 - 8 nb - e % 2 keys before the last one)
+                            const float column = static_cast<float>(8 * (kS / 4 - 1 - nb) + 1 - (e & 1));
+                            s[4 * nb + e] = fmaf(alibi_unit, column, row_bias[e / 2]);
+                        }
+                } else if (warp_row0 + 15 + diagonal <= n0) {   // every distance <= 0: from the row's nearest key
+                    float row_bias[2];
+#pragma unroll
+                    for (int r = 0; r < 2; ++r)
+                        row_bias[r] = alibi_unit * static_cast<float>(n0 + 2 * t - (rows[r] + diagonal)
+                                                                      - least_distance(rows[r], diagonal));
+#pragma unroll
+                    for (int nb = 0; nb < kS / 4; ++nb)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            s[4 * nb + e] = fmaf(alibi_unit, static_cast<float>(8 * nb + (e & 1)), row_bias[e / 2]);
+                } else {
+                    const float distance0 = static_cast<float>(row0 + diagonal - n0 - 2 * t);   // element 0's
+                    const float least[2] = {static_cast<float>(least_distance(rows[0], diagonal)),
+                                            static_cast<float>(least_distance(rows[1], diagonal))};
+#pragma unroll
+                    for (int nb = 0; nb < kS / 4; ++nb)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            s[4 * nb + e] =
+                                alibi_unit * (fabsf(distance0 + static_cast<float>(8 * (e / 2) - 8 * nb - (e & 1)))
+                                              - least[e / 2]);
+                }
+            }
+        };
         // The scores of S (the tile of keys n0..) through the modifiers and the mask, their row maxima, and the
         // moved references: returns whether O must be rescaled by `alpha` (only when some row's max grew past
         // its reference by kSlack, as fwd_mma), leaves exp2(score - m_i) in s and adds it to l_i.
@@ -507,7 +579,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             const bool need_mask =
                 n0 + BLOCK_N > w.seq.seqlen_k || !w.window.covers(wg_row0, wg_row0 + 64, n0, n0 + BLOCK_N);
             const int key0 = n0 + 2 * t;   // the key of element 0 of n8 tile 0
-            if constexpr (Mod::kAlibi) {
+            if constexpr (Mod::kAlibi && !kAlibiInS) {   // (kAlibiInS: the bias is in S already, init_s)
                 // At head_dim 64 without the softcap (kFloatDistance) ALiBi's distance of element e of n8 tile nb is
                 // a float: row0's to key0 plus a constant, so that the elements of equal row - key share a bias (as
                 // ptxas shares the integer form's) and none takes an integer conversion. There this was 3.4% faster
@@ -541,7 +613,9 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
 #pragma unroll
             for (int i = 0; i < kS; ++i) tile_max[(i % 4) / 2] = fmaxf(tile_max[(i % 4) / 2], s[i]);
 #pragma unroll
-            for (int r = 0; r < 2; ++r) tile_max[r] = quad_max(tile_max[r]) * score_factor;
+            for (int r = 0; r < 2; ++r)   // (kAlibiInS: rounded up, see below)
+                tile_max[r] = kAlibiInS ? __fmul_ru(quad_max(tile_max[r]), score_factor)
+                                        : quad_max(tile_max[r]) * score_factor;
             const bool grown = tile_max[0] > m_i[0] + kSlack || tile_max[1] > m_i[1] + kSlack;
             const bool rescale = __any_sync(0xffffffffu, grown);
             if (rescale) {
@@ -627,6 +701,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
             if (j == walk_tiles - 1) release(q_empty);
         };
         if (!kMergeItems<HEAD_DIM> && pending) flush();
+        init_s(walk_key(0));
         mbarrier_wait(q_full, q_uses & 1);
         mbarrier_wait(k_full(stage_of(0)), phase_of(0));
         if (kMergeItems<HEAD_DIM> && pending) {   // the merged first turn: this item's first S, the pending last P V
@@ -657,6 +732,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         pack_p(w.blk.bh, row0, walk_key(0));
 #pragma unroll 1
         for (int j = 1; j < walk_tiles; ++j) {
+            init_s(walk_key(j));
             mbarrier_wait(k_full(stage_of(j)), phase_of(j));
             take_turn();
             issue_s(stage_of(j));
