@@ -613,7 +613,7 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
 #pragma unroll
             for (int i = 0; i < kS; ++i) tile_max[(i % 4) / 2] = fmaxf(tile_max[(i % 4) / 2], s[i]);
 #pragma unroll
-            for (int r = 0; r < 2; ++r)   // (kAlibiInS: rounded up, see below)
+            for (int r = 0; r < 2; ++r)   // (kAlibiInS: rounded up, see alibi_unit above)
                 tile_max[r] = kAlibiInS ? __fmul_ru(quad_max(tile_max[r]), score_factor)
                                         : quad_max(tile_max[r]) * score_factor;
             const bool grown = tile_max[0] > m_i[0] + kSlack || tile_max[1] > m_i[1] + kSlack;
