@@ -296,8 +296,10 @@ def test_the_hopper_forward_keeps_steep_alibi_slopes_exact(cp, rng):
     # fwd_wgmma starts S at ALiBi's bias in units of the scale, less each row's least bias (kAlibiInS), so that a
     # row's nearest key scores as in plain attention whatever the slope. Rows before the diagonal's start
     # (seqlen_q > seqlen_k) have no key at distance 0: at slope 1e8 their biases reach -4e10, and without that
-    # shift the exponent's FMA (an exact product less a rounded max) was off by thousands. Against the mma.sync
-    # forward, which adds the bias to finished scores; the lse carries the shifted-out bias back.
+    # shift the exponent's FMA (an exact product less a rounded max) was off by thousands. A row also walks tiles
+    # far from its nearest key first, whose scores stay huge: with the reference max rounded to nearest, the first
+    # case gave NaN (an infinite exponential, then inf * 0 in the rescale); it is rounded up there. Against the
+    # mma.sync forward, which adds the bias to finished scores; the lse carries the shifted-out bias back.
     from cuflash import _validate
 
     _, fallback_device = _hopper_devices()
