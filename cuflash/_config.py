@@ -629,18 +629,21 @@ def wgmma_forward_persistent(item_keys: int, mean_keys: int | None = None) -> bo
 WGMMA_SHORT_CAUSAL_MAX_KEYS = 1024
 
 
-#: The smallest softmax_scale at which fwd_wgmma takes ALiBi without other modifiers but the mask
-#: (wgmma_forward_takes_scale). There it keeps the bias in S's units, slope / scale, clamped to float's range
-#: (kernels/fwd_wgmma.cu, kAlibiInS): from 2^-60 up, a clamped unit still gives every pair 1 or more apart a bias
-#: past 2^68, beyond any score (MAX_BASE2_SCORE), so the clamp changes no probability.
+#: The smallest softmax_scale at which the Hopper kernels take ALiBi without the softcap or dropout (and, in the
+#: forward, the sinks): wgmma_takes_scale. There the forward, and the backward at head_dim 64, keep the bias in
+#: S's units, slope / scale, clamped to float's range (kernels/fwd_wgmma.cu and bwd_wgmma.cu, kAlibiInS; the
+#: rule holds at every head dim, so that it does not depend on the tile table): from 2^-60 up, a clamped unit
+#: still gives every pair 1 or more apart a bias past 2^68, beyond any score (MAX_BASE2_SCORE), so the clamp
+#: changes no probability.
 WGMMA_ALIBI_MIN_SCALE = 2.0**-60
 
 
-def wgmma_forward_takes_scale(mods: int, softmax_scale: float) -> bool:
-    """Does fwd_wgmma serve a 16-bit problem of ``mods`` at ``softmax_scale``? ALiBi alone (beside the mask) only
-    from WGMMA_ALIBI_MIN_SCALE up; below it the portable forward does (it adds the bias to finished scores, as
-    fwd_wgmma does beside the softcap, the sinks or dropout)."""
-    bias_in_s = mods == MOD_ALIBI
+def wgmma_takes_scale(kernel_mods: int, softmax_scale: float) -> bool:
+    """Does a Hopper kernel whose specialization has ``kernel_mods`` (the forward's: the problem's mods; the
+    backward's: without MOD_SINKS) serve a 16-bit problem at ``softmax_scale``? With ALiBi alone only from
+    WGMMA_ALIBI_MIN_SCALE up; below it the portable kernels do (they add the bias to finished scores, as the
+    Hopper kernels do beside the softcap, the forward's sinks or dropout)."""
+    bias_in_s = kernel_mods == MOD_ALIBI
     return not bias_in_s or softmax_scale >= WGMMA_ALIBI_MIN_SCALE
 
 

@@ -97,7 +97,7 @@ def forward(p: Problem, device: _config.DeviceProps, spec: _config.KernelSpec | 
             device = dataclasses.replace(device, tensor_maps=False)
         if p.dtype == _config.FLOAT8_E4M3:
             return float8_forward(p, device, packed)
-        if not _config.wgmma_forward_takes_scale(p.mods, p.softmax_scale):
+        if not _config.wgmma_takes_scale(p.mods, p.softmax_scale):
             device = dataclasses.replace(device, tensor_maps=False)   # the portable forward
         spec = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device, p.mods, packed).forward
         spec = _config.wgmma_forward_for_keys(spec, keys_per_query_block(p, spec.block_m), device)
@@ -160,8 +160,8 @@ def backward(p: Problem, device: _config.DeviceProps, deterministic: bool,
     """
     packed = total_q is not None
     if cfg is None:
-        if not tensor_maps:  # arrays no tensor map describes: not the Hopper kernels
-            device = dataclasses.replace(device, tensor_maps=False)
+        if not tensor_maps or not _config.wgmma_takes_scale(p.mods & ~_config.MOD_SINKS, p.softmax_scale):
+            device = dataclasses.replace(device, tensor_maps=False)   # the portable kernels
         cfg = _config.choose_config(p.head_dim, p.dtype, p.mask_kind, device, p.mods, packed)
     pairs = p.batch * p.heads_kv
     ordered = _config.ordered_dq_kernel(cfg) if deterministic else None

@@ -440,6 +440,42 @@ def test_the_hopper_backward_matches_its_fallback(cp, rng):
             assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max() + 1e-3, shape
 
 
+def test_the_hopper_backward_starts_its_scores_at_alibi(cp, rng):
+    # bwd_dkdv_wgmma starts S^T at ALiBi's bias in units of the scale where ALiBi comes without the softcap or
+    # dropout on 128-row steps (kAlibiInS, head_dim 64): one FMA an element on the tiles below the diagonal, per
+    # element elsewhere. Against the mma.sync backward, which adds the bias to finished scores: ordinary slopes
+    # and steep ones (1e8: rows of one key), every mask, GQA, the ordered form (deterministic), and the other head
+    # dims, which add the bias to finished scores. seqlen_q <= seqlen_k: a row before the diagonal's start
+    # carries a steep slope's least bias in its lse, which neither form recovers.
+    from cuflash import _validate
+
+    _, fallback_device = _hopper_devices()
+    cases = [  # (batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim), causal, window, deterministic
+        ((2, 300, 300, 4, 2, 64), True, (-1, -1), False),
+        ((1, 200, 333, 4, 1, 64), False, (-1, -1), True),
+        ((1, 130, 260, 2, 2, 64), False, (50, 20), False),
+        ((1, 257, 400, 2, 2, 128), False, (60, 10), False),
+        ((2, 190, 190, 4, 2, 120), True, (-1, -1), True),
+        ((1, 129, 300, 4, 4, 128), False, (-1, -1), False),
+        ((1, 150, 260, 2, 1, 256), True, (-1, -1), False),
+        ((1, 129, 300, 2, 2, 232), False, (40, 7), True),
+    ]
+    for shape, causal, window, deterministic in cases:
+        q, k, v, _, _ = _hopper_inputs(cp, rng, shape, False, False)
+        slopes = cp.asarray(([1e8, 3.0, 0.25, 2.0**-8] * 2)[:shape[3]], cp.float32)
+        out, lse = cuflash.attention(q, k, v, causal=causal, window_size=window, alibi_slopes=slopes, return_lse=True)
+        dout = cp.asarray(rng.standard_normal(out.shape, dtype=np.float32).astype(BF16))
+        p = _validate.check_backward(dout, q, k, v, out, lse, causal, None, window, 0.0, slopes)
+        hopper = _cupy_path.BackwardPlan(p, 0, deterministic, dout, q, k, v, out, lse)
+        assert {launch.maps is not None for launch in hopper.dkdv} == {True}, shape
+        mma_cfg = _config.choose_config(p.head_dim, q.dtype, p.mask_kind, fallback_device, p.mods)
+        fallback = _cupy_path.BackwardPlan(p, 0, False, dout, q, k, v, out, lse, mma_cfg)
+        args = (dout, q, k, v, out, lse, slopes)
+        for name, got, want in zip("dq dk dv".split(), hopper.run(*args), fallback.run(*args)):
+            got, want = to_numpy(got).astype(np.float32), to_numpy(want).astype(np.float32)
+            assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max() + 1e-3, (shape, name)
+
+
 def test_pytorch_tensors_through_dlpack(cp, rng):
     """A PyTorch user's call: CUDA tensors viewed by cupy.from_dlpack without a copy, one of them a (batch, heads,
     seqlen, head_dim) tensor transposed to cuflash's layout (strided); forward and backward within

@@ -101,21 +101,25 @@ def test_the_hopper_forward_falls_back_where_no_tensor_map_serves():
     assert _plan.forward(p, _config.A100, tensor_maps=True).spec.kernel == "fwd_mma"
 
 
-def test_the_hopper_forward_takes_alibi_from_its_smallest_scale():
-    # fwd_wgmma keeps ALiBi's bias in units of the scale (kAlibiInS): below WGMMA_ALIBI_MIN_SCALE the portable
-    # forward serves; beside the softcap, the sinks or dropout the bias is added to finished scores, at every scale
+def test_the_hopper_kernels_take_alibi_from_their_smallest_scale():
+    # fwd_wgmma and bwd_dkdv_wgmma keep ALiBi's bias in units of the scale (kAlibiInS): below WGMMA_ALIBI_MIN_SCALE
+    # the portable kernels serve; beside the softcap or dropout (and the forward's sinks) the bias is added to
+    # finished scores, at every scale. The backward's kernels never see the sinks.
     smallest = _config.WGMMA_ALIBI_MIN_SCALE
-    alibi, softcap, dropout = _config.MOD_ALIBI, _config.MOD_SOFTCAP, _config.MOD_DROPOUT
-    for mods, scale, kernel in [(alibi, smallest, "fwd_wgmma"), (alibi, smallest / 2, "fwd_mma"),
-                                (alibi | _config.MOD_SINKS, smallest / 2, "fwd_wgmma"),
-                                (alibi | softcap, smallest / 2, "fwd_wgmma"),
-                                (alibi | dropout, smallest / 2, "fwd_wgmma"), (0, smallest / 2, "fwd_wgmma")]:
+    alibi, softcap, dropout, sinks = _config.MOD_ALIBI, _config.MOD_SOFTCAP, _config.MOD_DROPOUT, _config.MOD_SINKS
+    for mods, scale, hopper_fwd, hopper_bwd in [(alibi, smallest, True, True), (alibi, smallest / 2, False, False),
+                                                (alibi | sinks, smallest / 2, True, False),
+                                                (alibi | softcap, smallest / 2, True, True),
+                                                (alibi | dropout, smallest / 2, True, True),
+                                                (0, smallest / 2, True, True)]:
         p = dataclasses.replace(problem(alibi_shape=(8,) if mods & alibi else None,
                                         softcap=30.0 if mods & softcap else 0.0,
                                         dropout_p=0.1 if mods & dropout else 0.0,
-                                        sinks=bool(mods & _config.MOD_SINKS)), softmax_scale=scale)
+                                        sinks=bool(mods & sinks)), softmax_scale=scale)
         assert p.mods == mods
-        assert _plan.forward(p, H100).spec.kernel == kernel, (mods, scale)
+        assert _plan.forward(p, H100).spec.kernel == ("fwd_wgmma" if hopper_fwd else "fwd_mma"), (mods, scale)
+        kernels = {launch.spec.kernel for launch in _plan.backward(p, H100, deterministic=False).dkdv}
+        assert kernels == ({"bwd_dkdv_wgmma"} if hopper_bwd else {"bwd_dkdv_mma"}), (mods, scale, kernels)
 
 
 def test_tensor_map_strides():

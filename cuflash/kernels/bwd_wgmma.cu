@@ -19,7 +19,7 @@
 //   dS^T. Per step, with keys as the M dimension of every product:
 //     S^T = K Q^T, dP^T = V dO^T          (wgmma ss, both K-major)
 //     P^T = exp2(score(S^T) - lse2), dS^T = P^T (dP^T - delta) score'   (per element: lse, delta per query;
-//     score and its derivative from ScoreMod: scale, softcap, ALiBi)
+//     score and its derivative from ScoreMod: scale, softcap, ALiBi; ALiBi alone starts S^T at its bias, init_st)
 //     dV += P^T dO, dK += dS^T Q          (wgmma rs: P^T, dS^T packed into A fragments; dO, Q MN-major)
 //     Under dropout (Dropout draws the forward's mask Z again) dV takes the kept P^T (dV is scaled by
 //     dropout_scale at the end) and dS^T = P^T (Z dP^T dropout_scale - delta) score': a dropped element's
@@ -311,16 +311,16 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     auto release = [&](unsigned bar) {
         if (tid_wg == 0) mbarrier_arrive(bar);
     };
-    // Issues acc = A B^T over the head dim (uncommitted): A's 64 rows at a_rows (K or V: key rows of the
-    // block's tiles), B's BLOCK_M at b_tile (a Q or dO stage), both K-major; k16 step ks reads 64-column block
-    // ks / 4, 32 bytes further in per step
-    auto issue_rows_by_rows = [&](float (&acc)[kSq], unsigned a_rows, unsigned b_tile) {
+    // Issues acc = A B^T over the head dim (uncommitted; acc += A B^T where `onto`): A's 64 rows at a_rows (K or
+    // V: key rows of the block's tiles), B's BLOCK_M at b_tile (a Q or dO stage), both K-major; k16 step ks reads
+    // 64-column block ks / 4, 32 bytes further in per step
+    auto issue_rows_by_rows = [&](float (&acc)[kSq], unsigned a_rows, unsigned b_tile, bool onto) {
 #pragma unroll
         for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
             const int block = ks / 4;
             const unsigned col = (ks % 4) * 32;
             wgmma_ss<T, BLOCK_M>(acc, smem_descriptor(a_rows + block * Smem::kKVBlock + col, 0),
-                                 smem_descriptor(b_tile + block * Smem::kQBlock + col, 0), ks > 0);
+                                 smem_descriptor(b_tile + block * Smem::kQBlock + col, 0), ks > 0 || onto);
         }
     };
     // dQ's share of this consumer: queries dq_row0.. (64 of them) by all BLOCK_N keys times columns dq_col0.. (64
@@ -340,8 +340,17 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     // P^T = exp2(score - lse) computed while dP^T is in flight (not under the softcap, whose d score / d (scale
     // q.k) per element would have to be held from the first pass to the second, nor with 128-row steps in the
     // ordered form, which spills 20-36 bytes with the two groups, or under ALiBi, which spilled 128-136 bytes
-    // with them: ptxas of NVRTC 13.0, sm_90a; bench/NOTES.md session 41)
+    // with them, and 56-60 under a mask with the bias in S^T: ptxas of NVRTC 13.0, sm_90a; bench/NOTES.md
+    // sessions 41, 49)
     constexpr bool kDkAfterDq = kDqPasses == 1;
+    // ALiBi without the softcap or dropout, 128-row steps (kAlibiInS): S^T starts at each pair's bias in units of
+    // the scale (init_st), the products accumulate onto it, and the rest of the step is plain attention's
+    // (StepMod). On 64-row steps (head_dim 128 and 256), whose P^T is computed while dP^T runs, the bias beside
+    // it costs less than init_st before the step's first product: there S^T at the bias was 3-4% slower forward
+    // and backward (causal 8k, H100; bench/NOTES.md session 49).
+    constexpr bool kAlibiInS =
+        kTallSteps && (MODS & kModAlibi) != 0 && (MODS & (kModSoftcap | kModDropout)) == 0;
+    using StepMod = ScoreMod<kAlibiInS ? (MODS & ~kModAlibi) : MODS>;
     constexpr bool kSplitScores = (kDkAfterDq || HEAD_DIM == 256) && (MODS & kModSoftcap) == 0 &&
                                   !(kTallSteps && (kOrdered || (MODS & kModAlibi) != 0));
     // With the scores split, 64-row steps and no dropout (whose kept P would need its bits in the first pass),
@@ -351,15 +360,54 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     // fragments beside dP^T spill and serialize the wgmma (ptxas of NVRTC 13.0, sm_90a).
     constexpr bool kEarlyDv = kSplitScores && !kDropout && !kTallSteps;
     float st[kSq], dpt[kSq];
+    // kAlibiInS: S^T of step s (queries m0..) starts at each pair's bias in units of the scale, slope * log2(e) /
+    // scale_log2 (clamped to float's range: the plan takes ALiBi here only at scales of 2^-60 and more, as
+    // fwd_wgmma's S, _config.wgmma_takes_scale), so that P^T = exp2(S^T scale_log2 - lse2) as without ALiBi.
+    // Where the warp's 16 keys lie at or below the diagonal for all the step's queries (every tile of a causal
+    // walk but the diagonal's), |distance| is a key's count plus a query's, both >= 0 (no cancellation): one FMA
+    // an element with the query's count a constant. Elsewhere it is taken per element (an add and a multiply):
+    // a third branch, the tiles above the diagonal with the counts mirrored, spilled 4 bytes at head_dim 128
+    // (NVRTC 13.0, sm_90a). No row shift (fwd_wgmma's least_distance): P^T needs no max, and a row before the
+    // diagonal's start carries its least bias in its lse as well.
+    auto init_st = [&](int s, int m0) {
+        if constexpr (kAlibiInS) {
+            const int h = query_tiles.head(s, h_kv, group), diagonal = seq.diagonal, warp_key0 = key_wg0 + 16 * warp;
+            const float unit = fminf(
+                fmaxf(ScoreMod<MODS>::slope_log2_of(alibi_slopes, alibi_batch_stride, b, h) / scale_log2,
+                      -kFloatMax),
+                kFloatMax);
+            constexpr int kTiles = kSq / 4;   // n8 tiles of queries
+            if (m0 + diagonal >= warp_key0 + 15) {   // every distance >= 0: query 8 nb + 2 t + e % 2 less key
+                float key_bias[2];
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+                    key_bias[half] = unit * static_cast<float>(m0 + 2 * t + diagonal - key0 - 8 * half);
+#pragma unroll
+                for (int nb = 0; nb < kTiles; ++nb)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        st[4 * nb + e] = fmaf(unit, static_cast<float>(8 * nb + (e & 1)), key_bias[e / 2]);
+            } else {
+                const float distance0 = static_cast<float>(m0 + 2 * t + diagonal - key0);   // element 0's
+#pragma unroll
+                for (int nb = 0; nb < kTiles; ++nb)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        st[4 * nb + e] =
+                            unit * fabsf(distance0 + static_cast<float>(8 * nb + (e & 1) - 8 * (e / 2)));
+            }
+        }
+    };
     auto issue_scores = [&](int s) {
         const int stage = s % kBwdWgmmaStages;
         mbarrier_wait(q_full(stage), (s / kBwdWgmmaStages) & 1);
+        init_st(s, kRowFromStage ? *reinterpret_cast<volatile int*>(rows_s + stage) : query_tiles.row(s));
         pin_registers(st);
         pin_registers(dpt);
         wgmma_fence();
-        issue_rows_by_rows(st, k_rows, q_s + stage * Smem::kQStage);
+        issue_rows_by_rows(st, k_rows, q_s + stage * Smem::kQStage, kAlibiInS);
         if constexpr (kSplitScores) wgmma_commit();
-        issue_rows_by_rows(dpt, v_rows, do_s + stage * Smem::kQStage);
+        issue_rows_by_rows(dpt, v_rows, do_s + stage * Smem::kQStage, false);
         wgmma_commit();
     };
 
@@ -369,7 +417,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         const unsigned q_tile = q_s + stage * Smem::kQStage, do_tile = do_s + stage * Smem::kQStage;
         const float* lse_tile = stats_s + stage * 2 * BLOCK_M;
         const float* delta_tile = lse_tile + BLOCK_M;
-        const ScoreMod<MODS> mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
+        const StepMod mod(scale_log2, softcap_in, softcap_out, alibi_slopes, alibi_batch_stride, b, h);
         const Dropout<kDropout> dropout(dropout_seed, dropout_offset, dropout_threshold, b * heads + h);
         // P^T of st into A fragments (k16 step kk: n8 tiles 2 kk, 2 kk + 1, as the forward packs P)
         auto pack_p = [&](unsigned (&frag)[kPSteps][4]) {
