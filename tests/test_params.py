@@ -155,11 +155,11 @@ def test_a_kvcache_plan_names_every_field_once(lengths):
     assert args["seqlen_k_new"] == 1 and type(args["block_table_stride"]) is np.int64 and args["k_sb"] == 4
 
 
-@pytest.mark.skipif(_cupy_path._CNumpyArray is not None,
-                    reason="with CuPy the values are its own argument objects, which do not compare as numbers")
-def test_merge_arguments_follow_the_kernels_list():
+def test_merge_arguments_follow_the_kernels_list(monkeypatch):
     # merge_parts(outs, lses, out, lse, sinks, o_sb, o_ss, o_sh, parts, batch, seqlen_q, heads, head_dim): the
-    # trailing values after its five pointers, for a contiguous out of (batch, seqlen_q, heads, head_dim)
+    # trailing values after its five pointers, for a contiguous out of (batch, seqlen_q, heads, head_dim). With
+    # CuPy the values are its own argument objects, which do not compare as numbers: built here as without it.
+    monkeypatch.setattr(_cupy_path, "_CNumpyArray", None)
     args = _cupy_path._merge_args((2, 3, 4, 5), 7)
     assert args == (60, 20, 5, 7, 2, 3, 4, 5)
     assert [np.dtype(type(a)) for a in args] == [np.dtype(np.int64)] * 3 + [np.dtype(np.int32)] * 5
