@@ -1192,8 +1192,9 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
     tile with dropout (WGMMA_SPILLING_MODS; the covering set's modifiers without dropout take it already) and
     its tile for short query blocks (wgmma_forward_for_keys), and beside each backward the deterministic
     backward's own form where it has one (bwd_dkdv_wgmma's ordered form), and the Hopper backward with every
-    modifier but the softcap under each mask (without the softcap it takes another path). Not the cross product of
-    the modifiers: 16 combinations per kernel. The KV-cache forward likewise (contiguous and on the smallest pages,
+    modifier but the softcap under each mask (without the softcap it takes another path), and the Hopper forward
+    with ALiBi alone (its bias starts the scores). Not the cross product of the modifiers: 16 combinations per
+    kernel. The KV-cache forward likewise (contiguous and on the smallest pages,
     plain and under a window with every modifier), the packed-batch kernels (below) with the Hopper forward's
     varlen_order per mask kind, merge_parts and merge_into for each dtype and append_rotary for each dtype of
     the KV-cache forward."""
@@ -1252,6 +1253,15 @@ def all_specs(device: DeviceProps) -> list[KernelSpec]:
                     for spec in (cfg.bwd_dkdv_wgmma, ordered_dq_kernel(cfg)):
                         if spec is not None:
                             specs[spec.cache_key] = spec
+    # the Hopper forward with ALiBi alone, under each mask, dense and packed: its bias starts S (kAlibiInS,
+    # kernels/fwd_wgmma.cu), a path that the covering set's kernels with more modifiers do not take
+    if device.tensor_maps:
+        for d in HEAD_DIMS:
+            for mask in MASK_KINDS:
+                spec = wgmma_forward_spec(d, BFLOAT16, mask, device, MOD_ALIBI)
+                if spec is not None:
+                    for form in (spec, dataclasses.replace(spec, varlen=True)):
+                        specs[form.cache_key] = form
     if device.tensor_maps:   # the packed Hopper forward's tile for short causal query blocks (bfloat16)
         spec = wgmma_forward_spec(SWIZZLE_ELEMS, BFLOAT16, MASK_CAUSAL, device)
         if spec is not None:

@@ -65,10 +65,12 @@ def test_every_specialization_compiles(reports):
     # the Hopper forward (sm_90a) on sm_90 only: 4 head dims (64-column blocks) per plain (dtype, mask), the
     # modifiers with and without dropout (bfloat16, 2 masks), packed (bfloat16, 3 per head dim), the head_dim
     # 64 three-consumer tile with dropout (3), the head_dim 64 causal tile of short query blocks (2 dtypes, and
-    # packed in bfloat16), and the float8 form per float8 head dim and mask, plain and with every modifier but
-    # dropout, with its V^T transpose; its fallback is counted above
-    float8 = 2 * masks * len(_config.FLOAT8_HEAD_DIMS)
-    assert kernels["fwd_wgmma"] == (2 * masks * 4 + 2 * 2 * 4 + 3 * 4 + 3 + 2 + 1 + float8 if device.tensor_maps else 0)
+    # packed in bfloat16), ALiBi alone (its bias in S: bfloat16, per head dim and mask, dense and packed), and the
+    # float8 form per float8 head dim and mask, plain and with every modifier but dropout, with its V^T transpose;
+    # its fallback is counted above
+    float8, alibi = 2 * masks * len(_config.FLOAT8_HEAD_DIMS), 2 * masks * 4
+    assert kernels["fwd_wgmma"] == (2 * masks * 4 + 2 * 2 * 4 + 3 * 4 + 3 + 2 + 1 + alibi + float8
+                                    if device.tensor_maps else 0)
     assert kernels["transpose_v_float8"] == (len(_config.FLOAT8_HEAD_DIMS) if device.tensor_maps else 0)
     # the Hopper dK/dV kernel at head dims 64, 128 and 256: each half dtype and mask, the modifiers with and
     # without dropout (bfloat16, 2 masks), every modifier but the softcap with and without dropout (bfloat16, each

@@ -268,14 +268,16 @@ def test_all_specs_are_distinct_and_cover_the_table():
     # dim: plain, and windowed with every modifier with and without dropout); its head_dim 64 three-consumer
     # tile with dropout (every modifier but the softcap: no mask and a window, and packed under a window), where
     # all modifiers take two consumers and all but dropout three; the causal head_dim 64 tile for short query blocks
-    # (two consumers, each 16-bit dtype, and packed in bfloat16)
+    # (two consumers, each 16-bit dtype, and packed in bfloat16); ALiBi alone (its bias in S) per head dim and mask,
+    # dense and packed
     hopper = [s for s in specs if s.kernel == "fwd_wgmma" and s.dtype != _config.FLOAT8_E4M3]
-    assert sum(not s.varlen for s in hopper) == 2 * masks * 4 + 2 * 2 * 4 + 2 + 2
+    assert sum(not s.varlen for s in hopper) == 2 * masks * 4 + 2 * 2 * 4 + 2 + 2 + masks * 4
     # its float8 form per float8 head dim and mask, plain and with every modifier but dropout, and the V^T transpose
     float8 = [s for s in specs if s.dtype == _config.FLOAT8_E4M3 and s.kernel != "append_rotary" and not s.kvcache]
     assert collections.Counter(s.kernel for s in float8) == {"fwd_wgmma": 2 * masks * len(_config.FLOAT8_HEAD_DIMS),
                                                             "transpose_v_float8": len(_config.FLOAT8_HEAD_DIMS)}
-    assert sum(s.varlen for s in hopper) == 3 * 4 + 1 + 1
+    assert sum(s.varlen for s in hopper) == 3 * 4 + 1 + 1 + masks * 4
+    assert sum(s.mods == _config.MOD_ALIBI for s in hopper) == 2 * masks * 4
     fitting = _config.ALL_MODS & ~_config.MOD_SOFTCAP
     tiles_64 = {s.mods: s.block_m for s in hopper if s.head_dim == 64 and not s.varlen}
     assert (tiles_64[fitting], tiles_64[_config.ALL_MODS & ~_config.MOD_DROPOUT], tiles_64[_config.ALL_MODS]) == (
