@@ -247,6 +247,17 @@ def _hopper_inputs(cp, rng, shape, alibi: bool, sinks: bool):
     return q, k, v, slopes, sink
 
 
+def _hopper_and_fallback_forward(p, fallback_device, q, k, v, *run_args):
+    """(out, lse) of the Hopper forward and of the mma.sync forward it falls back to, for checked parameters
+    ``p``, as float32 NumPy; ``run_args``: the ALiBi slopes, sinks, seed and offset, as far as given."""
+    hopper = _cupy_path.ForwardPlan(p, 0, q, k, v)
+    assert hopper.maps is not None, q.shape
+    fallback = _config.choose_config(p.head_dim, q.dtype, p.mask_kind, fallback_device, p.mods).forward
+    got = hopper.run(q, k, v, *run_args)
+    want = _cupy_path.ForwardPlan(p, 0, q, k, v, spec=fallback).run(q, k, v, *run_args)
+    return [(to_numpy(out).astype(np.float32), to_numpy(lse)) for out, lse in (got, want)]
+
+
 def test_the_hopper_forward_matches_its_fallback(cp, rng):
     # fwd_wgmma (TMA, wgmma) against the mma.sync forward it falls back to, on awkward shapes with every feature
     # it takes (dropout draws the same mask in both); and an array no tensor map can describe runs the fallback
@@ -272,16 +283,11 @@ def test_the_hopper_forward_matches_its_fallback(cp, rng):
     for shape, causal, window, softcap, alibi, sinks, dropout_p in cases:
         q, k, v, slopes, sink = _hopper_inputs(cp, rng, shape, alibi, sinks)
         p = _validate.check_forward(q, k, v, causal, None, window, softcap, slopes, sink, dropout_p)
-        hopper = _cupy_path.ForwardPlan(p, 0, q, k, v)
-        assert hopper.maps is not None, shape
-        fallback = _config.choose_config(p.head_dim, q.dtype, p.mask_kind, fallback_device, p.mods).forward
         seed, offset = int(rng.integers(2**63)), int(rng.integers(2**31))
-        out, lse = hopper.run(q, k, v, slopes, sink, seed, offset)
-        want, want_lse = _cupy_path.ForwardPlan(p, 0, q, k, v, spec=fallback).run(q, k, v, slopes, sink, seed,
-                                                                                   offset)
-        out, want = to_numpy(out).astype(np.float32), to_numpy(want).astype(np.float32)
+        (out, lse), (want, want_lse) = _hopper_and_fallback_forward(p, fallback_device, q, k, v, slopes, sink,
+                                                                    seed, offset)
         assert np.abs(out - want).max() <= 2e-2 * np.abs(want).max(), shape
-        assert np.allclose(to_numpy(lse), to_numpy(want_lse), atol=1e-3, equal_nan=False), shape
+        assert np.allclose(lse, want_lse, atol=1e-3, equal_nan=False), shape
     # heads 68 elements apart: 136 bytes, no 16-byte multiple
     wide = cp.asarray(rng.standard_normal((1, 64, 2, 68), dtype=np.float32).astype(BF16))
     q = k = v = wide[..., :64]
@@ -309,14 +315,9 @@ def test_the_hopper_forward_keeps_steep_alibi_slopes_exact(cp, rng):
     for shape, causal, window in cases:
         q, k, v, _, _ = _hopper_inputs(cp, rng, shape, False, False)
         p = _validate.check_forward(q, k, v, causal, None, window, 0.0, slopes)
-        hopper = _cupy_path.ForwardPlan(p, 0, q, k, v)
-        assert hopper.maps is not None, shape
-        fallback = _config.choose_config(p.head_dim, q.dtype, p.mask_kind, fallback_device, p.mods).forward
-        out, lse = hopper.run(q, k, v, slopes)
-        want, want_lse = _cupy_path.ForwardPlan(p, 0, q, k, v, spec=fallback).run(q, k, v, slopes)
-        out, want = to_numpy(out).astype(np.float32), to_numpy(want).astype(np.float32)
+        (out, lse), (want, want_lse) = _hopper_and_fallback_forward(p, fallback_device, q, k, v, slopes)
         assert np.abs(out - want).max() <= 2e-2 * np.abs(want).max(), shape
-        assert np.allclose(to_numpy(lse), to_numpy(want_lse), rtol=1e-6, atol=1e-3), shape
+        assert np.allclose(lse, want_lse, rtol=1e-6, atol=1e-3), shape
 
 
 def test_the_persistent_grid_leaves_its_counters_zeroed(cp, rng):

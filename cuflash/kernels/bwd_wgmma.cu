@@ -360,22 +360,20 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     // fragments beside dP^T spill and serialize the wgmma (ptxas of NVRTC 13.0, sm_90a).
     constexpr bool kEarlyDv = kSplitScores && !kDropout && !kTallSteps;
     float st[kSq], dpt[kSq];
-    // kAlibiInS: S^T of step s (queries m0..) starts at each pair's bias in units of the scale, slope * log2(e) /
-    // scale_log2 (clamped to float's range: the plan takes ALiBi here only at scales of 2^-60 and more, as
-    // fwd_wgmma's S, _config.wgmma_takes_scale), so that P^T = exp2(S^T scale_log2 - lse2) as without ALiBi.
-    // Where the warp's 16 keys lie at or below the diagonal for all the step's queries (every tile of a causal
-    // walk but the diagonal's), |distance| is a key's count plus a query's, both >= 0 (no cancellation): one FMA
-    // an element with the query's count a constant. Elsewhere it is taken per element (an add and a multiply):
-    // a third branch, the tiles above the diagonal with the counts mirrored, spilled 4 bytes at head_dim 128
-    // (NVRTC 13.0, sm_90a). No row shift (fwd_wgmma's least_distance): P^T needs no max, and a row before the
-    // diagonal's start carries its least bias in its lse as well.
-    auto init_st = [&](int s, int m0) {
+    // kAlibiInS: S^T of a step of head h (queries m0..) starts at each pair's bias in units of the scale, slope *
+    // log2(e) / scale_log2 (ScoreMod::alibi_unit_of, clamped to float's range: the plan takes ALiBi here only at scales
+    // of 2^-60 and more, as fwd_wgmma's S, _config.wgmma_takes_scale), so that P^T = exp2(S^T scale_log2 - lse2) as
+    // without ALiBi. Where the warp's 16 keys lie at or below the diagonal for all the step's queries (every tile of a
+    // causal walk but the diagonal's), |distance| is a key's count plus a query's, both >= 0 (no cancellation): one FMA
+    // an element with the query's count a constant. Elsewhere it is taken per element (an add and a multiply): a third
+    // branch, the tiles above the diagonal with the counts mirrored, spilled 4 bytes at head_dim 128 (NVRTC 13.0,
+    // sm_90a). No row shift (fwd_wgmma's least_distance): P^T needs no max, and a row before the diagonal's start
+    // carries its least bias in its lse as well.
+    auto init_st = [&](int h, int m0) {
         if constexpr (kAlibiInS) {
-            const int h = query_tiles.head(s, h_kv, group), diagonal = seq.diagonal, warp_key0 = key_wg0 + 16 * warp;
-            const float unit = fminf(
-                fmaxf(ScoreMod<MODS>::slope_log2_of(alibi_slopes, alibi_batch_stride, b, h) / scale_log2,
-                      -kFloatMax),
-                kFloatMax);
+            const int diagonal = seq.diagonal, warp_key0 = key_wg0 + 16 * warp;
+            const float unit = ScoreMod<MODS>::alibi_unit_of(
+                ScoreMod<MODS>::slope_log2_of(alibi_slopes, alibi_batch_stride, b, h), scale_log2);
             constexpr int kTiles = kSq / 4;   // n8 tiles of queries
             if (m0 + diagonal >= warp_key0 + 15) {   // every distance >= 0: query 8 nb + 2 t + e % 2 less key
                 float key_bias[2];
@@ -398,10 +396,10 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
             }
         }
     };
-    auto issue_scores = [&](int s) {
+    auto issue_scores = [&](int s, int h) {
         const int stage = s % kBwdWgmmaStages;
         mbarrier_wait(q_full(stage), (s / kBwdWgmmaStages) & 1);
-        init_st(s, kRowFromStage ? *reinterpret_cast<volatile int*>(rows_s + stage) : query_tiles.row(s));
+        init_st(h, kRowFromStage ? *reinterpret_cast<volatile int*>(rows_s + stage) : query_tiles.row(s));
         pin_registers(st);
         pin_registers(dpt);
         wgmma_fence();
@@ -435,7 +433,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
                 wgmma_rs<T, kCols>(dv_acc, frag[kk],
                                    smem_descriptor(do_tile + col_block0 + kk * 16 * kSwizzleRowBytes, Smem::kQBlock), 1);
         };
-        issue_scores(s);
+        issue_scores(s, h);
         // the step's first query row (kRowFromStage: from the stage, filled once issue_scores(s) has waited for it)
         const int m0 = kRowFromStage ? *reinterpret_cast<volatile int*>(rows_s + stage) : query_tiles.row(s);
         if constexpr (kSplitScores) {

@@ -193,6 +193,11 @@ template <int MODS, bool EXACT = false> struct ScoreMod {
                                                           int h) {
         return -alibi_slopes[b * alibi_batch_stride + h] * kLog2e;
     }
+    // ALiBi's bias per unit of distance in units of `factor` (the score's base-2 scale): slope_log2 / factor,
+    // clamped to float's range. A kernel whose products accumulate onto the bias takes it (kAlibiInS).
+    static __device__ __forceinline__ float alibi_unit_of(float slope_log2, float factor) {
+        return fminf(fmaxf(slope_log2 / factor, -kFloatMax), kFloatMax);
+    }
     __device__ __forceinline__ float alibi(int row, int key, int diagonal) const {
         return alibi_at(static_cast<float>(row + diagonal - key));
     }
