@@ -559,13 +559,17 @@ def wgmma_forward_spec(head_dim: int, dtype, mask: int, device: DeviceProps, mod
     return wgmma_spec(dtype, d, mask, block_m, block_n, mods, device)
 
 
-#: the float8 forward's tiles (fwd_wgmma of e4m3) per head dim, (block_m, block_n): a key tile is one row of V^T,
-#: 128 or 64 bytes with that swizzle, and at head_dim 64 Q's and K's rows are 64 bytes too. Its S, P (a quarter of
-#: S's registers) and O must fit the consumers' registers beside each other: 64 x (block_n + block_n / 4 +
-#: head_dim) / 128 per thread, 232 for two consumers, 160 for three. head_dim 64: three consumers, as the 16-bit
-#: forward (112 registers); 128: two (144); 256: two on 64-key tiles (168; the 128-key tile's 208 spills and
-#: serializes the wgmma). ptxas (NVRTC 13, sm_90a): no spill under every mask and modifier.
-FLOAT8_TILES = {64: (192, 128), 128: (128, 128), 256: (128, 64)}
+#: the float8 forward's tiles (fwd_wgmma of e4m3) per head dim, (block_m, block_n): a key tile is a row of V^T in
+#: boxes of 128 or 64 bytes with that swizzle (wgmma_row_bytes), and at head_dim 64 Q's and K's rows are 64 bytes
+#: too. Its S, P (a quarter of S's registers) and O must fit the consumers' registers beside each other: 64 x
+#: (block_n + block_n / 4 + head_dim) / 128 per thread, 232 for two consumers, 160 for three. head_dim 64: three
+#: consumers, as the 16-bit forward (112 registers); 128: two on 192-key tiles (184; 256 keys, 224, spill 160-276
+#: bytes and serialize the wgmma); 256: two on 64-key tiles (168; the 128-key tile's 208 spills and serializes the
+#: wgmma). ptxas (NVRTC 13, sm_90a): no spill under every mask and modifier.
+FLOAT8_TILES = {64: (192, 128), 128: (128, 192), 256: (128, 64)}
+#: the float8 tiles under a window where they differ: head_dim 128's 192-key tile with every modifier spilled 164
+#: bytes there
+FLOAT8_WINDOW_TILES = {128: (128, 128)}
 FLOAT8_HEAD_DIMS = tuple(FLOAT8_TILES)
 #: transpose_v_float8's threads (its __launch_bounds__) and the keys of its blocks (``kTransposeKeys``): V^T's
 #: keys are padded to a multiple of them
@@ -580,15 +584,19 @@ def float8_forward_spec(head_dim: int, mask: int, device: DeviceProps, mods: int
     if (device.compute_capability != 90 or not device.tensor_maps or head_dim not in FLOAT8_HEAD_DIMS
             or mods & MOD_DROPOUT or varlen):
         return None
-    return wgmma_spec(FLOAT8_E4M3, head_dim, mask, *FLOAT8_TILES[head_dim], mods, device)
+    tiles = FLOAT8_WINDOW_TILES.get(head_dim) if mask == MASK_WINDOW else None
+    return wgmma_spec(FLOAT8_E4M3, head_dim, mask, *(tiles or FLOAT8_TILES[head_dim]), mods, device)
 
 
 def wgmma_row_bytes(spec: KernelSpec) -> tuple[int, int, int]:
     """The bytes of a box row of fwd_wgmma's maps of q, k and v, each its swizzle's (128 or 64): q's and k's
     ``WgmmaFwdSmem::kRowBytes``, the 128-byte swizzle's row or a shorter row's whole (float8 at head_dim 64); v's
-    the 128-byte row of 16-bit V, or a key tile of float8's V^T (block_n keys of a head_dim row)."""
+    the 128-byte row of 16-bit V, or a box of float8's V^T (``kVRowBytes`` keys of a head_dim row: 128 where they
+    divide the key tile, else 64; a key tile takes block_n / that boxes)."""
     qk = min(SWIZZLE_BYTES, spec.head_dim * np.dtype(spec.dtype).itemsize)
-    return qk, qk, spec.block_n if np.dtype(spec.dtype) == FLOAT8_E4M3 else SWIZZLE_BYTES
+    if np.dtype(spec.dtype) != FLOAT8_E4M3:
+        return qk, qk, SWIZZLE_BYTES
+    return qk, qk, SWIZZLE_BYTES if spec.block_n % SWIZZLE_BYTES == 0 else SWIZZLE_BYTES // 2
 
 
 def float8_transpose_spec(head_dim: int) -> KernelSpec:

@@ -6,6 +6,8 @@ rounded to e4m3 and q.k summed as Hopper's e4m3 tensor cores sum it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -310,7 +312,7 @@ def test_the_float8_kernel_is_planned_where_it_serves():
         return Problem(2, 1000, 1000, 8, 2, head_dim, E4M3, causal, head_dim**-0.5, -1, 0 if causal else -1, 0,
                        dropout_p=dropout_p, out_dtype=BF16, descale_shapes=((2, 2),) * 3)
 
-    for head_dim, tile in ((64, "192, 128"), (128, "128, 128"), (256, "128, 64")):
+    for head_dim, tile in ((64, "192, 128"), (128, "128, 192"), (256, "128, 64")):
         launch = _plan.forward(problem(head_dim), _config.H100)
         assert launch.spec.kernel == "fwd_wgmma" and launch.spec.dtype == E4M3 and launch.spec.head_dim == head_dim
         assert launch.spec.name.startswith(f"cuflash::fwd_wgmma<__nv_fp8_e4m3, {head_dim}, 1, 0, {tile}")
@@ -318,9 +320,14 @@ def test_the_float8_kernel_is_planned_where_it_serves():
         # head, batch)
         assert launch.transpose.spec.name == f"cuflash::transpose_v_float8<{head_dim}>"
         assert launch.transpose_shape == (2, 2, head_dim, 1024) and launch.transpose.grid == (8, 2, 2)
-        # the maps' box rows: 64 bytes where a row of q and k (head_dim 64) or a key tile of V^T (64 keys) is
-        assert _config.wgmma_row_bytes(launch.spec) == ((64, 64, 128) if head_dim == 64 else
-                                                        (128, 128, 64) if head_dim == 256 else (128, 128, 128))
+        # the maps' box rows: 64 bytes where a row of q and k (head_dim 64) is, and V^T's boxes of 64 keys where
+        # 128 do not divide the key tile (64 or 192 keys)
+        assert _config.wgmma_row_bytes(launch.spec) == ((64, 64, 128) if head_dim == 64 else (128, 128, 64))
+    # under a window head_dim 128 keeps 128-key tiles (one box of V^T's a tile)
+    windowed = dataclasses.replace(problem(128), window_left=100)
+    launch = _plan.forward(windowed, _config.H100)
+    assert (launch.spec.block_m, launch.spec.block_n) == (128, 128)
+    assert _config.wgmma_row_bytes(launch.spec) == (128, 128, 128)
     with pytest.raises(TypeError, match="compute capability 9.0"):
         _plan.forward(problem(), _config.A100)
     with pytest.raises(TypeError, match=r"head_dim in \(64, 128, 256\) \(got 96\)"):

@@ -19,7 +19,7 @@ WIDTHS = (64, 96, 128, 192, 256)
 #: (C type, PTX type, K of one instruction): 32 bytes of K per row for every type
 TYPES = (("__nv_bfloat16", "bf16", 16), ("__half", "f16", 16))
 #: float8 e4m3 (the float8 forward): both operands K-major (8-bit wgmma takes no transposed operand), S of key
-#: tiles of 128 and 64, O of head dims 64, 128 and 256
+#: tiles of 64, 128 and 192, O of head dims 64, 128 and 256
 FLOAT8_TYPES = (("__nv_fp8_e4m3", "e4m3", 32),)
 
 
@@ -44,7 +44,7 @@ FLOAT8_FORMS = {
 }
 #: the widths of each form: every N for ss and rs, the backward's dQ product for ss_mn
 FORM_WIDTHS = {"wgmma_ss": WIDTHS, "wgmma_ss_mn": (64,), "wgmma_rs": WIDTHS}
-FLOAT8_FORM_WIDTHS = {"wgmma_ss": (64, 128), "wgmma_rs_k": (64, 128, 256)}
+FLOAT8_FORM_WIDTHS = {"wgmma_ss": (64, 128, 192, 256), "wgmma_rs_k": (64, 128, 256)}
 
 
 def _wrapper(ctype: str, ptx: str, k: int, n: int, name: str, forms: dict) -> list[str]:

@@ -64,8 +64,9 @@ template <int BLOCK_M> struct WgmmaRoles {
 
 // fwd_wgmma's shared memory, bytes: Q [HEAD_DIM / E][BLOCK_M rows][E], then K stages and V stages, each
 // [HEAD_DIM / E][BLOCK_N rows][E] (E = kRowElems, a row of kRowBytes: 128, or the 64 of float8 at head_dim 64;
-// swizzled blocks as TMA writes them: hopper.cuh), a float8 V stage V^T [HEAD_DIM rows][BLOCK_N keys] (the same
-// bytes; rows of BLOCK_N bytes, 128 or 64, with that swizzle), then the mbarriers: q_full, q_empty,
+// swizzled blocks as TMA writes them: hopper.cuh), a float8 V stage V^T [BLOCK_N / R][HEAD_DIM rows][R keys] (the
+// same bytes; R = kVRowBytes, 128 where it divides BLOCK_N, else 64: a swizzled box row holds at most 128 bytes;
+// rows of R bytes with that swizzle), then the mbarriers: q_full, q_empty,
 // k_full[stages], v_full[stages], k_empty[stages], v_empty[stages], item_full[2], item_empty[2]; then the two
 // work-item slots (unsigned) the producer hands the consumers. kBytes is what the launch gives it
 // (_config.wgmma_smem_bytes), kRowBytes and kVRowBytes the widths of the boxes of the maps of q and k, and of v
@@ -75,7 +76,9 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct WgmmaFwdSme
                                          ? HEAD_DIM * static_cast<int>(sizeof(T)) : kSwizzleRowBytes;
     static constexpr int kRowElems = kRowBytes / static_cast<int>(sizeof(T));
     static constexpr int kColBlocks = HEAD_DIM / kRowElems;
-    static constexpr int kVRowBytes = kFloat8<T> ? BLOCK_N : kSwizzleRowBytes;   // V^T's rows: a key tile
+    // V^T's rows: keys of a key tile, in chunks of kVChunk bytes (float8)
+    static constexpr int kVRowBytes = !kFloat8<T> ? kSwizzleRowBytes : BLOCK_N % 128 == 0 ? 128 : 64;
+    static constexpr int kVChunk = HEAD_DIM * kVRowBytes;
     static constexpr int kQBlock = BLOCK_M * kRowBytes;        // one [BLOCK_M][E] column block of Q
     static constexpr int kKVBlock = BLOCK_N * kRowBytes;       // one [BLOCK_N][E] block of K or V
     static constexpr int kKVStage = kColBlocks * kKVBlock;
@@ -83,6 +86,7 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct WgmmaFwdSme
     static constexpr int kBarriers = kV + kWgmmaStages * kKVStage, kBarrierCount = 2 + 4 * kWgmmaStages + 4;
     static constexpr int kItemSlots = kBarriers + 8 * kBarrierCount;
     static constexpr int kBytes = kItemSlots + 2 * 4;
+    static_assert(!kFloat8<T> || BLOCK_N / kVRowBytes * kVChunk == kKVStage, "a V^T stage holds the key tile");
 };
 
 template <typename T, int HEAD_DIM, int MASK, int MODS, int BLOCK_M, int BLOCK_N, bool VARLEN>
@@ -92,9 +96,9 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
           CUFLASH_PARAMS(CUFLASH_FWD_FIELDS)) {
     static_assert(sizeof(T) == 2 || kFloat8<T>, "wgmma runs float16, bfloat16 and float8 e4m3");
     // float8: V comes transposed, V^T (batch, heads_kv, head_dim, keys) with the keys of each 32 in the order of
-    // P's A fragments (transpose_v_float8, below); a key tile is one swizzled row of it, 128 or 64 bytes
-    static_assert(!kFloat8<T> || ((BLOCK_N == 128 || BLOCK_N == 64) && !VARLEN && (MODS & kModDropout) == 0),
-                  "float8: key tiles of 128 or 64, dense batches, no dropout");
+    // P's A fragments (transpose_v_float8, below); a key tile is a swizzled row of it, in boxes of kVRowBytes keys
+    static_assert(!kFloat8<T> || (BLOCK_N % 64 == 0 && BLOCK_N <= 256 && !VARLEN && (MODS & kModDropout) == 0),
+                  "float8: key tiles of 64-key multiples up to 256, dense batches, no dropout");
     using Roles = WgmmaRoles<BLOCK_M>;
     static_assert(BLOCK_M % 64 == 0 && Roles::kConsumers >= 2 && Roles::kConsumers <= 3,
                   "two or three consumer warpgroups of 64 rows");
@@ -209,9 +213,11 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
                                     c * Smem::kRowElems, h_kv, row, batch_coord);
                     if (kv_loads >= kWgmmaStages) mbarrier_wait(v_empty(stage), refill_phase);
                     mbarrier_expect_bytes(v_full(stage), Smem::kKVStage);
-                    if constexpr (kFloat8<T>)   // V^T's box (its map: keys, kv heads, head_dim rows, batch): the
-                        // tile's BLOCK_N keys of every head_dim row
-                        tma_load_4d(v_s + stage * Smem::kKVStage, v_map, v_full(stage), row, h_kv, 0, batch_coord);
+                    if constexpr (kFloat8<T>)   // V^T's boxes (its map: keys, kv heads, head_dim rows, batch):
+                        // kVRowBytes of the tile's keys of every head_dim row each
+                        for (int c = 0; c < BLOCK_N / Smem::kVRowBytes; ++c)
+                            tma_load_4d(v_s + stage * Smem::kKVStage + c * Smem::kVChunk, v_map, v_full(stage),
+                                        row + c * Smem::kVRowBytes, h_kv, 0, batch_coord);
                     else
                         for (int c = 0; c < Smem::kColBlocks; ++c)
                             tma_load_4d(v_s + stage * Smem::kKVStage + c * Smem::kKVBlock, v_map, v_full(stage),
@@ -295,9 +301,11 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kPSteps; ++kk) {
-            if constexpr (kFloat8<T>)   // V^T K-major: k step kk is bytes 32 kk.. of each head_dim row
+            if constexpr (kFloat8<T>)   // V^T K-major: k step kk is keys 32 kk.. of each head_dim row (its chunk's)
                 wgmma_rs_k<T, HEAD_DIM>(
-                    o, p[kk], smem_descriptor<Smem::kVRowBytes>(v_s + stage * Smem::kKVStage + kk * 32, 0), 1);
+                    o, p[kk],
+                    smem_descriptor<Smem::kVRowBytes>(v_s + stage * Smem::kKVStage + 32 * kk / Smem::kVRowBytes *
+                                                      Smem::kVChunk + 32 * kk % Smem::kVRowBytes, 0), 1);
             else
                 wgmma_rs<T, HEAD_DIM>(
                     o, p[kk], smem_descriptor(v_s + stage * Smem::kKVStage + kk * 16 * kSwizzleRowBytes, Smem::kKVBlock),
@@ -769,8 +777,8 @@ fwd_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ TmaMap k
 // The float8 forward's V^T: vt (batch, heads_kv, HEAD_DIM, keys_padded), e4m3 bytes, from v (batch, seqlen_k,
 // heads_kv, HEAD_DIM; element strides v_sb, v_ss, v_sh, rows 16-byte aligned). Within each 32 keys, column
 // 16 h + 4 t + i holds the key that P's A fragment has there (pack_p): 16 h + 2 t + i for i < 2, 16 h + 8 + 2 t +
-// i - 2 for i >= 2. Keys past seqlen_k are zeros (keys_padded, a multiple of kTransposeKeys and so of the key
-// tiles, is what the TMA boxes read). A block per (kTransposeKeys keys, kv head, batch) turns the tile through
+// i - 2 for i >= 2. Keys past seqlen_k are zeros (keys_padded, a multiple of kTransposeKeys, is the extent of the
+// TMA boxes' map, which reads zeros past it). A block per (kTransposeKeys keys, kv head, batch) turns the tile through
 // shared memory: 16-byte reads of key rows, stored as words in rows of HEAD_DIM + 4 bytes (an odd count of words:
 // rows 16 apart fall 16 banks apart), the word index XORed with 4 (key / 32 % 4) (so the 8 rows 16 keys apart that
 // a warp reads fall in 8 distinct groups of 4 banks); then per unit of 4 head_dim rows by 16 keys, 16 word reads, a
