@@ -339,9 +339,10 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
     // and added while dK runs. There and at head_dim 256, S^T and dP^T are two groups,
     // P^T = exp2(score - lse) computed while dP^T is in flight (not under the softcap, whose d score / d (scale
     // q.k) per element would have to be held from the first pass to the second, nor with 128-row steps in the
-    // ordered form, which spills 20-36 bytes with the two groups, or under ALiBi, which spilled 128-136 bytes
-    // with them, and 56-60 under a mask with the bias in S^T: ptxas of NVRTC 13.0, sm_90a; bench/NOTES.md
-    // sessions 41, 49)
+    // ordered form, which spills 20-36 bytes with the two groups, or under ALiBi added to finished scores, which
+    // spilled 128-136 bytes with them: ptxas of NVRTC 13.0, sm_90a; bench/NOTES.md sessions 41, 49). With ALiBi's
+    // bias in S^T (kAlibiInS) they are split: 44-48 bytes spill under a mask, and the step is still 2-3% faster
+    // forward+backward at head_dim 64 (causal 2k-8k, H100; session 51).
     constexpr bool kDkAfterDq = kDqPasses == 1;
     // ALiBi without the softcap or dropout, 128-row steps (kAlibiInS): S^T starts at each pair's bias in units of
     // the scale (init_st), the products accumulate onto it, and the rest of the step is plain attention's
@@ -352,7 +353,7 @@ bwd_dkdv_wgmma(const __grid_constant__ TmaMap q_map, const __grid_constant__ Tma
         kTallSteps && (MODS & kModAlibi) != 0 && (MODS & (kModSoftcap | kModDropout)) == 0;
     using StepMod = ScoreMod<kAlibiInS ? (MODS & ~kModAlibi) : MODS>;
     constexpr bool kSplitScores = (kDkAfterDq || HEAD_DIM == 256) && (MODS & kModSoftcap) == 0 &&
-                                  !(kTallSteps && (kOrdered || (MODS & kModAlibi) != 0));
+                                  !(kTallSteps && (kOrdered || ((MODS & kModAlibi) != 0 && !kAlibiInS)));
     // With the scores split, 64-row steps and no dropout (whose kept P would need its bits in the first pass),
     // dV += P^T dO is issued as soon as P^T is packed, before the wait for dP^T: the wait then follows an issue
     // that needs P^T, so ptxas computes P^T while dP^T is in flight (otherwise it moves the wait above that
