@@ -44,7 +44,7 @@ FLOAT8_FORMS = {
 }
 #: the widths of each form: every N for ss and rs, the backward's dQ product for ss_mn
 FORM_WIDTHS = {"wgmma_ss": WIDTHS, "wgmma_ss_mn": (64,), "wgmma_rs": WIDTHS}
-FLOAT8_FORM_WIDTHS = {"wgmma_ss": (64, 128, 192, 256), "wgmma_rs_k": (64, 128, 256)}
+FLOAT8_FORM_WIDTHS = {"wgmma_ss": (64, 128, 192), "wgmma_rs_k": (64, 128, 256)}
 
 
 def _wrapper(ctype: str, ptx: str, k: int, n: int, name: str, forms: dict) -> list[str]:
