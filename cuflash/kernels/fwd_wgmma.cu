@@ -76,8 +76,10 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N> struct WgmmaFwdSme
                                          ? HEAD_DIM * static_cast<int>(sizeof(T)) : kSwizzleRowBytes;
     static constexpr int kRowElems = kRowBytes / static_cast<int>(sizeof(T));
     static constexpr int kColBlocks = HEAD_DIM / kRowElems;
-    // V^T's rows: keys of a key tile, in chunks of kVChunk bytes (float8)
-    static constexpr int kVRowBytes = !kFloat8<T> ? kSwizzleRowBytes : BLOCK_N % 128 == 0 ? 128 : 64;
+    // a V box row: 16-bit V's 128 bytes; float8's V^T, kVRowBytes keys of a head_dim row (the widest swizzle that
+    // divides the key tile), a box of every head_dim row taking kVChunk bytes
+    static constexpr int kVRowBytes = !kFloat8<T> || BLOCK_N % kSwizzleRowBytes == 0 ? kSwizzleRowBytes
+                                                                                     : kSwizzleRowBytes / 2;
     static constexpr int kVChunk = HEAD_DIM * kVRowBytes;
     static constexpr int kQBlock = BLOCK_M * kRowBytes;        // one [BLOCK_M][E] column block of Q
     static constexpr int kKVBlock = BLOCK_N * kRowBytes;       // one [BLOCK_N][E] block of K or V
