@@ -11,9 +11,10 @@ kernels a first call of each feature compiles. No GPU needed.
   beside the compile check's covering set (``_config.all_specs``).
 - **Cost.** For each feature the kernels of a first forward and forward+backward call (``_plan``'s launches at
   batch 2, ``--seqlen``, 16 heads, ``--head-dim``, bfloat16, causal; the KV cache: one query against the
-  cache; float8: the forward and its V transpose), and of them the ones plain causal attention's call has not compiled already.
-  Each is compiled alone, as the GPU path compiles it (one NVRTC program per kernel, to the device's code:
-  sm_90a for the Hopper kernels), and timed: seconds of this host's NVRTC, which a GPU's host pays the same.
+  cache; float8: the forward and its V transpose), and of them the ones plain causal attention's call has not
+  compiled already. Each is compiled alone, as the GPU path compiles it (one NVRTC program per kernel, to the
+  device's code: sm_90a for the Hopper kernels), and timed: seconds of this host's NVRTC, which a GPU's host
+  pays the same.
 """
 
 from __future__ import annotations
