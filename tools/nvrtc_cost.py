@@ -26,8 +26,6 @@ import json
 import sys
 import time
 
-import numpy as np
-
 from cuflash import _compile, _config, _plan
 from cuflash._validate import CacheProblem, Problem
 
