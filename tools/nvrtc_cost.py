@@ -20,6 +20,7 @@ kernels a first call of each feature compiles. No GPU needed.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import itertools
 import json
@@ -63,9 +64,8 @@ def every_spec(device: _config.DeviceProps) -> dict[tuple, _config.KernelSpec]:
         for head_dim, mask, mods in itertools.product(_config.FLOAT8_HEAD_DIMS, _config.MASK_KINDS, cache_mods):
             put(_config.float8_forward_spec(head_dim, mask, device, mods), _config.float8_transpose_spec(head_dim))
         put(*(_config.varlen_order_spec(mask) for mask in _config.MASK_KINDS))
-    for dtype in _config.SUPPORTED_DTYPES:
-        put(*(_config.KernelSpec(kernel, dtype, threads=_config.MERGE_WARPS * 32)
-              for kernel in ("merge_parts", "merge_into")))
+    for dtype in _config.SUPPORTED_DTYPES:   # the merge kernels as _plan launches them (their spec alone counts)
+        put(_plan.merge(1, 1, 1, dtype).spec, _plan.merge_into(1, 1, 1, dtype).spec)
     put(*(_config.KernelSpec("append_rotary", dtype, threads=_config.APPEND_WARPS * 32)
           for dtype in _config.KVCACHE_DTYPES))
     return specs
@@ -91,9 +91,9 @@ def feature_specs(device, head_dim: int, seqlen: int) -> dict[str, tuple[list, l
     found = {}
     for name, (fields, deterministic, packed) in FEATURES.items():
         p = dataclasses.replace(base, **fields)
-        fwd = _plan.forward(p, device, packed=packed, total_q=p.batch * seqlen if packed else None,
-                            total_k=p.batch * seqlen if packed else None)
-        bwd = _plan.backward(p, device, deterministic, total_q=p.batch * seqlen if packed else None)
+        total = p.batch * seqlen if packed else None   # a packed batch's rows and keys: every sequence full
+        fwd = _plan.forward(p, device, packed=packed, total_q=total, total_k=total)
+        bwd = _plan.backward(p, device, deterministic, total_q=total)
         found[name] = ([launch.spec for launch in (fwd.order, fwd) if launch is not None],
                        [launch.spec for launch in (bwd.preprocess, *bwd.dkdv, bwd.dq)])
     cache = CacheProblem(attn=dataclasses.replace(base, batch=8, seqlen_q=1, heads_kv=4), page_size=0, num_pages=0,
@@ -127,8 +127,7 @@ def main(argv=None) -> int:
     for arch in args.arch:
         device = DEVICES[arch]
         every, covering = every_spec(device), _config.all_specs(device)
-        kernels = sorted({spec.kernel for spec in every.values()})
-        by_kernel = {k: sum(spec.kernel == k for spec in every.values()) for k in kernels}
+        by_kernel = dict(sorted(collections.Counter(spec.kernel for spec in every.values()).items()))
         print(f"\n{arch}: {len(every)} specializations the dispatcher can choose; the compile check compiles "
               f"{len(covering)}")
         print("  " + ", ".join(f"{k} {n}" for k, n in by_kernel.items()))
