@@ -29,8 +29,7 @@ from ab_probe import load_tree  # noqa: E402
 
 from bench.decode import DECODE_HEAD_DIM, DecodeInputs, gpu_ms, make_call  # noqa: E402
 from bench.records import Shape  # noqa: E402
-
-FLUSH_BYTES = 256 << 20   # more than the L2 of any GPU the plan knows
+from bench.timing import L2_FLUSH_BYTES  # noqa: E402
 
 
 def parse_shape(text: str) -> Shape:
@@ -66,10 +65,10 @@ def main():
     trees = {path: load_tree(f"cuflash_tree{i}", path) for i, path in enumerate(args.trees.split(","))}
     splits = [int(s) for s in args.splits.split(",")]
     peers = [p for p in args.peers.split(",") if p and p != "none"]
-    flush_buffer = cp.empty(FLUSH_BYTES, cp.uint8)
+    flush_buffer = cp.empty(L2_FLUSH_BYTES, cp.uint8)
 
     def flush():
-        flush_buffer.fill(1)
+        flush_buffer.fill(0)
 
     start = time.perf_counter()
     us: dict[tuple[str, str], list[float]] = {}
